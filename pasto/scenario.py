@@ -1,0 +1,548 @@
+"""Simulation scenarios: loading and validating the scenario JSON format.
+
+A scenario describes a synthetic problem for the Monte-Carlo simulator (``pasto.simulate``)::
+
+    {
+      "name": "setup-a",
+      "description": "free text",
+      "metrics": ["x", "y"],
+      "objective": {"primary": "x",
+                    "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
+      "arms": {"means": [[2.0, 0.0], [-2.0, 2.0]]},
+      "noise": {"kind": "gaussian", "std": 2.236},
+      "queries_per_round": 1,
+      "rounds": 2000,
+      "runs": 1000,
+      "seed": 0,
+      "checkpoints": [100, 500, 1000, 2000],
+      "drift": {"at_round": 1000, "means": [[0.0, 2.0], [2.0, -2.0]]},
+      "delay_rounds": 0
+    }
+
+Keys and their meaning:
+
+``metrics``
+    Metric names. Row ``m`` of every M x K matrix belongs to ``metrics[m]``.
+``objective``
+    ``{"primary": ..., "guardrails": [...]}``, passed to ``pasto.objectives.Objective.from_spec``.
+    Arms are named ``"0"``, ``"1"``, ... so a relative guardrail may say ``"relative_to": "0"``.
+``arms``
+    Either ``{"means": M x K list}`` (fixed true means), or
+    ``{"count": K, "means": {"uniform": [low, high]}}`` (every entry drawn i.i.d. uniform, afresh
+    for every run).
+``noise``
+    Additive noise on every observed metric value. ``std`` is a number, or a list with one std per
+    metric. ``kind`` is one of
+
+    - ``gaussian``: N(0, std^2).
+    - ``student_t``: Student t with ``df`` > 2 degrees of freedom, rescaled so that its standard
+      deviation is ``std`` (heavier tails at the same variance).
+    - ``lognormal``: a centred log-normal, ``std * (exp(Z) - e^(1/2)) / sqrt(e (e - 1))`` with Z
+      standard normal: additive (not multiplicative) noise with mean 0 and standard deviation
+      ``std``, right-skewed like dwell times and revenue (skewness about 6.2).
+``queries_per_round``
+    Q: how many user groups are assigned an arm (drawn from p_t) in each round; each group yields
+    one observation of every metric.
+``rounds``, ``runs``, ``seed``
+    Horizon T, Monte-Carlo runs and the seed of all randomness.
+``checkpoints``
+    Rounds (1-based, increasing, at most ``rounds``) at which results are reported. Defaults to
+    ``[rounds]``.
+``drift`` (optional)
+    ``{"at_round": t, "means": ...}``: from round t (1-based) on, observations come from these means
+    (same two forms as ``arms.means``); the reported objective uses the means in force.
+``delay_rounds`` (optional, default 0)
+    d: observations of round t reach the controller when round t + d closes.
+
+Every problem is reported as a ``ValueError`` that names the offending key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "NOISE_KINDS",
+    "MeansSpec",
+    "Noise",
+    "Drift",
+    "Scenario",
+    "load_scenario",
+    "scenario_from_dict",
+    "packaged_scenarios",
+]
+
+NOISE_KINDS = ("gaussian", "student_t", "lognormal")
+
+_TOP_LEVEL_REQUIRED = ("name", "metrics", "objective", "arms", "noise", "rounds")
+_TOP_LEVEL_OPTIONAL = (
+    "description",
+    "queries_per_round",
+    "runs",
+    "seed",
+    "checkpoints",
+    "drift",
+    "delay_rounds",
+)
+_DEFAULT_RUNS = 100
+
+
+@dataclass(frozen=True)
+class MeansSpec:
+    """True arm means: a fixed M x K matrix, or i.i.d. uniform entries drawn afresh per run.
+
+    Attributes
+    ----------
+    fixed : tuple of tuples of float, or None
+        The M x K means when they are fixed (row m = metric m).
+    uniform : tuple of (float, float) or None
+        ``(low, high)`` when every entry is drawn uniformly per run.
+    n_arms : int
+        K.
+    """
+
+    fixed: tuple[tuple[float, ...], ...] | None
+    uniform: tuple[float, float] | None
+    n_arms: int
+
+    def draw(self, rng: np.random.Generator, n_metrics: int, runs: int) -> np.ndarray:
+        """Return the true means: ``(M, K)`` when fixed, ``(runs, M, K)`` drawn afresh per run."""
+        if self.fixed is not None:
+            return np.array(self.fixed, dtype=np.float64)
+        low, high = self.uniform
+        return rng.uniform(low, high, size=(runs, n_metrics, self.n_arms))
+
+    def to_json(self) -> Any:
+        if self.fixed is not None:
+            return [list(row) for row in self.fixed]
+        return {"uniform": list(self.uniform)}
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Additive observation noise.
+
+    Attributes
+    ----------
+    kind : str
+        One of ``NOISE_KINDS``.
+    std : tuple of float
+        Standard deviation per metric (length M).
+    df : float or None
+        Degrees of freedom (``student_t`` only).
+    """
+
+    kind: str
+    std: tuple[float, ...]
+    df: float | None = None
+
+    def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        """Draw zero-mean noise of ``shape`` whose last axis is the metric axis (length M)."""
+        if self.kind == "gaussian":
+            standard = rng.standard_normal(shape)
+        elif self.kind == "student_t":
+            standard = rng.standard_t(self.df, shape) * math.sqrt((self.df - 2.0) / self.df)
+        else:
+            standard = (np.exp(rng.standard_normal(shape)) - math.exp(0.5)) / math.sqrt(
+                math.e * (math.e - 1.0)
+            )
+        return standard * np.asarray(self.std)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A switch of the true means at round ``at_round`` (1-based)."""
+
+    at_round: int
+    means: MeansSpec
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A validated scenario. Build one with ``load_scenario`` or ``scenario_from_dict``."""
+
+    name: str
+    description: str
+    metrics: tuple[str, ...]
+    objective_spec: dict = field(hash=False)
+    means: MeansSpec
+    noise: Noise
+    queries_per_round: int
+    rounds: int
+    runs: int
+    seed: int
+    checkpoints: tuple[int, ...]
+    drift: Drift | None = None
+    delay_rounds: int = 0
+
+    @property
+    def n_metrics(self) -> int:
+        return len(self.metrics)
+
+    @property
+    def n_arms(self) -> int:
+        return self.means.n_arms
+
+    @property
+    def arm_names(self) -> tuple[str, ...]:
+        return tuple(str(k) for k in range(self.n_arms))
+
+    @property
+    def fixed_means(self) -> bool:
+        """True when the true means are the same in every run (before and after any drift)."""
+        return self.means.fixed is not None and (
+            self.drift is None or self.drift.means.fixed is not None
+        )
+
+    def objective(self):
+        """The scenario's ``pasto.objectives.Objective``."""
+        from pasto.objectives import Objective
+
+        return Objective.from_spec(list(self.metrics), self.objective_spec, list(self.arm_names))
+
+    def with_overrides(
+        self,
+        *,
+        runs: int | None = None,
+        rounds: int | None = None,
+        seed: int | None = None,
+        noise_std: float | None = None,
+    ) -> "Scenario":
+        """Return a copy with the given settings replaced, validated like a scenario file.
+
+        Checkpoints beyond a shortened horizon are dropped and the last round is always reported.
+        """
+        data = self.to_dict()
+        if runs is not None:
+            data["runs"] = runs
+        if seed is not None:
+            data["seed"] = seed
+        if noise_std is not None:
+            data["noise"]["std"] = noise_std
+        if rounds is not None:
+            data["rounds"] = rounds
+            kept = [c for c in data["checkpoints"] if isinstance(c, int) and c < rounds]
+            data["checkpoints"] = kept + [rounds]
+        return scenario_from_dict(data)
+
+    def to_dict(self) -> dict:
+        """The scenario in its JSON form (``scenario_from_dict(s.to_dict()) == s``)."""
+        if self.means.fixed is not None:
+            arms = {"means": self.means.to_json()}
+        else:
+            arms = {"count": self.n_arms, "means": self.means.to_json()}
+        std = self.noise.std
+        noise: dict[str, Any] = {
+            "kind": self.noise.kind,
+            "std": std[0] if len(set(std)) == 1 else list(std),
+        }
+        if self.noise.df is not None:
+            noise["df"] = self.noise.df
+        data: dict[str, Any] = {
+            "name": self.name,
+            "description": self.description,
+            "metrics": list(self.metrics),
+            "objective": json.loads(json.dumps(self.objective_spec)),
+            "arms": arms,
+            "noise": noise,
+            "queries_per_round": self.queries_per_round,
+            "rounds": self.rounds,
+            "runs": self.runs,
+            "seed": self.seed,
+            "checkpoints": list(self.checkpoints),
+        }
+        if self.drift is not None:
+            data["drift"] = {"at_round": self.drift.at_round, "means": self.drift.means.to_json()}
+        if self.delay_rounds:
+            data["delay_rounds"] = self.delay_rounds
+        return data
+
+
+def packaged_scenarios() -> list[str]:
+    """Names of the scenarios shipped with pasto (usable by name in ``load_scenario``)."""
+    folder = resources.files("pasto") / "scenarios"
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """Load and validate a scenario from a file path or by the name of a packaged scenario.
+
+    Parameters
+    ----------
+    name_or_path : str or Path
+        A path to a JSON file, or a packaged name such as ``"setup-a"`` (``.json`` optional).
+
+    Raises
+    ------
+    ValueError
+        If the file is missing, is not JSON, or fails validation (the message names the key).
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        source = str(path)
+    else:
+        name = path.name[: -len(".json")] if path.name.endswith(".json") else path.name
+        packaged = packaged_scenarios()
+        if str(name_or_path) not in (name, name + ".json") or name not in packaged:
+            raise ValueError(
+                f"No scenario file {str(name_or_path)!r} and no packaged scenario of that name; "
+                f"packaged scenarios: {', '.join(packaged)}."
+            )
+        text = (resources.files("pasto") / "scenarios" / f"{name}.json").read_text(encoding="utf-8")
+        source = f"packaged scenario {name!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"The scenario in {source} is not valid JSON: {error}.") from None
+    return scenario_from_dict(data)
+
+
+def scenario_from_dict(data: Any) -> Scenario:
+    """Validate a parsed scenario document and return a ``Scenario``.
+
+    Raises
+    ------
+    ValueError
+        Naming the first offending key, e.g. ``"arms.means has 3 rows but metrics names 2
+        metrics."``.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"A scenario must be a JSON object, not {_describe(data)}.")
+    _check_keys(data, "scenario", _TOP_LEVEL_REQUIRED, _TOP_LEVEL_OPTIONAL)
+
+    name = data["name"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, not {_describe(name)}.")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise ValueError(f"description must be a string, not {_describe(description)}.")
+
+    metrics = _metric_names(data["metrics"])
+    rounds = _integer(data["rounds"], "rounds", minimum=1)
+    means = _means(data["arms"], "arms", len(metrics), n_arms=None)
+    noise = _noise(data["noise"], len(metrics))
+    queries = _integer(data.get("queries_per_round", 1), "queries_per_round", minimum=1)
+    runs = _integer(data.get("runs", _DEFAULT_RUNS), "runs", minimum=1)
+    seed = _integer(data.get("seed", 0), "seed", minimum=0)
+    checkpoints = _checkpoints(data.get("checkpoints", [rounds]), rounds)
+    drift = None
+    if "drift" in data:
+        drift = _drift(data["drift"], len(metrics), means.n_arms)
+    delay = _integer(data.get("delay_rounds", 0), "delay_rounds", minimum=0)
+    if delay >= rounds:
+        raise ValueError(
+            f"delay_rounds is {delay} but the scenario has only {rounds} rounds; "
+            "no observation would ever reach the controller."
+        )
+
+    objective_spec = data["objective"]
+    if not isinstance(objective_spec, dict):
+        raise ValueError(f"objective must be an object, not {_describe(objective_spec)}.")
+    _check_keys(objective_spec, "objective", ("primary",), ("guardrails",))
+    guardrails = objective_spec.get("guardrails", [])
+    if not isinstance(guardrails, list):
+        raise ValueError(f"objective.guardrails must be a list, not {_describe(guardrails)}.")
+    for index, guardrail in enumerate(guardrails):
+        where = f"objective.guardrails[{index}]"
+        if not isinstance(guardrail, dict):
+            raise ValueError(f"{where} must be an object, not {_describe(guardrail)}.")
+        _check_keys(guardrail, where, ("metric", "threshold", "penalty"), ("relative_to",))
+
+    scenario = Scenario(
+        name=name,
+        description=description,
+        metrics=metrics,
+        objective_spec=json.loads(json.dumps(objective_spec)),
+        means=means,
+        noise=noise,
+        queries_per_round=queries,
+        rounds=rounds,
+        runs=runs,
+        seed=seed,
+        checkpoints=checkpoints,
+        drift=drift,
+        delay_rounds=delay,
+    )
+    try:
+        scenario.objective()
+    except ValueError as error:
+        raise ValueError(f"objective: {error}") from None
+    return scenario
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, list):
+        return f"a list of {len(value)} entries"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _check_keys(data: dict, where: str, required: tuple, optional: tuple) -> None:
+    allowed = required + optional
+    for key in data:
+        if key not in allowed:
+            prefix = "" if where == "scenario" else f"{where}."
+            raise ValueError(
+                f"Unknown key {prefix}{key} in {where}; allowed keys are {', '.join(allowed)}."
+            )
+    for key in required:
+        if key not in data:
+            prefix = "" if where == "scenario" else f"{where}."
+            raise ValueError(f"Missing required key {prefix}{key} in {where}.")
+
+
+def _integer(value: Any, key: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, not {_describe(value)}.")
+    if value < minimum:
+        raise ValueError(f"{key} must be at least {minimum}, not {value}.")
+    return value
+
+
+def _number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key} must be a finite number, not {_describe(value)}.")
+    return float(value)
+
+
+def _metric_names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"metrics must be a non-empty list of names, not {_describe(value)}.")
+    for index, name in enumerate(value):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"metrics[{index}] must be a non-empty string, not {_describe(name)}.")
+    if len(set(value)) != len(value):
+        duplicate = next(name for name in value if value.count(name) > 1)
+        raise ValueError(f"metrics names {duplicate!r} more than once.")
+    return tuple(value)
+
+
+def _means(value: Any, where: str, n_metrics: int, n_arms: int | None) -> MeansSpec:
+    """Parse ``arms`` (``where == "arms"``) or ``drift`` (already unwrapped to its means)."""
+    if where == "arms":
+        if not isinstance(value, dict):
+            raise ValueError(f"arms must be an object, not {_describe(value)}.")
+        _check_keys(value, "arms", ("means",), ("count",))
+        count = None
+        if "count" in value:
+            count = _integer(value["count"], "arms.count", minimum=2)
+        means = value["means"]
+        key = "arms.means"
+    else:
+        count = n_arms
+        means = value
+        key = f"{where}.means"
+
+    if isinstance(means, dict):
+        _check_keys(means, key, ("uniform",), ())
+        bounds = means["uniform"]
+        if not isinstance(bounds, list) or len(bounds) != 2:
+            raise ValueError(f"{key}.uniform must be a list [low, high], not {_describe(bounds)}.")
+        low = _number(bounds[0], f"{key}.uniform[0]")
+        high = _number(bounds[1], f"{key}.uniform[1]")
+        if not low < high:
+            raise ValueError(f"{key}.uniform must have low < high, not [{low}, {high}].")
+        if count is None:
+            raise ValueError(f"arms.count is required when {key} is drawn from a distribution.")
+        return MeansSpec(fixed=None, uniform=(low, high), n_arms=count)
+
+    if not isinstance(means, list):
+        raise ValueError(
+            f"{key} must be an M x K list of numbers or {{\"uniform\": [low, high]}}, "
+            f"not {_describe(means)}."
+        )
+    if len(means) != n_metrics:
+        raise ValueError(
+            f"{key} has {len(means)} rows but metrics names {n_metrics} metrics."
+        )
+    for row_index, row in enumerate(means):
+        if not isinstance(row, list):
+            raise ValueError(f"{key}[{row_index}] must be a list, not {_describe(row)}.")
+        if len(row) != len(means[0]):
+            raise ValueError(
+                f"{key}[{row_index}] has {len(row)} entries but {key}[0] has {len(means[0])}."
+            )
+        for arm_index, entry in enumerate(row):
+            _number(entry, f"{key}[{row_index}][{arm_index}]")
+    width = len(means[0])
+    if width < 2:
+        raise ValueError(f"{key} has {width} column(s); a mixture needs at least 2 arms.")
+    if count is not None and count != width:
+        if where == "arms":
+            raise ValueError(f"arms.count is {count} but arms.means has {width} columns.")
+        raise ValueError(f"{key} has {width} columns but arms has {count} arms.")
+    fixed = tuple(tuple(float(entry) for entry in row) for row in means)
+    return MeansSpec(fixed=fixed, uniform=None, n_arms=width)
+
+
+def _noise(value: Any, n_metrics: int) -> Noise:
+    if not isinstance(value, dict):
+        raise ValueError(f"noise must be an object, not {_describe(value)}.")
+    _check_keys(value, "noise", ("kind", "std"), ("df",))
+    kind = value["kind"]
+    if kind not in NOISE_KINDS:
+        raise ValueError(f"noise.kind must be one of {', '.join(NOISE_KINDS)}, not {_describe(kind)}.")
+    std_value = value["std"]
+    if isinstance(std_value, list):
+        if len(std_value) != n_metrics:
+            raise ValueError(
+                f"noise.std has {len(std_value)} entries but metrics names {n_metrics} metrics."
+            )
+        std = tuple(_number(s, f"noise.std[{i}]") for i, s in enumerate(std_value))
+    else:
+        std = (_number(std_value, "noise.std"),) * n_metrics
+    if min(std) < 0:
+        raise ValueError(f"noise.std must be non-negative, not {std_value}.")
+    df = None
+    if kind == "student_t":
+        if "df" not in value:
+            raise ValueError("noise.df is required when noise.kind is student_t.")
+        df = _number(value["df"], "noise.df")
+        if df <= 2:
+            raise ValueError(
+                f"noise.df must be greater than 2 (finite variance), not {value['df']}."
+            )
+    elif "df" in value:
+        raise ValueError(f"noise.df only applies to noise.kind student_t, not {kind}.")
+    return Noise(kind=kind, std=std, df=df)
+
+
+def _checkpoints(value: Any, rounds: int) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"checkpoints must be a non-empty list of rounds, not {_describe(value)}.")
+    previous = 0
+    for index, checkpoint in enumerate(value):
+        _integer(checkpoint, f"checkpoints[{index}]", minimum=1)
+        if checkpoint <= previous:
+            raise ValueError(f"checkpoints must be strictly increasing; checkpoints[{index}] is {checkpoint}.")
+        if checkpoint > rounds:
+            raise ValueError(f"checkpoints[{index}] is {checkpoint}, beyond rounds ({rounds}).")
+        previous = checkpoint
+    return tuple(value)
+
+
+def _drift(value: Any, n_metrics: int, n_arms: int) -> Drift:
+    if not isinstance(value, dict):
+        raise ValueError(f"drift must be an object, not {_describe(value)}.")
+    _check_keys(value, "drift", ("at_round", "means"), ())
+    at_round = _integer(value["at_round"], "drift.at_round", minimum=2)
+    means = _means(value["means"], "drift", n_metrics, n_arms)
+    return Drift(at_round=at_round, means=means)
+

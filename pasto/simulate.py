@@ -1,0 +1,397 @@
+"""Vectorised Monte-Carlo simulator: many independent runs of a controller on a scenario at once.
+
+All runs advance together; every array carries the runs as its leading batch dimension, so one
+round of R runs is a handful of numpy operations, not R Python iterations. Each round:
+
+1. p_t = ``state.probabilities`` (R, K);
+2. Q queries per run draw arms i ~ p_t by inverse CDF; each observes all M metrics,
+   ``means[:, i] + noise``;
+3. the round's ``Statistics`` (counts, sums, sums of squares per metric and arm) are queued; with
+   ``delay_rounds = d`` the statistics of round t reach the controller when round t + d closes,
+   together with the p they were sampled with (the logged propensities);
+4. ``update`` closes the round with what arrived and the pooled statistics of everything so far;
+5. the deployed mixture p_hat_t = ``state.deployed`` is scored under the true means in force.
+
+Reported per checkpoint: f(mu p_hat_t), the relative gain
+r = (f(mu p_hat_t) - f_single*) / (f_mix* - f_single*) (runs whose gap is below 1e-9 are excluded
+and counted), and the mean cumulative regret sum_{s <= t} (f_mix*(s) - f(mu_s p_s)) of the mixtures
+actually served.
+
+Randomness: ``SeedSequence(seed)`` is split into one stream for the true means and one for the
+simulation, so every algorithm sees the same true means for the same seed, and the same seed gives
+identical results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pasto import baselines
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+from pasto.scenario import Scenario
+
+__all__ = [
+    "ALGORITHMS",
+    "GAP_TOLERANCE",
+    "Policy",
+    "References",
+    "SimulationResult",
+    "make_policy",
+    "draw_means",
+    "reference_values",
+    "sample_arms",
+    "round_statistics",
+    "simulate",
+    "format_table",
+]
+
+ALGORITHMS = ("paper", "default", "scgd", "thompson")
+GAP_TOLERANCE = 1e-9
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A controller the simulator can run: a name, its configuration and the two contract functions.
+
+    ``initial(config, n_arms, n_metrics, batch_shape)`` and ``step(config, objective, state,
+    round_statistics, pooled_statistics, propensities, rng)`` follow ``pasto.algorithm``'s
+    ``initial_state`` / ``update`` (with an ``rng`` for baselines that randomise).
+    """
+
+    name: str
+    config: Any
+    initial: Callable[..., Any] = field(repr=False)
+    step: Callable[..., Any] = field(repr=False)
+
+    def initial_state(self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = ()):
+        return self.initial(self.config, n_arms, n_metrics, batch_shape)
+
+    def update(self, objective, state, round_statistics, pooled_statistics, propensities, rng):
+        return self.step(
+            self.config, objective, state, round_statistics, pooled_statistics, propensities, rng
+        )
+
+    def config_dict(self) -> dict[str, Any]:
+        return self.config.to_dict()
+
+
+def _algorithm_update(config, objective, state, round_statistics, pooled_statistics, propensities, rng):
+    from pasto import algorithm
+
+    del rng
+    return algorithm.update(config, objective, state, round_statistics, pooled_statistics, propensities)
+
+
+def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
+    """The controller called ``name`` (one of ``ALGORITHMS``) with configuration ``overrides``.
+
+    ``paper`` and ``default`` are the presets of ``pasto.algorithm.AlgorithmConfig``; ``scgd`` and
+    ``thompson`` are the baselines of ``pasto.baselines``. An override naming an unknown setting is a
+    ``ValueError`` naming it.
+    """
+    overrides = dict(overrides or {})
+    if name in ("paper", "default"):
+        from pasto import algorithm
+
+        names = {f.name for f in dataclasses.fields(algorithm.AlgorithmConfig)}
+        for key in overrides:
+            if key not in names:
+                raise ValueError(
+                    f"Unknown algorithm setting {key!r}; the settings are {', '.join(sorted(names))}."
+                )
+        config = algorithm.AlgorithmConfig.from_preset(name, **overrides)
+        return Policy(name, config, algorithm.initial_state, _algorithm_update)
+    if name == "scgd":
+        config = baselines.ScgdConfig.from_dict(overrides)
+        return Policy(name, config, baselines.scgd_initial_state, baselines.scgd_update)
+    if name == "thompson":
+        config = baselines.ThompsonConfig.from_dict(overrides)
+        return Policy(name, config, baselines.thompson_initial_state, baselines.thompson_update)
+    raise ValueError(f"Unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}.")
+
+
+# --------------------------------------------------------------------------- true means and optima
+
+
+@dataclass(frozen=True)
+class References:
+    """Optimal values under the true means, per run, for each regime (before / after a drift).
+
+    Attributes
+    ----------
+    best_single : ndarray, shape (regimes, R)
+        f_single*: f of the best single arm.
+    best_mixture : ndarray, shape (regimes, R)
+        f_mix*: f of the best mixture (never below ``best_single``).
+    """
+
+    best_single: np.ndarray
+    best_mixture: np.ndarray
+
+
+def draw_means(scenario: Scenario, runs: int) -> list[np.ndarray]:
+    """The true means of each regime: ``[before]`` or ``[before, after drift]``.
+
+    Each is ``(M, K)`` when fixed or ``(runs, M, K)`` when drawn per run; drawn from the seed's
+    dedicated stream, so they do not depend on the algorithm.
+    """
+    means_seed, _ = np.random.SeedSequence(scenario.seed).spawn(2)
+    rng = np.random.default_rng(means_seed)
+    regimes = [scenario.means.draw(rng, scenario.n_metrics, runs)]
+    if scenario.drift is not None:
+        regimes.append(scenario.drift.means.draw(rng, scenario.n_metrics, runs))
+    return regimes
+
+
+def reference_values(objective: Objective, regimes: list[np.ndarray], runs: int) -> References:
+    """f_single* and f_mix* per run and regime (``pasto.optimum.best_mixture`` once per distinct means)."""
+    from pasto.optimum import best_mixture
+
+    singles, mixtures = [], []
+    for means in regimes:
+        _, single = baselines.best_single_arm(objective, means)
+        _, mixture = best_mixture(objective, means)
+        single = np.broadcast_to(np.asarray(single, dtype=float), (runs,))
+        mixture = np.broadcast_to(np.asarray(mixture, dtype=float), (runs,))
+        singles.append(single)
+        # The solver may stop a hair below a vertex that is optimal; a single arm is a mixture.
+        mixtures.append(np.maximum(mixture, single))
+    return References(np.stack(singles), np.stack(mixtures))
+
+
+# --------------------------------------------------------------------------- one round
+
+
+def sample_arms(rng: np.random.Generator, probabilities: np.ndarray, queries: int) -> np.ndarray:
+    """Draw ``queries`` arms per run from ``probabilities`` (R, K) by inverse CDF; returns (R, Q).
+
+    All runs are searched at once: run r's CDF is shifted by r so that the R CDFs form one sorted
+    array.
+    """
+    runs, n_arms = probabilities.shape
+    cumulative = np.cumsum(probabilities, axis=1)
+    cumulative /= cumulative[:, -1:]
+    offsets = np.arange(runs, dtype=float)[:, None]
+    positions = np.searchsorted((cumulative + offsets).ravel(), (rng.random((runs, queries)) + offsets).ravel(), side="right")
+    arms = positions.reshape(runs, queries) - np.arange(runs)[:, None] * n_arms
+    # u + r can round up to r + 1, which lands one past the run's last arm.
+    return np.minimum(arms, n_arms - 1)
+
+
+def round_statistics(arms: np.ndarray, values: np.ndarray, n_arms: int) -> Statistics:
+    """Statistics of one round: ``arms`` (R, Q) and ``values`` (R, Q, M) -> arrays (R, M, K)."""
+    runs, queries, n_metrics = values.shape
+    run_index = np.arange(runs)[:, None, None]
+    metric_index = np.arange(n_metrics)[None, None, :]
+    flat = ((run_index * n_metrics + metric_index) * n_arms + arms[:, :, None]).ravel()
+    size = runs * n_metrics * n_arms
+    shape = (runs, n_metrics, n_arms)
+    counts = np.bincount(flat, minlength=size).reshape(shape).astype(float)
+    sums = np.bincount(flat, weights=values.ravel(), minlength=size).reshape(shape)
+    squares = np.bincount(flat, weights=(values**2).ravel(), minlength=size).reshape(shape)
+    return Statistics(counts, sums, squares)
+
+
+def _observe(rng, scenario: Scenario, means: np.ndarray, arms: np.ndarray) -> np.ndarray:
+    """Observed values (R, Q, M) of the chosen arms under ``means`` (M, K) or (R, M, K)."""
+    if means.ndim == 2:
+        expected = np.moveaxis(means[:, arms], 0, -1)
+    else:
+        expected = np.swapaxes(np.take_along_axis(means, arms[:, None, :], axis=2), 1, 2)
+    return expected + scenario.noise.sample(rng, expected.shape)
+
+
+def _mixture_values(objective: Objective, means: np.ndarray, thresholds, probabilities) -> np.ndarray:
+    if means.ndim == 2:
+        x = probabilities @ means.T
+    else:
+        x = np.einsum("rmk,rk->rm", means, probabilities)
+    return objective.value(x, thresholds)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _summary(values: np.ndarray) -> dict[str, float | None]:
+    if values.size == 0:
+        return {"mean": None, "median": None, "p25": None, "p75": None}
+    p25, median, p75 = np.percentile(values, [25, 50, 75])
+    return {"mean": float(values.mean()), "median": float(median), "p25": float(p25), "p75": float(p75)}
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """What ``simulate`` measured.
+
+    Attributes
+    ----------
+    summary : dict
+        The JSON document (see ``to_json``).
+    deployed_values : ndarray, shape (T, R)
+        f(mu p_hat_t) per round and run.
+    relative_gains : ndarray, shape (T, R)
+        r per round and run (nan where the run is excluded).
+    """
+
+    summary: dict[str, Any]
+    deployed_values: np.ndarray = field(repr=False)
+    relative_gains: np.ndarray = field(repr=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.summary, indent=2)
+
+
+def simulate(
+    scenario: Scenario,
+    policy: Policy,
+    *,
+    references: References | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimulationResult:
+    """Run ``scenario.runs`` independent runs of ``policy`` for ``scenario.rounds`` rounds at once.
+
+    Parameters
+    ----------
+    scenario : Scenario
+    policy : Policy
+        From ``make_policy``.
+    references : References, optional
+        Precomputed ``reference_values`` for this scenario's seed and runs (the optimum is solved
+        per run when means are drawn, which is worth sharing between algorithms).
+    progress : callable, optional
+        Called as ``progress(rounds_done, rounds)`` after every round.
+
+    Returns
+    -------
+    SimulationResult
+    """
+    runs, rounds, queries = scenario.runs, scenario.rounds, scenario.queries_per_round
+    n_metrics, n_arms = scenario.n_metrics, scenario.n_arms
+    objective = scenario.objective()
+    regimes = draw_means(scenario, runs)
+    if references is None:
+        references = reference_values(objective, regimes, runs)
+    thresholds = [objective.thresholds(means) for means in regimes]
+    drift_round = scenario.drift.at_round if scenario.drift is not None else rounds + 1
+
+    _, simulation_seed = np.random.SeedSequence(scenario.seed).spawn(2)
+    rng = np.random.default_rng(simulation_seed)
+    state = policy.initial_state(n_arms, n_metrics, (runs,))
+    pooled = Statistics.zeros(n_metrics, n_arms, (runs,))
+    empty = Statistics.zeros(n_metrics, n_arms, (runs,))
+    in_flight: deque[tuple[Statistics, np.ndarray]] = deque()
+
+    deployed_values = np.empty((rounds, runs))
+    regret = np.zeros(runs)
+    checkpoint_regret = {}
+    checkpoints = set(scenario.checkpoints)
+    for round_number in range(1, rounds + 1):
+        regime = 0 if round_number < drift_round else 1
+        means = regimes[regime]
+        served = state.probabilities
+        arms = sample_arms(rng, served, queries)
+        values = _observe(rng, scenario, means, arms)
+        in_flight.append((round_statistics(arms, values, n_arms), served))
+        if len(in_flight) > scenario.delay_rounds:
+            arrived, propensities = in_flight.popleft()
+            pooled = pooled + arrived
+        else:
+            arrived, propensities = empty, served
+        state = policy.update(objective, state, arrived, pooled, propensities, rng)
+
+        regret += references.best_mixture[regime] - _mixture_values(objective, means, thresholds[regime], served)
+        deployed_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], state.deployed)
+        if round_number in checkpoints:
+            checkpoint_regret[round_number] = regret.mean()
+        if progress is not None:
+            progress(round_number, rounds)
+
+    regime_by_round = (np.arange(1, rounds + 1) >= drift_round).astype(int)
+    single = references.best_single[regime_by_round]
+    gap = references.best_mixture[regime_by_round] - single
+    included = gap >= GAP_TOLERANCE
+    relative_gains = np.where(included, (deployed_values - single) / np.where(included, gap, 1.0), np.nan)
+
+    rows = []
+    for checkpoint in scenario.checkpoints:
+        index = checkpoint - 1
+        mask = included[index]
+        gains = _summary(relative_gains[index][mask])
+        gains["excluded"] = int(runs - mask.sum())
+        rows.append(
+            {
+                "round": checkpoint,
+                "objective": _summary(deployed_values[index]),
+                "relative_gain": gains,
+                "cumulative_regret": {"mean": float(checkpoint_regret[checkpoint])},
+            }
+        )
+    summary: dict[str, Any] = {
+        "scenario": scenario.name,
+        "algorithm": policy.name,
+        "config": policy.config_dict(),
+        "runs": runs,
+        "rounds": rounds,
+        "seed": scenario.seed,
+        "noise": {"kind": scenario.noise.kind, "std": list(scenario.noise.std)},
+        "checkpoints": rows,
+    }
+    for regime, means in enumerate(regimes):
+        if means.ndim == 2:
+            suffix = "" if regime == 0 else "_after_drift"
+            summary["best_single" + suffix] = float(references.best_single[regime][0])
+            summary["best_mixture" + suffix] = float(references.best_mixture[regime][0])
+    return SimulationResult(summary, deployed_values, relative_gains)
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def _cell(value: float | None, width: int, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-".rjust(width)
+    return f"{value:{width}.{digits}f}"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The result document as a plain-text table (what ``pasto simulate`` prints)."""
+    lines = [
+        f"scenario {summary['scenario']}  algorithm {summary['algorithm']}  "
+        f"runs {summary['runs']}  rounds {summary['rounds']}  seed {summary['seed']}"
+    ]
+    if "best_mixture" in summary:
+        line = f"best single arm f = {summary['best_single']:.4f}   best mixture f = {summary['best_mixture']:.4f}"
+        if "best_mixture_after_drift" in summary:
+            line += (
+                f"   (after drift: {summary['best_single_after_drift']:.4f} / "
+                f"{summary['best_mixture_after_drift']:.4f})"
+            )
+        lines.append(line)
+    header = (
+        f"{'round':>6} | {'objective':>9} {'median':>8} {'p25':>8} {'p75':>8} | "
+        f"{'rel.gain':>9} {'median':>8} {'p25':>8} {'p75':>8} {'excl.':>5} | {'cum.regret':>10}"
+    )
+    lines += [header, "-" * len(header)]
+    for row in summary["checkpoints"]:
+        objective, gain = row["objective"], row["relative_gain"]
+        lines.append(
+            f"{row['round']:>6} | {_cell(objective['mean'], 9)} {_cell(objective['median'], 8)} "
+            f"{_cell(objective['p25'], 8)} {_cell(objective['p75'], 8)} | "
+            f"{_cell(gain['mean'], 9)} {_cell(gain['median'], 8)} {_cell(gain['p25'], 8)} "
+            f"{_cell(gain['p75'], 8)} {gain['excluded']:>5} | {_cell(row['cumulative_regret']['mean'], 10, 2)}"
+        )
+    lines.append("objective = f(mu p_hat) under the true means (mean over runs, then quartiles); "
+                 "rel.gain = (f - f_single*) / (f_mix* - f_single*).")
+    return "\n".join(lines)
