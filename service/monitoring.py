@@ -83,72 +83,69 @@ ASSIGNMENTS = Counter(
 )
 OBSERVATIONS = Counter(
     "pasto_observations",
-    "Observations accepted (duplicates excluded); late ones arrived after their round closed.",
-    ["experiment", "arm", "late"],
+    "Observations accepted by the ingestion endpoint (repeated ids excluded).",
+    ["experiment", "arm"],
+    registry=PROCESS_REGISTRY,
+)
+DUPLICATE_OBSERVATIONS = Counter(
+    "pasto_duplicate_observations",
+    "Observations ignored because their id had been accepted before.",
+    ["experiment"],
     registry=PROCESS_REGISTRY,
 )
 ROUND_UPDATES = Counter(
     "pasto_round_updates",
-    "Rounds closed and applied to the controller state.",
+    "Round updates applied to the controller state.",
     ["experiment"],
     registry=PROCESS_REGISTRY,
 )
 ROUND_UPDATE_DURATION = Histogram(
     "pasto_round_update_duration_seconds",
-    "Time to close a round and compute the next mixture (estimate, update, persist).",
+    "Time to close a round and apply its update (estimate, update, persist) in one transaction.",
     ["experiment"],
     buckets=_UPDATE_BUCKETS,
     registry=PROCESS_REGISTRY,
 )
-ROUND_CLOSE_DELAY = Histogram(
-    "pasto_round_close_delay_seconds",
-    "How long after it was due (end of round plus settle time) a round was closed.",
+ROUND_CLOSE_LAG = Histogram(
+    "pasto_round_close_lag_seconds",
+    "Time from a round's scheduled end to its close (rounds closed early by hand are not counted).",
     ["experiment"],
     buckets=(0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0),
     registry=PROCESS_REGISTRY,
 )
-SCHEDULER_LAST_TICK = Gauge(
-    "pasto_scheduler_last_tick_timestamp_seconds",
-    "Unix time of the scheduler's latest check for rounds to close.",
-    registry=PROCESS_REGISTRY,
-    multiprocess_mode="max",
-)
 
 
-def record_assignments(experiment: str, arm_to_count: Mapping[str, int]) -> None:
-    """Count units just assigned, ``arm_to_count`` mapping arm name to the number of units given it."""
-    for arm, count in arm_to_count.items():
+# Receivers of the service's signals (``service.events``); the sender is the experiment's cache
+# Snapshot. They are module-level functions, so connecting them again for another app in the same
+# process changes nothing, and they accept extra keyword arguments the signals may gain later.
+
+
+def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
+    """Count the units of one assign request; ``arms`` holds each unit's arm position."""
+    positions, counts = np.unique(np.asarray(arms, dtype=np.int64), return_counts=True)
+    for position, count in zip(positions.tolist(), counts.tolist()):
+        ASSIGNMENTS.labels(snapshot.name, snapshot.arm_names[position]).inc(count)
+
+
+def record_observations(snapshot, *, duplicates: int, arm_counts: Mapping[int, int], **_) -> None:
+    """Count one committed ingestion batch; ``arm_counts`` maps arm position to accepted observations."""
+    for position, count in arm_counts.items():
         if count:
-            ASSIGNMENTS.labels(experiment, arm).inc(count)
-
-
-def record_observations(
-    experiment: str, arm_to_count: Mapping[str, int], late_arm_to_count: Mapping[str, int] | None = None
-) -> None:
-    """Count observations just accepted (duplicates excluded), on time and late, per arm name."""
-    for late, counts in (("false", arm_to_count), ("true", late_arm_to_count or {})):
-        for arm, count in counts.items():
-            if count:
-                OBSERVATIONS.labels(experiment, arm, late).inc(count)
+            OBSERVATIONS.labels(snapshot.name, snapshot.arm_names[position]).inc(count)
+    if duplicates:
+        DUPLICATE_OBSERVATIONS.labels(snapshot.name).inc(duplicates)
 
 
 def record_round_closed(
-    experiment: str, duration_seconds: float, delay_seconds: float | None = None
+    snapshot, *, applied: Sequence[int], duration_seconds: float, lag_seconds: float, **_
 ) -> None:
-    """Record one applied round update.
-
-    ``duration_seconds`` is the time the close-and-update transaction took; ``delay_seconds`` how long
-    after the round was due it was closed (None for a manual close, which is not scheduler lag).
-    """
-    ROUND_UPDATES.labels(experiment).inc()
-    ROUND_UPDATE_DURATION.labels(experiment).observe(duration_seconds)
-    if delay_seconds is not None:
-        ROUND_CLOSE_DELAY.labels(experiment).observe(max(0.0, delay_seconds))
-
-
-def record_scheduler_tick(timestamp: float | None = None) -> None:
-    """Mark that the scheduler just looked for due rounds (a stale value means it is not running)."""
-    SCHEDULER_LAST_TICK.set(time.time() if timestamp is None else timestamp)
+    """Record one round close: the updates it applied, its duration and how late it came."""
+    if len(applied):
+        ROUND_UPDATES.labels(snapshot.name).inc(len(applied))
+    ROUND_UPDATE_DURATION.labels(snapshot.name).observe(duration_seconds)
+    # A round closed by hand before its scheduled end has a negative lag: that is not scheduler lag.
+    if lag_seconds >= 0:
+        ROUND_CLOSE_LAG.labels(snapshot.name).observe(lag_seconds)
 
 
 # --- state read at scrape time -------------------------------------------------------------------

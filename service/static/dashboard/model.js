@@ -1,161 +1,152 @@
-// Pure functions from API responses to what the pages draw. No DOM, no charts: the shapes of the
-// JSON API (docs/api.md) are read here and nowhere else.
+// Pure functions from API responses (docs/api.md) to what the pages draw. No DOM, no charts: the
+// shapes of the JSON API are read here and nowhere else.
 
-export function primaryMetricName(experiment) {
-  const primary = experiment.objective?.primary;
-  if (typeof primary === "string") return primary;
-  if (primary && typeof primary === "object") return Object.keys(primary).join(" + ");
-  return experiment.metrics?.[0] ?? "primary";
+const Z_95 = 1.959963984540054;
+
+// { metric: weight } of the objective's linear part.
+export function primaryWeights(experiment) {
+  const primary = experiment.objective.primary;
+  return typeof primary === "string" ? { [primary]: 1 } : primary;
 }
 
-function primaryWeights(experiment) {
-  const primary = experiment.objective?.primary;
-  if (typeof primary === "string") return { [primary]: 1 };
-  if (primary && typeof primary === "object") return primary;
-  return { [experiment.metrics[0]]: 1 };
+export function primaryLabel(experiment) {
+  const weights = primaryWeights(experiment);
+  return Object.entries(weights)
+    .map(([metric, weight]) => (weight === 1 ? metric : `${weight}·${metric}`))
+    .join(" + ");
 }
 
-// Per-arm current estimates: { metric: { means: [K], intervals: [[lo, hi] | null] } } and samples [K].
+// Per arm: estimated mean and 95% interval of each metric, from the diagnostics' current estimate.
 export function armEstimates(experiment, diagnostics) {
-  const arms = diagnostics?.arms;
-  if (!Array.isArray(arms) || arms.length !== experiment.arms.length) return null;
-  const metrics = {};
-  for (const metric of experiment.metrics) {
-    metrics[metric] = {
-      means: arms.map((arm) => arm.means?.[metric]?.estimate ?? null),
-      intervals: arms.map((arm) => arm.means?.[metric]?.interval ?? null),
+  const { means, standard_errors: errors } = diagnostics.estimate;
+  return Object.fromEntries(experiment.metrics.map((metric) => [metric, experiment.arms.map((_, arm) => {
+    const mean = means[metric][arm];
+    const error = errors[metric][arm];
+    return {
+      mean,
+      interval: mean === null || error === null ? null : [mean - Z_95 * error, mean + Z_95 * error],
     };
-  }
-  return { samples: arms.map((arm) => arm.samples ?? null), metrics };
+  })]));
 }
 
-// The primary metric under the served mixture: from the diagnostics when given, else p_t . means.
-export function primaryEstimate(experiment, diagnostics) {
-  if (diagnostics?.primary && diagnostics.primary.estimate !== undefined) return diagnostics.primary;
-  const estimates = armEstimates(experiment, diagnostics);
-  if (!estimates) return null;
-  let total = 0;
+// The primary metric under a mixture, with a 95% interval treating arms' estimates as independent.
+export function primaryEstimate(experiment, diagnostics, probabilities) {
+  let estimate = 0;
+  let variance = 0;
   for (const [metric, weight] of Object.entries(primaryWeights(experiment))) {
-    const means = estimates.metrics[metric]?.means;
-    if (!means || means.some((mean) => mean === null)) return null;
-    total += weight * means.reduce((sum, mean, arm) => sum + mean * experiment.probabilities[arm], 0);
+    const means = diagnostics.estimate.means[metric];
+    const errors = diagnostics.estimate.standard_errors[metric];
+    for (let arm = 0; arm < probabilities.length; arm += 1) {
+      if (probabilities[arm] === 0) continue;
+      if (means[arm] === null) return null;
+      estimate += weight * probabilities[arm] * means[arm];
+      variance = errors[arm] === null || variance === null ? null : variance + (weight * probabilities[arm] * errors[arm]) ** 2;
+    }
   }
-  return { estimate: total, interval: null };
+  const half = variance === null ? null : Z_95 * Math.sqrt(variance);
+  return { estimate, interval: half === null ? null : [estimate - half, estimate + half] };
 }
 
 export function guardrailSummary(diagnostics) {
-  const guardrails = diagnostics?.guardrails ?? [];
+  const guardrails = diagnostics.guardrails;
   return {
     total: guardrails.length,
     violated: guardrails.filter((guardrail) => guardrail.holds === false).map((guardrail) => guardrail.metric),
   };
 }
 
-// When the controller last changed the mixture: the close of the latest round.
+// When the controller last changed the mixture: the latest applied update, else creation.
 export function lastUpdate(experiment) {
-  return experiment.updated_at ?? (experiment.round?.index > 0 ? experiment.round.started_at : null);
+  return experiment.updated_at;
 }
 
-export function objectiveValues(diagnostics) {
-  const objective = diagnostics?.objective;
-  if (objective === null || objective === undefined) return { served: null, deployed: null };
-  if (typeof objective === "number") return { served: objective, deployed: null };
-  return { served: objective.served ?? objective.current ?? null, deployed: objective.deployed ?? null };
-}
-
-// Indices of the `count` arms with the largest probabilities, largest first; everything when at most
+// Indices of the `count` arms with the largest probabilities, largest first; all of them when at most
 // one arm would be left over (an "other" band of one arm hides its name for nothing).
 export function topArms(probabilities, count) {
   const order = probabilities.map((_, arm) => arm).sort((a, b) => probabilities[b] - probabilities[a] || a - b);
   return order.length <= count + 1 ? order : order.slice(0, count);
 }
 
+function sumOf(values, indices) {
+  return indices.reduce((sum, index) => sum + values[index], 0);
+}
+
+// Stacked-area series of p_t: the top arms by current probability, then "other".
 export function mixtureSeries(experiment, rounds, count) {
   const top = topArms(experiment.probabilities, count);
   const series = top.map((arm) => ({
-    arm,
-    label: experiment.arms[arm].name,
-    data: rounds.map((round) => round.probabilities[arm]),
+    arm, label: experiment.arms[arm].name, data: rounds.map((round) => round.probabilities[arm]),
   }));
-  if (top.length < experiment.arms.length) {
+  const rest = experiment.arms.length - top.length;
+  if (rest > 0) {
     series.push({
       arm: null,
-      label: `other (${experiment.arms.length - top.length} arms)`,
-      data: rounds.map((round) => Math.max(0, 1 - top.reduce((sum, arm) => sum + round.probabilities[arm], 0))),
+      label: `other (${rest} arms)`,
+      data: rounds.map((round) => Math.max(0, 1 - sumOf(round.probabilities, top))),
     });
   }
   return series;
 }
 
-export function deployedSeries(experiment, count) {
+export function deployedBars(experiment, count) {
   const top = topArms(experiment.deployed, count);
   const bars = top.map((arm) => ({ arm, label: experiment.arms[arm].name, value: experiment.deployed[arm] }));
-  if (top.length < experiment.arms.length) {
-    bars.push({
-      arm: null,
-      label: `other (${experiment.arms.length - top.length})`,
-      value: Math.max(0, 1 - top.reduce((sum, arm) => sum + experiment.deployed[arm], 0)),
-    });
+  const rest = experiment.arms.length - top.length;
+  if (rest > 0) {
+    bars.push({ arm: null, label: `other (${rest})`, value: Math.max(0, 1 - sumOf(experiment.deployed, top)) });
   }
   return bars;
 }
 
-function field(round, ...names) {
-  for (const name of names) {
-    const value = name.split(".").reduce((node, key) => (node === null || node === undefined ? undefined : node[key]), round);
-    if (value !== undefined) return value;
-  }
-  return undefined;
-}
-
-// Objective per round: served p_t always; deployed and best single when the API reports them per round.
+// Per round, on the estimate right after that round's update (null until the update has run).
 export function objectiveSeries(rounds) {
-  const series = [{ key: "served", label: "served p_t", data: rounds.map((round) => field(round, "objective.served", "objective") ?? null) }];
-  const deployed = rounds.map((round) => field(round, "objective_deployed", "objective.deployed") ?? null);
-  if (deployed.some((value) => value !== null)) series.push({ key: "deployed", label: "deployed mixture", data: deployed });
-  const single = rounds.map((round) => field(round, "objective_best_single", "best_single.objective") ?? null);
-  if (single.some((value) => value !== null)) series.push({ key: "best_single", label: "best single arm", data: single });
-  // Objects under "objective" would otherwise be drawn as NaN.
-  for (const entry of series) entry.data = entry.data.map((value) => (typeof value === "number" ? value : null));
-  return series;
+  return {
+    served: rounds.map((round) => round.objective),
+    deployed: rounds.map((round) => round.objective_deployed),
+    bestSingle: rounds.map((round) => round.best_single?.value ?? null),
+    bestMixture: rounds.map((round) => round.best_mixture),
+  };
 }
 
 export function cumulativeRegret(rounds) {
   let total = 0;
   return rounds.map((round) => {
-    const regret = field(round, "regret");
-    if (typeof regret !== "number") return null;
-    total += regret;
+    if (round.regret === null || round.regret === undefined) return null;
+    total += round.regret;
     return total;
   });
 }
 
-// One entry per guardrail of the objective, with per-round estimate, interval and threshold.
+// One entry per guardrail of the objective: per-round estimate, interval and threshold (the
+// threshold moves over rounds when it is relative to a baseline arm), and the current report.
 export function guardrailSeries(experiment, rounds, diagnostics) {
-  const specs = experiment.objective?.guardrails ?? [];
-  return specs.map((spec, position) => {
-    const perRound = rounds.map((round) => {
-      // Aligned with the objective's guardrails (a metric may carry two thresholds).
-      const entries = round.guardrails ?? [];
-      return entries.length === specs.length ? entries[position] : null;
-    });
-    const currentEntries = diagnostics?.guardrails ?? [];
-    const current = currentEntries.length === specs.length ? currentEntries[position] : null;
+  return experiment.objective.guardrails.map((spec, position) => {
+    // Reports are in the objective's guardrail order (a metric may carry two thresholds).
+    const perRound = rounds.map((round) => round.guardrails?.[position] ?? null);
     return {
       metric: spec.metric,
       spec,
-      current,
+      current: diagnostics.guardrails[position] ?? null,
       estimate: perRound.map((entry) => entry?.estimate ?? null),
       lower: perRound.map((entry) => entry?.interval?.[0] ?? null),
       upper: perRound.map((entry) => entry?.interval?.[1] ?? null),
-      threshold: perRound.map((entry) => entry?.threshold ?? current?.threshold ?? (spec.relative_to ? null : spec.threshold)),
+      threshold: perRound.map((entry) => entry?.threshold ?? null),
     };
   });
 }
 
+// Observations per round, split into those that arrived before the round's update and late ones.
 export function observationsSeries(rounds) {
+  const totals = rounds.map((round) => round.counts.reduce((sum, count) => sum + count, 0));
   return {
-    onTime: rounds.map((round) => (round.counts ?? []).reduce((sum, count) => sum + count, 0)),
-    late: rounds.map((round) => field(round, "late_observations", "late") ?? 0),
+    onTime: totals.map((total, position) => total - rounds[position].late_observations),
+    late: rounds.map((round) => round.late_observations),
   };
+}
+
+// Observations per arm over every round.
+export function armSamples(experiment, rounds) {
+  const samples = experiment.arms.map(() => 0);
+  for (const round of rounds) round.counts.forEach((count, arm) => { samples[arm] += count; });
+  return samples;
 }

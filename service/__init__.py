@@ -1,0 +1,75 @@
+"""The pasto controller service: a Flask JSON API over SQLAlchemy that calls ``pasto`` for the math.
+
+``create_app(config=None)`` builds an application; ``service.wsgi:app`` is the WSGI object for
+waitress or gunicorn. The scheduler that closes rounds is started by ``pasto serve`` / ``pasto worker``
+(``service.scheduler``), never by the factory, so web workers under gunicorn do not each run one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+
+from . import auth, cache, db
+from .config import load_config
+from .errors import register_error_handlers
+
+
+class SchemaOutOfDate(RuntimeError):
+    """The database has not been migrated to the revision this code needs."""
+
+
+def create_app(config: Mapping[str, Any] | None = None) -> Flask:
+    """Create the application.
+
+    Parameters
+    ----------
+    config : mapping, optional
+        Overrides of the configuration read from the environment (see ``service.config``).
+
+    Raises
+    ------
+    SchemaOutOfDate
+        When the database is not at the newest migration (run ``pasto db upgrade``), unless
+        ``PASTO_CHECK_SCHEMA`` is false.
+    """
+    app = Flask(__name__, instance_relative_config=True)
+    app.config.update(load_config(app.instance_path, config))
+    app.json.sort_keys = False
+
+    register_error_handlers(app)
+    database = db.init_app(app)
+    if app.config["PASTO_CHECK_SCHEMA"]:
+        check_schema(database.engine)
+    auth.init_app(app)
+    cache.init_app(app)
+
+    from . import assignment, diagnostics, experiments, health, observations, rounds
+
+    app.register_blueprint(health.bp)
+    app.register_blueprint(experiments.bp)
+    app.register_blueprint(assignment.bp)
+    app.register_blueprint(observations.bp)
+    app.register_blueprint(rounds.bp)
+    app.register_blueprint(diagnostics.bp)
+
+    # Monitoring (issue 4): the dashboard blueprint and /metrics (service/dashboard.py,
+    # service/monitoring.py) are registered here, e.g. `dashboard.init_app(app)`, `monitoring.init_app(app)`.
+    return app
+
+
+def check_schema(engine) -> None:
+    """Raise :class:`SchemaOutOfDate` unless the database is at the newest migration."""
+    import migrations
+
+    current = migrations.current_revision(engine)
+    head = migrations.head_revision()
+    if current != head:
+        where = engine.url.render_as_string(hide_password=True)
+        found = "has never been migrated" if current is None else f"is at schema revision {current}"
+        raise SchemaOutOfDate(
+            f"The database {where} {found}, but this version of pasto needs revision {head}. "
+            "Run `pasto db upgrade` (with the same PASTO_DATABASE_URL) and start again."
+        )

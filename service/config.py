@@ -1,0 +1,43 @@
+"""Configuration: defaults, then environment variables, then the mapping passed to ``create_app``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: Largest request body accepted; 10,000 observations with a few metrics fit comfortably.
+DEFAULT_MAX_CONTENT_LENGTH = 16 * 1024 * 1024
+
+
+def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Resolve the service configuration.
+
+    Keys: ``PASTO_DATABASE_URL`` (SQLAlchemy URL, default ``sqlite:///<instance>/pasto.sqlite``),
+    ``PASTO_ADMIN_TOKEN`` (bootstrap admin token, kept only as its SHA-256 digest),
+    ``PASTO_SCHEDULER_INTERVAL`` (seconds between round checks, default 1),
+    ``PASTO_CHECK_SCHEMA`` (refuse to start on an un-migrated database, default true),
+    ``MAX_CONTENT_LENGTH`` (bytes).
+    """
+    config: dict[str, Any] = {
+        "PASTO_DATABASE_URL": f"sqlite:///{Path(instance_path) / 'pasto.sqlite'}",
+        "PASTO_ADMIN_TOKEN": None,
+        "PASTO_SCHEDULER_INTERVAL": 1.0,
+        "PASTO_CHECK_SCHEMA": True,
+        "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
+    }
+    for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL"):
+        if os.environ.get(key):
+            config[key] = os.environ[key]
+    if overrides:
+        config.update(overrides)
+    try:
+        config["PASTO_SCHEDULER_INTERVAL"] = float(config["PASTO_SCHEDULER_INTERVAL"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"PASTO_SCHEDULER_INTERVAL must be a number of seconds, got {config['PASTO_SCHEDULER_INTERVAL']!r}."
+        ) from error
+    if not config["PASTO_SCHEDULER_INTERVAL"] > 0:
+        raise ValueError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
+    return config

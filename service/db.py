@@ -1,0 +1,105 @@
+"""Database engine per application, sessions, and the dialect-specific pieces (upserts, locking).
+
+SQLite runs in WAL mode with a busy timeout. Write transactions on SQLite start with
+``BEGIN IMMEDIATE``: a deferred transaction that reads and then writes fails at once with "database is
+locked" when another connection committed in between (the busy timeout does not apply to that case),
+so every session opened with :func:`write_session` takes the write lock up front. Reads stay deferred
+and run concurrently with a writer thanks to WAL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlalchemy as sa
+from flask import Flask, current_app
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session, sessionmaker
+
+_EXTENSION = "pasto.db"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+@dataclass(frozen=True)
+class Database:
+    """The engine of one application and its two session factories."""
+
+    engine: sa.Engine
+    read_sessions: sessionmaker[Session]
+    write_sessions: sessionmaker[Session]
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def insert(self, table):
+        """``INSERT`` with ``on_conflict_do_*`` for this engine's dialect (SQLite or PostgreSQL)."""
+        if self.dialect == "postgresql":
+            return postgresql.insert(table)
+        if self.dialect == "sqlite":
+            return sqlite.insert(table)
+        raise RuntimeError(f"Unsupported database dialect {self.dialect!r}: use SQLite or PostgreSQL.")
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for reading; rolled back and closed on exit."""
+        with self.read_sessions() as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A session in one write transaction: committed on success, rolled back on any exception."""
+        with self.write_sessions() as session, session.begin():
+            yield session
+
+
+def make_engine(url: str) -> sa.Engine:
+    """Create an engine for ``url`` with the settings this service relies on."""
+    parsed = sa.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(
+            parsed, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+        )
+        _configure_sqlite(engine)
+        return engine
+    return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def _configure_sqlite(engine: sa.Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def on_connect(dbapi_connection, _record):
+        # Let SQLAlchemy's "begin" event below emit BEGIN itself (pysqlite's implicit BEGIN is DEFERRED).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def on_begin(connection):
+        immediate = connection.get_execution_options().get("pasto_write", False)
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def init_app(app: Flask) -> Database:
+    """Create the application's engine from ``PASTO_DATABASE_URL`` and register it."""
+    engine = make_engine(app.config["PASTO_DATABASE_URL"])
+    database = Database(
+        engine=engine,
+        read_sessions=sessionmaker(bind=engine, expire_on_commit=False),
+        write_sessions=sessionmaker(bind=engine.execution_options(pasto_write=True), expire_on_commit=False),
+    )
+    app.extensions[_EXTENSION] = database
+    return database
+
+
+def get_db(app: Flask | None = None) -> Database:
+    """The :class:`Database` of ``app`` (the current application by default)."""
+    return (app or current_app).extensions[_EXTENSION]

@@ -1,0 +1,98 @@
+"""The single JSON error format: ``{"error": {"code": str, "message": str, "details": ...}}``.
+
+Every error leaves the service through :func:`error_response`, including werkzeug's HTTP errors
+(404, 405, 413, ...) and unexpected exceptions (500), so clients only ever parse one shape.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from flask import Flask, Response, jsonify
+from pydantic import ValidationError
+from werkzeug.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error with an HTTP status, a stable machine-readable code and a sentence for humans."""
+
+    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+def error_response(status: int, code: str, message: str, details: Any = None) -> Response:
+    response = jsonify({"error": {"code": code, "message": message, "details": details}})
+    response.status_code = status
+    return response
+
+
+def format_location(location: tuple[Any, ...] | list[Any]) -> str:
+    """``("observations", 3, "values", "x")`` -> ``"observations[3].values.x"``."""
+    text = ""
+    for part in location:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "body"
+
+
+def validation_error(error: ValidationError, prefix: tuple[Any, ...] = ()) -> ApiError:
+    """A 422 :class:`ApiError` listing every problem pydantic found, each with where it is."""
+    problems = []
+    for item in error.errors(include_url=False, include_input=False, include_context=False):
+        location = format_location((*prefix, *item["loc"]))
+        problems.append({"location": location, "message": _sentence(item["msg"])})
+    first = problems[0]
+    more = f" ({len(problems) - 1} more problems in details)" if len(problems) > 1 else ""
+    return ApiError(422, "invalid_request", f"{first['location']}: {first['message']}{more}", problems)
+
+
+def invalid(location: str, message: str) -> ApiError:
+    """A 422 for one offending item, named by its location in the request body."""
+    return ApiError(422, "invalid_request", f"{location}: {message}",
+                    [{"location": location, "message": message}])
+
+
+def _sentence(message: str) -> str:
+    message = message[:1].upper() + message[1:]
+    return message if message.endswith(".") else message + "."
+
+
+def _code_for(exception: HTTPException) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", (exception.name or "error").lower()).strip("_")
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def handle_api_error(error: ApiError):
+        response = error_response(error.status, error.code, error.message, error.details)
+        if error.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="pasto"'
+        return response
+
+    @app.errorhandler(HTTPException)
+    def handle_http_exception(error: HTTPException):
+        details = None
+        if error.code == 405 and getattr(error, "valid_methods", None):
+            details = {"allowed_methods": sorted(error.valid_methods)}
+        message = error.description or error.name
+        if error.code == 400 and "JSON" in (message or ""):
+            message = "The request body is not valid JSON."
+        response = error_response(error.code or 500, _code_for(error), message, details)
+        if error.code == 405 and getattr(error, "valid_methods", None):
+            response.headers["Allow"] = ", ".join(sorted(error.valid_methods))
+        return response
+
+    @app.errorhandler(Exception)
+    def handle_unexpected(error: Exception):
+        log.exception("Unhandled error while serving a request")
+        return error_response(500, "internal_error", "The server failed to handle the request; see its log.")

@@ -1,0 +1,185 @@
+"""Typed SQLAlchemy 2.0 models. Alembic (``migrations/``) is the only way the schema changes.
+
+Hot-path writes never read-modify-write a row: ingestion aggregates into :class:`RoundStatistic` and
+:class:`ArmRoundCount` with ``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``,
+and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class UTCDateTime(sa.types.TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = sa.DateTime
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("Datetimes stored in the database must be timezone-aware.")
+        return value.astimezone(timezone.utc).replace(tzinfo=None)
+
+    def process_result_value(self, value: datetime | None, dialect) -> datetime | None:
+        return None if value is None else value.replace(tzinfo=timezone.utc)
+
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: sa.JSON, list[Any]: sa.JSON, datetime: UTCDateTime}
+
+
+ROLES = ("read", "ingest", "admin")
+STATUSES = ("running", "paused", "stopped")
+
+
+class Experiment(Base):
+    """One experiment: its configuration, status and the learned controller state.
+
+    ``round_index`` is the round being served now. ``applied_rounds`` counts rounds whose update has
+    run: rounds ``< applied_rounds`` are final, and rounds in ``[applied_rounds, round_index)`` have
+    ended and are waiting ``settle_seconds`` for late data. ``version`` increases with every change
+    that affects assignment, so workers know when to refresh their cached copy.
+    """
+
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    config: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(sa.String(16))
+    seed: Mapped[int] = mapped_column(sa.BigInteger)
+    round_index: Mapped[int]
+    applied_rounds: Mapped[int]
+    state: Mapped[dict[str, Any]]
+    version: Mapped[int]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class Arm(Base):
+    __tablename__ = "arms"
+    __table_args__ = (sa.UniqueConstraint("experiment_id", "name"),)
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(sa.String(128))
+    params: Mapped[dict[str, Any]]
+
+
+class Round(Base):
+    """One round: when it ran, the propensities served, and the summary computed at its update."""
+
+    __tablename__ = "rounds"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    started_at: Mapped[datetime]
+    ends_at: Mapped[datetime]
+    closed_at: Mapped[datetime | None]
+    applied_at: Mapped[datetime | None]
+    probabilities: Mapped[list[Any]]
+    deployed: Mapped[list[Any] | None]
+    summary: Mapped[dict[str, Any] | None]
+
+
+class RoundStatistic(Base):
+    """Sufficient statistics of one metric for one arm in one round."""
+
+    __tablename__ = "round_statistics"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class ArmRoundCount(Base):
+    """Per round and arm: observations, distinct observed units (for SRM), and late observations."""
+
+    __tablename__ = "arm_round_counts"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    observations: Mapped[int] = mapped_column(sa.BigInteger)
+    units: Mapped[int] = mapped_column(sa.BigInteger)
+    late_observations: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class ObservationId(Base):
+    """Every observation id ever accepted: the primary key makes ingestion exactly-once."""
+
+    __tablename__ = "observation_ids"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    client_id: Mapped[str] = mapped_column(sa.String(256), primary_key=True)
+    round_index: Mapped[int]
+    arm_index: Mapped[int]
+
+
+class RoundUnit(Base):
+    """Units seen with at least one observation in a round (distinct-unit counts for SRM)."""
+
+    __tablename__ = "round_units"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    unit: Mapped[str] = mapped_column(sa.String(256), primary_key=True)
+    arm_index: Mapped[int]
+
+
+class Token(Base):
+    """An API token; only the SHA-256 hex digest of the token is stored."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(128))
+    role: Mapped[str] = mapped_column(sa.String(16))
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
+    created_at: Mapped[datetime]
+
+
+class SchedulerHeartbeat(Base):
+    """Last time each scheduler process ran its job, so any web worker can report scheduler health."""
+
+    __tablename__ = "scheduler_heartbeats"
+
+    scheduler: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    beat_at: Mapped[datetime]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC (what every datetime column holds)."""
+    return datetime.now(timezone.utc)

@@ -1,0 +1,214 @@
+"""Observation ingestion: exactly-once, all-or-nothing, aggregated into sufficient statistics.
+
+One request is one transaction:
+
+1. every observation is validated (known metrics and arm, a round that has started, an arm that
+   matches the unit's sticky assignment); any problem rejects the whole batch with a 422;
+2. the ids are inserted with ``ON CONFLICT DO NOTHING RETURNING``: the returned ids are the new ones,
+   everything else is a duplicate (of this batch or of any earlier request);
+3. only the new observations are summed per (round, arm, metric) and added with atomic upserts
+   (``count = count + excluded.count``), rows sorted so concurrent writers lock them in one order.
+
+Observations for a round whose update already ran are kept: they enter the pooled statistics of
+the next update and are counted as late.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import sqlalchemy as sa
+from flask import Blueprint, jsonify
+
+from pasto.hashing import buckets, choose_arms
+
+from . import events
+from .auth import require_role
+from .cache import Snapshot, get_cache
+from .db import Database, get_db
+from .errors import ApiError, invalid
+from .models import ArmRoundCount, Experiment, ObservationId, RoundStatistic, RoundUnit
+from .schemas import Observation, ObservationBatch, json_body, parse
+
+bp = Blueprint("observations", __name__, url_prefix="/api/v1/experiments")
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+    arm_counts: dict[int, int]
+
+
+@bp.post("/<name>/observations")
+@require_role("ingest")
+def ingest_observations(name: str):
+    body = json_body()
+    cache = get_cache()
+    snapshot = cache.get(name)
+    if snapshot.status == "stopped":
+        raise _stopped(name)
+    batch = parse(ObservationBatch, body).observations
+    arm_indices = resolve_arms(snapshot, batch)
+    result = ingest(get_db(), snapshot, batch, arm_indices)
+    events.observed.send(snapshot, accepted=result.accepted, duplicates=result.duplicates,
+                         arm_counts=result.arm_counts)
+    response = jsonify({"accepted": result.accepted, "duplicates": result.duplicates})
+    response.status_code = 202
+    return response
+
+
+def _stopped(name: str) -> ApiError:
+    return ApiError(409, "conflict", f"Experiment {name!r} is stopped; it no longer accepts observations.")
+
+
+def resolve_arms(snapshot: Snapshot, batch: list[Observation]) -> np.ndarray:
+    """Check every observation against the experiment and return its arm position, shape (N,).
+
+    The arm is the unit's sticky assignment in the observation's round; a given ``arm`` must agree.
+    """
+    for position, observation in enumerate(batch):
+        if observation.round > snapshot.round_index:
+            raise invalid(f"observations[{position}].round",
+                          f"Round {observation.round} has not started; the current round is {snapshot.round_index}.")
+        for metric in observation.values:
+            if metric not in snapshot.metric_positions:
+                raise invalid(f"observations[{position}].values.{metric}",
+                              f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}.")
+        if observation.arm is not None and observation.arm not in snapshot.arm_positions:
+            raise invalid(f"observations[{position}].arm", f"Unknown arm {observation.arm!r}.")
+    rounds = np.fromiter((observation.round for observation in batch), dtype=np.int64, count=len(batch))
+    arms = np.empty(len(batch), dtype=np.int64)
+    cache = get_cache()
+    for round_index in np.unique(rounds).tolist():
+        members = np.flatnonzero(rounds == round_index)
+        units = [batch[i].unit for i in members.tolist()]
+        probabilities = cache.round_probabilities(snapshot, round_index)
+        arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+    for position, observation in enumerate(batch):
+        if observation.arm is not None and snapshot.arm_positions[observation.arm] != arms[position]:
+            sticky = snapshot.arm_names[arms[position]]
+            raise invalid(f"observations[{position}].arm",
+                          f"Unit {observation.unit!r} is assigned to arm {sticky!r} in round {observation.round}, "
+                          f"not {observation.arm!r}.")
+    return arms
+
+
+def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray) -> IngestResult:
+    """Store the new observations of ``batch`` in one transaction and report what was new."""
+    first_of_id: dict[str, int] = {}
+    for position, observation in enumerate(batch):
+        first_of_id.setdefault(observation.id, position)
+    ordered = sorted(first_of_id.items())
+    experiment_id = snapshot.id
+    with database.write() as session:
+        # Shares the row lock with other ingestion requests and excludes a concurrent round close, so
+        # "late" is decided against the rounds as they are when this transaction commits.
+        row = session.execute(
+            sa.select(Experiment.status, Experiment.applied_rounds)
+            .where(Experiment.id == experiment_id)
+            .with_for_update(read=True)
+        ).one()
+        if row.status == "stopped":
+            raise _stopped(snapshot.name)
+        insert_ids = (
+            database.insert(ObservationId)
+            .on_conflict_do_nothing(index_elements=["experiment_id", "client_id"])
+            .returning(ObservationId.client_id)
+        )
+        inserted = session.execute(insert_ids, [
+            {"experiment_id": experiment_id, "client_id": client_id,
+             "round_index": batch[position].round, "arm_index": int(arm_indices[position])}
+            for client_id, position in ordered
+        ]).scalars().all() if ordered else []
+        new_positions = sorted(first_of_id[client_id] for client_id in inserted)
+        arm_counts: Counter[int] = Counter()
+        if new_positions:
+            _add_statistics(session, database, snapshot, batch, arm_indices, new_positions)
+            arm_counts = _add_counts(session, database, experiment_id, batch, arm_indices, new_positions,
+                                     row.applied_rounds)
+    return IngestResult(accepted=len(new_positions), duplicates=len(batch) - len(new_positions),
+                        arm_counts=dict(arm_counts))
+
+
+def _add_statistics(session, database: Database, snapshot: Snapshot, batch, arm_indices, positions) -> None:
+    rounds, arms, metrics, values = [], [], [], []
+    metric_positions = snapshot.metric_positions
+    for position in positions:
+        observation = batch[position]
+        arm = arm_indices[position]
+        for metric, value in observation.values.items():
+            rounds.append(observation.round)
+            arms.append(arm)
+            metrics.append(metric_positions[metric])
+            values.append(value)
+    keys = np.stack([np.asarray(rounds, dtype=np.int64), np.asarray(arms, dtype=np.int64),
+                     np.asarray(metrics, dtype=np.int64)], axis=1)
+    values_array = np.asarray(values, dtype=np.float64)
+    unique_keys, group = np.unique(keys, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    counts = np.bincount(group, minlength=len(unique_keys))
+    sums = np.bincount(group, weights=values_array, minlength=len(unique_keys))
+    sums_of_squares = np.bincount(group, weights=values_array * values_array, minlength=len(unique_keys))
+    insert = database.insert(RoundStatistic)
+    upsert = insert.on_conflict_do_update(
+        index_elements=["experiment_id", "round_index", "arm_index", "metric_index"],
+        set_={
+            "count": RoundStatistic.count + insert.excluded.count,
+            "sum": RoundStatistic.sum + insert.excluded.sum,
+            "sum_of_squares": RoundStatistic.sum_of_squares + insert.excluded.sum_of_squares,
+        },
+    )
+    # np.unique sorts the keys: every transaction locks the rows in the same order (no deadlocks).
+    session.execute(upsert, [
+        {"experiment_id": snapshot.id, "round_index": key[0], "arm_index": key[1], "metric_index": key[2],
+         "count": count, "sum": total, "sum_of_squares": total_of_squares}
+        for key, count, total, total_of_squares in zip(
+            unique_keys.tolist(), counts.tolist(), sums.tolist(), sums_of_squares.tolist())
+    ])
+
+
+def _add_counts(session, database: Database, experiment_id: int, batch, arm_indices, positions,
+                applied_rounds: int) -> Counter[int]:
+    observations: Counter[tuple[int, int]] = Counter()
+    late: Counter[tuple[int, int]] = Counter()
+    unit_arm: dict[tuple[int, str], int] = {}
+    for position in positions:
+        observation = batch[position]
+        key = (observation.round, int(arm_indices[position]))
+        observations[key] += 1
+        if observation.round < applied_rounds:
+            late[key] += 1
+        unit_arm.setdefault((observation.round, observation.unit), key[1])
+    insert_units = (
+        database.insert(RoundUnit)
+        .on_conflict_do_nothing(index_elements=["experiment_id", "round_index", "unit"])
+        .returning(RoundUnit.round_index, RoundUnit.arm_index)
+    )
+    new_units = Counter(
+        (row.round_index, row.arm_index)
+        for row in session.execute(insert_units, [
+            {"experiment_id": experiment_id, "round_index": round_index, "unit": unit, "arm_index": arm}
+            for (round_index, unit), arm in sorted(unit_arm.items())
+        ])
+    )
+    insert = database.insert(ArmRoundCount)
+    upsert = insert.on_conflict_do_update(
+        index_elements=["experiment_id", "round_index", "arm_index"],
+        set_={
+            "observations": ArmRoundCount.observations + insert.excluded.observations,
+            "units": ArmRoundCount.units + insert.excluded.units,
+            "late_observations": ArmRoundCount.late_observations + insert.excluded.late_observations,
+        },
+    )
+    session.execute(upsert, [
+        {"experiment_id": experiment_id, "round_index": key[0], "arm_index": key[1], "observations": count,
+         "units": new_units.get(key, 0), "late_observations": late.get(key, 0)}
+        for key, count in sorted(observations.items())
+    ])
+    arm_counts: Counter[int] = Counter()
+    for (_, arm), count in observations.items():
+        arm_counts[arm] += count
+    return arm_counts

@@ -1,0 +1,271 @@
+"""The OpenAPI 3.1 document of the JSON API, as data.
+
+Request body schemas are generated from the pydantic models that validate them (``service.schemas``),
+so what is published is what is enforced. ``tests/service/test_openapi.py`` checks that every route of
+the application is documented and every documented operation exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from . import schemas
+
+API_VERSION = "1.0.0"
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_ERRORS = {
+    "400": "The body is not valid JSON.",
+    "401": "Missing or invalid bearer token.",
+    "403": "The token's role is too low for this operation.",
+    "404": "No experiment with this name.",
+    "409": "The experiment's state does not allow this (duplicate name, stopped, paused, round already closed).",
+    "413": "The request body is larger than the server accepts.",
+    "415": "The body is not JSON (Content-Type must be application/json).",
+    "422": "The body is JSON but invalid; the message and details name the offending item.",
+}
+
+_NAME_PARAMETER = {
+    "name": "name", "in": "path", "required": True, "description": "The experiment's name.",
+    "schema": {"type": "string", "pattern": "^[a-z0-9_-]{1,64}$"},
+}
+
+_RESPONSE_SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object", "required": ["error"],
+        "properties": {"error": {
+            "type": "object", "required": ["code", "message", "details"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {}},
+        }},
+    },
+    "RoundTimes": {
+        "type": "object", "required": ["index", "started_at", "ends_at"],
+        "properties": {"index": {"type": "integer", "minimum": 0},
+                       "started_at": {"type": "string", "format": "date-time"},
+                       "ends_at": {"type": "string", "format": "date-time"}},
+    },
+    "Experiment": {
+        "type": "object",
+        "required": ["name", "status", "arms", "metrics", "objective", "algorithm", "round_seconds",
+                     "settle_seconds", "seed", "round", "probabilities", "deployed"],
+        "properties": {
+            "name": {"type": "string"},
+            "status": {"type": "string", "enum": ["running", "paused", "stopped"]},
+            "arms": {"type": "array", "items": {
+                "type": "object", "required": ["name", "params"],
+                "properties": {"name": {"type": "string"}, "params": {"type": "object"}}}},
+            "metrics": {"type": "array", "items": {"type": "string"}},
+            "objective": {"type": "object"},
+            "algorithm": {"type": "object"},
+            "round_seconds": {"type": "number"},
+            "settle_seconds": {"type": "number"},
+            "seed": {"type": "integer"},
+            "round": _ref("RoundTimes"),
+            "applied_rounds": {"type": "integer", "description": "Rounds whose update has run."},
+            "probabilities": {"type": "array", "items": {"type": "number"},
+                              "description": "p_t, sampled from in the current round (aligned with arms)."},
+            "deployed": {"type": "array", "items": {"type": "number"},
+                         "description": "The mixture the algorithm recommends now."},
+            "created_at": {"type": "string", "format": "date-time"},
+            "updated_at": {"type": "string", "format": "date-time"},
+        },
+    },
+    "ExperimentList": {
+        "type": "object", "required": ["experiments"],
+        "properties": {"experiments": {"type": "array", "items": _ref("Experiment")}},
+    },
+    "Assignment": {
+        "type": "object", "required": ["unit", "arm", "params", "round", "probability"],
+        "properties": {"unit": {"type": "string"}, "arm": {"type": "string"}, "params": {"type": "object"},
+                       "round": {"type": "integer"},
+                       "probability": {"type": "number", "description": "Propensity p_{t,arm}."}},
+    },
+    "AssignmentBatch": {
+        "type": "object", "required": ["assignments"],
+        "properties": {"assignments": {"type": "array", "items": _ref("Assignment")}},
+    },
+    "IngestResult": {
+        "type": "object", "required": ["accepted", "duplicates"],
+        "properties": {"accepted": {"type": "integer", "minimum": 0},
+                       "duplicates": {"type": "integer", "minimum": 0}},
+    },
+    "RoundClosed": {
+        "type": "object", "required": ["closed_round", "applied", "round", "probabilities", "deployed"],
+        "properties": {"closed_round": {"type": "integer"},
+                       "applied": {"type": "array", "items": {"type": "integer"}},
+                       "round": _ref("RoundTimes"),
+                       "probabilities": {"type": "array", "items": {"type": "number"}},
+                       "deployed": {"type": "array", "items": {"type": "number"}}},
+    },
+    "Round": {
+        "type": "object",
+        "required": ["index", "started_at", "closed_at", "probabilities", "counts", "means", "objective", "regret"],
+        "properties": {
+            "index": {"type": "integer"},
+            "started_at": {"type": "string", "format": "date-time"},
+            "ends_at": {"type": "string", "format": "date-time"},
+            "closed_at": {"type": ["string", "null"], "format": "date-time"},
+            "applied_at": {"type": ["string", "null"], "format": "date-time",
+                           "description": "When the round's update ran (settle_seconds after it ended)."},
+            "probabilities": {"type": "array", "items": {"type": "number"}},
+            "deployed": {"type": ["array", "null"], "items": {"type": "number"}},
+            "counts": {"type": "array", "items": {"type": "integer"}, "description": "Observations per arm."},
+            "units": {"type": "array", "items": {"type": "integer"}, "description": "Distinct observed units per arm."},
+            "late_observations": {"type": "integer"},
+            "means": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": ["number", "null"]}}},
+            "objective": {"type": ["number", "null"], "description": "Estimated f(V p_t) after the round's update."},
+            "objective_deployed": {"type": ["number", "null"]},
+            "best_mixture": {"type": ["number", "null"]},
+            "best_single": {"type": ["object", "null"]},
+            "regret": {"type": ["number", "null"], "description": "Estimated f(V p*) - f(V p_t)."},
+            "guardrails": {"type": ["array", "null"], "items": {"type": "object"}},
+        },
+    },
+    "RoundList": {
+        "type": "object", "required": ["rounds"],
+        "properties": {"rounds": {"type": "array", "items": _ref("Round")}},
+    },
+    "Diagnostics": {
+        "type": "object",
+        "required": ["objective", "best_mixture", "best_single", "regret", "guardrails", "srm", "late_observations"],
+        "properties": {
+            "round": {"type": "integer"},
+            "objective": {"type": "object", "properties": {"probabilities": {"type": ["number", "null"]},
+                                                           "deployed": {"type": ["number", "null"]}}},
+            "best_mixture": {"type": "object", "properties": {"probabilities": {"type": "array"},
+                                                              "value": {"type": ["number", "null"]}}},
+            "best_single": {"type": "object", "properties": {"arm": {"type": "string"},
+                                                             "value": {"type": ["number", "null"]}}},
+            "mixing_gain": {"type": ["number", "null"]},
+            "regret": {"type": "object", "required": ["cumulative", "per_round"],
+                       "properties": {"cumulative": {"type": "number"}, "per_round": {"type": "array"}}},
+            "guardrails": {"type": "array", "items": {
+                "type": "object", "required": ["metric", "threshold", "estimate", "interval", "holds"]}},
+            "srm": {"type": "object", "required": ["statistic", "p_value", "ok"]},
+            "late_observations": {"type": "integer"},
+            "units": {"type": "array", "items": {"type": "integer"}},
+            "estimate": {"type": "object"},
+        },
+    },
+    "Health": {
+        "type": "object", "required": ["status", "database", "scheduler", "schema"],
+        "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
+                       "database": {"type": "object"}, "scheduler": {"type": "object"},
+                       "schema": {"type": "object"}},
+    },
+}
+
+
+def _operation(summary: str, role: str | None, responses: dict[str, Any], errors: tuple[str, ...] = (),
+               body: dict[str, Any] | None = None, body_required: bool = True,
+               path_name: bool = True) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": dict(responses)}
+    if role is None:
+        operation["security"] = []
+    else:
+        operation["description"] = f"Needs a token with the `{role}` role (or higher)."
+        errors = ("401", "403", *errors)
+    if path_name:
+        operation["parameters"] = [_NAME_PARAMETER]
+        errors = (*errors, "404")
+    if body is not None:
+        operation["requestBody"] = {"required": body_required, "content": {"application/json": {"schema": body}}}
+        errors = (*errors, "400", "413", "415", "422")
+    for status in sorted(set(errors)):
+        operation["responses"][status] = _json(_ref("Error"), _ERRORS[status])
+    return operation
+
+
+def _paths() -> dict[str, Any]:
+    experiment = {"200": _json(_ref("Experiment"), "The experiment.")}
+    return {
+        "/healthz": {"get": _operation(
+            "Database reachable, scheduler alive, schema version.", None,
+            {"200": _json(_ref("Health"), "Healthy."), "503": _json(_ref("Health"), "Database or schema not ready.")},
+            path_name=False)},
+        "/api/v1/openapi.json": {"get": _operation(
+            "This document.", None, {"200": {"description": "OpenAPI 3.1 document.",
+                                             "content": {"application/json": {"schema": {"type": "object"}}}}},
+            path_name=False)},
+        "/api/v1/experiments": {
+            "get": _operation("List experiments.", "read",
+                              {"200": _json(_ref("ExperimentList"), "Every experiment, oldest first.")},
+                              path_name=False),
+            "post": _operation("Create an experiment.", "admin",
+                               {"201": _json(_ref("Experiment"), "Created.")}, ("409",),
+                               body=_ref("ExperimentCreate"), path_name=False),
+        },
+        "/api/v1/experiments/{name}": {"get": _operation("Configuration and state of an experiment.", "read",
+                                                         experiment)},
+        "/api/v1/experiments/{name}/assign": {"post": _operation(
+            "Assign one unit ({unit}) or up to 10,000 ({units}) to arms for the current round (sticky).", "ingest",
+            {"200": _json({"oneOf": [_ref("Assignment"), _ref("AssignmentBatch")]},
+                          "One assignment, or {assignments: [...]} for a batch.")},
+            body={"oneOf": [_ref("AssignOne"), _ref("AssignMany")]})},
+        "/api/v1/experiments/{name}/observations": {"post": _operation(
+            "Ingest up to 10,000 observations, all or nothing; ids make retries safe.", "ingest",
+            {"202": _json(_ref("IngestResult"), "Stored; duplicates were counted before and are ignored.")},
+            ("409",), body=_ref("ObservationBatch"))},
+        "/api/v1/experiments/{name}/rounds": {
+            "get": _operation("Every round, oldest first.", "read",
+                              {"200": _json(_ref("RoundList"), "The rounds.")}),
+            "post": _operation(
+                "Close the current round now and run the update (optionally only if it is round {round}).",
+                "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409",),
+                body={"type": "object", "additionalProperties": False,
+                      "properties": {"round": {"type": "integer", "minimum": 0}}},
+                body_required=False),
+        },
+        "/api/v1/experiments/{name}/diagnostics": {"get": _operation(
+            "Objective, best mixture and single arm, regret, guardrails, sample-ratio mismatch, late data.",
+            "read", {"200": _json(_ref("Diagnostics"), "Diagnostics on the current estimate.")})},
+        "/api/v1/experiments/{name}/pause": {"post": _operation(
+            "Pause: assignment keeps serving the current mixture, rounds stop advancing.", "admin", experiment,
+            ("409",))},
+        "/api/v1/experiments/{name}/resume": {"post": _operation(
+            "Resume a paused experiment; the current round gets a full round_seconds from now.", "admin",
+            experiment, ("409",))},
+        "/api/v1/experiments/{name}/stop": {"post": _operation(
+            "Stop: assignment serves the deployed mixture, ingestion is closed (409).", "admin", experiment,
+            ("409",))},
+    }
+
+
+@functools.cache
+def _document() -> dict[str, Any]:
+    _, request_schemas = models_json_schema(
+        [(model, "validation") for model in (schemas.ExperimentCreate, schemas.AssignOne, schemas.AssignMany,
+                                             schemas.ObservationBatch)],
+        ref_template=_REF,
+    )
+    components = {**request_schemas.get("$defs", {}), **_RESPONSE_SCHEMAS}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pasto controller API", "version": API_VERSION,
+                 "description": "Learn a probability mixture over parameter settings (arms) with PASTO."},
+        "servers": [{"url": "/"}],
+        "components": {
+            "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}},
+            "schemas": components,
+        },
+        "security": [{"bearerAuth": []}],
+        "paths": _paths(),
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """A fresh copy of the OpenAPI 3.1 document."""
+    return copy.deepcopy(_document())

@@ -1,0 +1,392 @@
+"""Rounds: closing them, running the PASTO update, and reporting them.
+
+Timeline of round r (``round_seconds`` long, ``settle_seconds`` of grace for late data):
+
+- ``started_at``..``ends_at``: round r is served; assignment uses its probabilities and round index.
+- at ``ends_at`` the round closes and round r + 1 starts at once, with the newest mixture available.
+- at ``ends_at + settle_seconds`` the update for round r runs (``pasto.algorithm.update`` with round r's
+  statistics, the pooled statistics of rounds <= r, and round r's served probabilities as the
+  propensities). Observations for round r that arrive before that are on time; later ones are late.
+
+With ``settle_seconds = 0`` (the default) the update runs when the round closes, in the same
+transaction, so round r + 1 is served the mixture learned from round r. With a settle time, round
+r + 1 is served the newest mixture whose update has run, and round r's update applies from the
+first round that starts after it. A manual close (``POST .../rounds``) closes the current round
+and runs every pending update at once, ignoring the settle time.
+
+Every close is one transaction holding the experiment row lock, with a compare-and-set
+(``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
+scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+from flask import Blueprint, Flask, jsonify, request
+
+from pasto import optimum
+from pasto.algorithm import AlgorithmConfig, ControllerState, estimate, update
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+
+from . import events
+from .auth import require_role
+from .cache import get_cache
+from .db import Database, get_db
+from .errors import ApiError, invalid
+from .models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic, utcnow
+
+log = logging.getLogger(__name__)
+
+bp = Blueprint("rounds", __name__, url_prefix="/api/v1/experiments")
+
+_experiments = Experiment.__table__
+
+
+@dataclass(frozen=True)
+class RoundAdvance:
+    """What one close transaction did."""
+
+    experiment: str
+    closed_round: int | None  # the round that closed (None: only settled updates ran)
+    applied: tuple[int, ...]  # rounds whose update ran, in order
+    round_index: int  # the round served now
+    duration_seconds: float
+    lag_seconds: float = 0.0  # how long after its ends_at the round closed
+    deployed: list[float] = field(default_factory=list)
+
+
+class _LostRace(Exception):
+    """The compare-and-set found the experiment changed: another process closed the round."""
+
+
+# ------------------------------------------------------------------------------------ closing
+def close_round(database: Database, experiment_id: int, expected_round_index: int,
+                now: datetime | None = None) -> RoundAdvance | None:
+    """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
+
+    Returns None, changing nothing, when the round is no longer the current one (someone else
+    closed it) or the experiment is not running.
+    """
+    return _advance(database, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index)
+
+
+def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = None) -> list[RoundAdvance]:
+    """Close every running experiment's round whose ``ends_at`` has passed and run due updates.
+
+    This is the scheduler's job (``service.scheduler``), a plain function so it can be called and
+    tested without a scheduler. Safe to run concurrently in several processes.
+    """
+    database = app_or_database if isinstance(app_or_database, Database) else get_db(app_or_database)
+    now = now or utcnow()
+    rounds = Round.__table__
+    with database.read() as session:
+        candidates = session.execute(
+            sa.select(_experiments.c.id)
+            .join(rounds, sa.and_(rounds.c.experiment_id == _experiments.c.id,
+                                  rounds.c.index == _experiments.c.round_index))
+            .where(_experiments.c.status == "running")
+            .where(sa.or_(rounds.c.ends_at <= now, _experiments.c.applied_rounds < _experiments.c.round_index))
+            .order_by(_experiments.c.id)
+        ).scalars().all()
+    advances = []
+    for experiment_id in candidates:
+        try:
+            advance = _advance(database, experiment_id, now, manual=False)
+        except Exception:  # one broken experiment must not stop the others from advancing
+            log.exception("Closing the round of experiment %s failed", experiment_id)
+            continue
+        if advance is not None:
+            advances.append(advance)
+    return advances
+
+
+def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
+             expected_round_index: int | None = None) -> RoundAdvance | None:
+    started = time.perf_counter()
+    try:
+        with database.write() as session:
+            result = _advance_in(session, experiment_id, now, manual, expected_round_index)
+            if result is None:
+                return None
+    except _LostRace:
+        return None
+    result = RoundAdvance(**{**result.__dict__, "duration_seconds": time.perf_counter() - started})
+    if result.closed_round is not None or result.applied:
+        events.round_closed.send(result.experiment, round_index=result.closed_round, applied=result.applied,
+                                 duration_seconds=result.duration_seconds, lag_seconds=result.lag_seconds)
+    return result
+
+
+def _advance_in(session, experiment_id: int, now: datetime, manual: bool,
+                expected_round_index: int | None) -> RoundAdvance | None:
+    experiment = session.execute(
+        sa.select(_experiments).where(_experiments.c.id == experiment_id).with_for_update()
+    ).one_or_none()
+    if experiment is None or experiment.status != "running":
+        return None
+    if expected_round_index is not None and experiment.round_index != expected_round_index:
+        return None
+    config = experiment.config
+    settle = timedelta(seconds=config["settle_seconds"])
+    current_index = experiment.round_index
+    rounds = {
+        row.index: row for row in session.execute(
+            sa.select(Round).where(Round.experiment_id == experiment_id, Round.index >= experiment.applied_rounds)
+        ).scalars()
+    }
+    current = rounds[current_index]
+    closing = manual or current.ends_at <= now
+    last_closed = current_index if closing else current_index - 1
+    due = [
+        index for index in range(experiment.applied_rounds, last_closed + 1)
+        if manual or rounds[index].ends_at + settle <= now
+    ]
+    # Updates run in round order: stop at the first one that is not due.
+    due = [index for position, index in enumerate(due) if index == experiment.applied_rounds + position]
+    if not closing and not due:
+        return None
+
+    state = ControllerState.from_dict(experiment.state)
+    if due:
+        algorithm, objective = algorithm_and_objective(session, experiment_id, config)
+        pooled_until = pooled_statistics(session, experiment_id, objective.n_metrics, state.n_arms)
+        for index in due:
+            round_row = rounds[index]
+            round_statistics = _round_statistics(session, experiment_id, index, objective.n_metrics, state.n_arms)
+            propensities = np.asarray(round_row.probabilities, dtype=np.float64)
+            pooled = pooled_until(index)
+            state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
+            round_row.applied_at = now
+            round_row.deployed = state.deployed.tolist()
+            round_row.summary = round_summary(algorithm, objective, state, pooled, propensities)
+    new_round_index = current_index + 1 if closing else current_index
+    new_applied = experiment.applied_rounds + len(due)
+    changed = session.execute(
+        sa.update(_experiments)
+        .where(_experiments.c.id == experiment_id,
+               _experiments.c.round_index == current_index,
+               _experiments.c.applied_rounds == experiment.applied_rounds)
+        .values(round_index=new_round_index, applied_rounds=new_applied, state=state.to_dict(),
+                version=_experiments.c.version + 1, updated_at=now)
+    ).rowcount
+    if changed != 1:
+        raise _LostRace()
+    lag = 0.0
+    if closing:
+        current.closed_at = now
+        lag = max(0.0, (now - current.ends_at).total_seconds()) if not manual else 0.0
+        session.add(Round(
+            experiment_id=experiment_id, index=new_round_index, started_at=now,
+            ends_at=now + timedelta(seconds=config["round_seconds"]),
+            probabilities=state.probabilities.tolist(),
+        ))
+    return RoundAdvance(
+        experiment=experiment.name, closed_round=current_index if closing else None, applied=tuple(due),
+        round_index=new_round_index, duration_seconds=0.0, lag_seconds=lag, deployed=state.deployed.tolist(),
+    )
+
+
+def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any]) -> tuple[AlgorithmConfig, Objective]:
+    """The experiment's algorithm configuration and objective, rebuilt from its stored config."""
+    algorithm = AlgorithmConfig.from_dict({k: v for k, v in config["algorithm"].items() if k != "preset"})
+    arm_names = None
+    if any(guardrail.get("relative_to") for guardrail in config["objective"].get("guardrails", [])):
+        arm_names = session.execute(
+            sa.select(Arm.name).where(Arm.experiment_id == experiment_id).order_by(Arm.position)
+        ).scalars().all()
+    return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
+
+
+def _statistics_from_rows(rows, n_metrics: int, n_arms: int) -> Statistics:
+    counts = np.zeros((n_metrics, n_arms))
+    sums = np.zeros((n_metrics, n_arms))
+    sums_of_squares = np.zeros((n_metrics, n_arms))
+    for row in rows:
+        counts[row.metric_index, row.arm_index] = row.count
+        sums[row.metric_index, row.arm_index] = row.sum
+        sums_of_squares[row.metric_index, row.arm_index] = row.sum_of_squares
+    return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
+
+
+def _round_statistics(session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int) -> Statistics:
+    table = RoundStatistic.__table__
+    rows = session.execute(
+        sa.select(table.c.metric_index, table.c.arm_index, table.c.count, table.c.sum, table.c.sum_of_squares)
+        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index)
+    ).all()
+    return _statistics_from_rows(rows, n_metrics, n_arms)
+
+
+def pooled_statistics(session, experiment_id: int, n_metrics: int, n_arms: int):
+    """``pooled_until(r)``: statistics summed over rounds <= r, aggregated by the database."""
+    table = RoundStatistic.__table__
+
+    def pooled_until(round_index: int) -> Statistics:
+        aggregated = session.execute(
+            sa.select(table.c.metric_index, table.c.arm_index,
+                      sa.func.sum(table.c.count).label("count"), sa.func.sum(table.c.sum).label("sum"),
+                      sa.func.sum(table.c.sum_of_squares).label("sum_of_squares"))
+            .where(table.c.experiment_id == experiment_id, table.c.round_index <= round_index)
+            .group_by(table.c.metric_index, table.c.arm_index)
+        ).all()
+        return _statistics_from_rows(aggregated, n_metrics, n_arms)
+
+    return pooled_until
+
+
+def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
+                  pooled: Statistics, propensities: np.ndarray) -> dict[str, Any]:
+    """Estimated quality of a round's mixture, on the estimate available right after its update."""
+    current = estimate(algorithm, state, pooled)
+    means = current.means
+    thresholds = objective.thresholds(means)
+    served_value = float(objective.mixture_value(means, propensities, thresholds))
+    deployed_value = float(objective.mixture_value(means, state.deployed, thresholds))
+    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
+    best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
+    return {
+        "objective": finite(served_value),
+        "objective_deployed": finite(deployed_value),
+        "best_mixture": finite(best_value),
+        "best_single": {"arm_index": int(best_arm), "value": finite(best_single_value)},
+        "regret": finite(max(0.0, best_value - served_value)),
+        "guardrails": _guardrails(objective, current, propensities),
+    }
+
+
+def _guardrails(objective: Objective, current, probabilities: np.ndarray) -> list[dict[str, Any]]:
+    from pasto.diagnostics import guardrail_report
+
+    return [json_safe(item) for item in guardrail_report(objective, current, probabilities)]
+
+
+def finite(value: float) -> float | None:
+    value = float(value)
+    return value if np.isfinite(value) else None
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (float, np.floating, int, np.integer)):
+        number = float(value)
+        if isinstance(value, (int, np.integer)):
+            return int(value)
+        return number if np.isfinite(number) else None
+    return value
+
+
+# ------------------------------------------------------------------------------------ HTTP
+@bp.post("/<name>/rounds")
+@require_role("admin")
+def close_current_round(name: str):
+    snapshot = get_cache().get(name)
+    expected = snapshot.round_index
+    if request.content_length:
+        body = request.get_json(silent=True)
+        if not isinstance(body, dict) or set(body) - {"round"}:
+            raise invalid("body", "The body must be empty or {\"round\": <index of the current round>}.")
+        if "round" in body:
+            requested = body["round"]
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+                raise invalid("round", "Must be a non-negative integer.")
+            expected = requested
+    if snapshot.status != "running":
+        raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
+                                        "round can be closed.")
+    advance = close_round(get_db(), snapshot.id, expected)
+    if advance is None:
+        raise ApiError(409, "conflict", f"Round {expected} of {name!r} is not the current round "
+                                        "(it was already closed, or has not started).")
+    fresh = get_cache().get(name)
+    return jsonify({
+        "closed_round": advance.closed_round,
+        "applied": list(advance.applied),
+        "round": {"index": fresh.round_index, "started_at": _iso(fresh.round_started_at),
+                  "ends_at": _iso(fresh.round_ends_at)},
+        "probabilities": fresh.probabilities.tolist(),
+        "deployed": fresh.deployed.tolist(),
+    })
+
+
+def _iso(moment):
+    from .experiments import iso
+
+    return iso(moment)
+
+
+@bp.get("/<name>/rounds")
+@require_role("read")
+def list_rounds(name: str):
+    snapshot = get_cache().get(name)
+    with get_db().read() as session:
+        round_rows = session.execute(
+            sa.select(Round).where(Round.experiment_id == snapshot.id).order_by(Round.index)
+        ).scalars().all()
+        statistics = session.execute(
+            sa.select(RoundStatistic.round_index, RoundStatistic.metric_index, RoundStatistic.arm_index,
+                      RoundStatistic.count, RoundStatistic.sum)
+            .where(RoundStatistic.experiment_id == snapshot.id)
+        ).all()
+        counts = session.execute(
+            sa.select(ArmRoundCount.round_index, ArmRoundCount.arm_index, ArmRoundCount.observations,
+                      ArmRoundCount.units, ArmRoundCount.late_observations)
+            .where(ArmRoundCount.experiment_id == snapshot.id)
+        ).all()
+    n_rounds, n_arms, n_metrics = len(round_rows), snapshot.n_arms, len(snapshot.metrics)
+    metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
+    metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
+    for row in statistics:
+        if row.round_index < n_rounds:
+            metric_counts[row.round_index, row.metric_index, row.arm_index] = row.count
+            metric_sums[row.round_index, row.metric_index, row.arm_index] = row.sum
+    observation_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
+    unit_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
+    late_counts = np.zeros(n_rounds, dtype=np.int64)
+    for row in counts:
+        if row.round_index < n_rounds:
+            observation_counts[row.round_index, row.arm_index] = row.observations
+            unit_counts[row.round_index, row.arm_index] = row.units
+            late_counts[row.round_index] += row.late_observations
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = metric_sums / metric_counts
+    entries = []
+    for position, round_row in enumerate(round_rows):
+        summary = round_row.summary or {}
+        best_single = summary.get("best_single")
+        entries.append({
+            "index": round_row.index,
+            "started_at": _iso(round_row.started_at),
+            "ends_at": _iso(round_row.ends_at),
+            "closed_at": _iso(round_row.closed_at),
+            "applied_at": _iso(round_row.applied_at),
+            "probabilities": round_row.probabilities,
+            "deployed": round_row.deployed,
+            "counts": observation_counts[position].tolist(),
+            "units": unit_counts[position].tolist(),
+            "late_observations": int(late_counts[position]),
+            "means": {
+                metric: [None if not np.isfinite(value) else float(value) for value in means[position, m]]
+                for m, metric in enumerate(snapshot.metrics)
+            },
+            "objective": summary.get("objective"),
+            "objective_deployed": summary.get("objective_deployed"),
+            "best_mixture": summary.get("best_mixture"),
+            "best_single": None if best_single is None else {
+                "arm": snapshot.arm_names[best_single["arm_index"]], "value": best_single["value"]},
+            "regret": summary.get("regret"),
+            "guardrails": summary.get("guardrails"),
+        })
+    return jsonify({"rounds": entries})

@@ -1,0 +1,61 @@
+"""The background job that closes rounds: APScheduler 3.x running :func:`run_scheduled_work`.
+
+``pasto serve`` starts it beside the web server, ``pasto worker`` runs it alone. Several schedulers
+may run against one database: closing is a compare-and-set (see ``service.rounds``). Each run
+writes a heartbeat row, so ``/healthz`` in any web worker can tell whether a scheduler is alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import datetime, timezone
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from flask import Flask
+
+from .db import Database, get_db
+from .models import SchedulerHeartbeat, utcnow
+from .rounds import RoundAdvance, close_due_rounds
+
+log = logging.getLogger(__name__)
+
+
+def scheduler_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def heartbeat(database: Database, name: str, now: datetime) -> None:
+    insert = database.insert(SchedulerHeartbeat)
+    with database.write() as session:
+        session.execute(
+            insert.values(scheduler=name, beat_at=now)
+            .on_conflict_do_update(index_elements=["scheduler"], set_={"beat_at": insert.excluded.beat_at})
+        )
+
+
+def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:
+    """One scheduler tick: record the heartbeat, then close due rounds."""
+    database = get_db(app)
+    now = utcnow()
+    heartbeat(database, name, now)
+    advances = close_due_rounds(database, now)
+    for advance in advances:
+        log.info("Experiment %s: closed round %s, applied %s, now serving round %s (%.1f ms)",
+                 advance.experiment, advance.closed_round, list(advance.applied), advance.round_index,
+                 advance.duration_seconds * 1000)
+    return advances
+
+
+def start_scheduler(app: Flask) -> BackgroundScheduler:
+    """Start a daemon BackgroundScheduler running :func:`run_scheduled_work` every interval."""
+    interval = float(app.config["PASTO_SCHEDULER_INTERVAL"])
+    scheduler = BackgroundScheduler(timezone=timezone.utc, daemon=True)
+    scheduler.add_job(
+        run_scheduled_work, "interval", seconds=interval, args=[app, scheduler_name()],
+        id="pasto-close-rounds", max_instances=1, coalesce=True, misfire_grace_time=None,
+        next_run_time=datetime.now(timezone.utc),
+    )
+    scheduler.start()
+    return scheduler

@@ -1,0 +1,130 @@
+"""Request bodies, validated with pydantic in strict mode (no silent coercion of ``"1"`` to 1).
+
+The same models generate the request schemas of the OpenAPI document (``service.openapi``), so the
+validation and the published contract cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from flask import request
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, model_validator
+
+from .errors import ApiError, validation_error
+
+MAX_BATCH = 10_000
+MAX_ARMS = 10_000
+MAX_SEED = 2**63 - 1
+
+
+def _storable(text: str) -> str:
+    # PostgreSQL text cannot hold NUL, and lone surrogates (legal in JSON escapes) are not UTF-8.
+    if "\x00" in text:
+        raise ValueError("must not contain the NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError("must be valid Unicode (no unpaired surrogates)") from error
+    return text
+
+
+Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_storable)]
+ShortName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_storable)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
+ExperimentName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ArmSpec(_Strict):
+    name: ShortName
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class GuardrailSpec(_Strict):
+    metric: MetricName
+    threshold: FiniteFloat
+    penalty: Annotated[FiniteFloat, Field(ge=0)]
+    relative_to: ShortName | None = None
+
+
+class ObjectiveSpec(_Strict):
+    primary: MetricName | dict[MetricName, FiniteFloat]
+    guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
+
+
+class AlgorithmSpec(BaseModel):
+    """``preset`` plus any ``AlgorithmConfig`` field overrides (checked by ``pasto.algorithm``)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    preset: Literal["paper", "default"] = "default"
+
+
+class ExperimentCreate(_Strict):
+    name: ExperimentName
+    arms: Annotated[list[ArmSpec], Field(min_length=2, max_length=MAX_ARMS)]
+    metrics: Annotated[list[MetricName], Field(min_length=1, max_length=64)]
+    objective: ObjectiveSpec
+    round_seconds: Annotated[FiniteFloat, Field(ge=1)]
+    settle_seconds: Annotated[FiniteFloat, Field(ge=0)] = 0.0
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ExperimentCreate:
+        _require_unique([arm.name for arm in self.arms], "arms", "arm name", suffix=".name")
+        _require_unique(self.metrics, "metrics", "metric")
+        return self
+
+
+class AssignOne(_Strict):
+    unit: Identifier
+
+
+class AssignMany(_Strict):
+    units: Annotated[list[Identifier], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class Observation(_Strict):
+    id: Identifier
+    unit: Identifier
+    round: Annotated[int, Field(ge=0, le=2**31 - 1)]
+    arm: ShortName | None = None
+    values: Annotated[dict[MetricName, FiniteFloat], Field(min_length=1, max_length=64)]
+
+
+class ObservationBatch(_Strict):
+    observations: Annotated[list[Observation], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+def _require_unique(names: list[str], field: str, what: str, suffix: str = "") -> None:
+    seen: dict[str, int] = {}
+    for index, name in enumerate(names):
+        if name in seen:
+            raise ApiError(
+                422, "invalid_request",
+                f"{field}[{index}]{suffix}: duplicate {what} {name!r} (first at {field}[{seen[name]}]).",
+                [{"location": f"{field}[{index}]{suffix}", "message": f"Duplicate {what} {name!r}."}],
+            )
+        seen[name] = index
+
+
+def json_body() -> Any:
+    """The request's JSON body; 415 when it is not JSON, 400 when it does not parse."""
+    if not request.is_json:
+        raise ApiError(415, "unsupported_media_type", "The request body must be JSON (Content-Type: application/json).")
+    return request.get_json()
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate ``data`` against ``model``; a 422 naming each offending item otherwise."""
+    if not isinstance(data, dict):
+        raise ApiError(422, "invalid_request", "The request body must be a JSON object.",
+                       [{"location": "body", "message": "Must be a JSON object."}])
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error) from None
