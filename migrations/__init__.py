@@ -6,6 +6,7 @@ so that it always points at this package's folder, wherever it is installed.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -36,6 +37,7 @@ def downgrade(database_url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(database_url), revision)
 
 
+@functools.cache
 def head_revision() -> str:
     """The newest revision shipped with this package."""
     head = ScriptDirectory(str(SCRIPT_LOCATION)).get_current_head()

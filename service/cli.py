@@ -1,0 +1,142 @@
+"""Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``.
+
+``pasto.cli`` hands every command except ``simulate`` to :func:`main` (``demo`` is passed on to
+``service.demo``). Configuration comes from the environment (``PASTO_DATABASE_URL``,
+``PASTO_ADMIN_TOKEN``, ``PASTO_SCHEDULER_INTERVAL``), see ``service.config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from flask import Flask
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pasto", description="pasto controller service commands.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    serve = commands.add_parser("serve", help="serve the HTTP API (waitress) with the round scheduler")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--threads", type=int, default=8, help="waitress worker threads (default 8)")
+    serve.add_argument("--no-scheduler", action="store_true",
+                       help="do not close rounds in this process (run `pasto worker` separately)")
+
+    commands.add_parser("worker", help="run the round scheduler alone (no HTTP)")
+
+    database = commands.add_parser("db", help="database migrations (Alembic)")
+    db_commands = database.add_subparsers(dest="db_command", required=True, metavar="action")
+    upgrade = db_commands.add_parser("upgrade", help="migrate the database to the newest schema")
+    upgrade.add_argument("--revision", default="head")
+    downgrade = db_commands.add_parser("downgrade", help="migrate the database back (default: drop everything)")
+    downgrade.add_argument("--revision", default="base")
+    db_commands.add_parser("current", help="print the database's schema revision")
+
+    tokens = commands.add_parser("tokens", help="API tokens")
+    token_commands = tokens.add_subparsers(dest="tokens_command", required=True, metavar="action")
+    create = token_commands.add_parser("create", help="create a token and print it (only its hash is stored)")
+    create.add_argument("--role", required=True, choices=("read", "ingest", "admin"))
+    create.add_argument("--name", default="", help="what the token is for (default: the role)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a service command; returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(argv[1:])
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.INFO if args.command == "db" else logging.WARNING)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
+    logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
+    from . import SchemaOutOfDate, create_app
+
+    if args.command == "db":
+        return _db(args, create_app)
+    try:
+        app = create_app()
+    except SchemaOutOfDate as error:
+        print(f"pasto: error: {error}", file=sys.stderr)
+        return 1
+    if args.command == "tokens":
+        return _create_token(app, args.role, args.name or args.role)
+    if args.command == "worker":
+        return _worker(app)
+    return _serve(app, args.host, args.port, args.threads, scheduler=not args.no_scheduler)
+
+
+def _db(args: argparse.Namespace, create_app) -> int:
+    import migrations
+
+    from .db import get_db
+
+    app = create_app({"PASTO_CHECK_SCHEMA": False})
+    engine = get_db(app).engine
+    url = engine.url.render_as_string(hide_password=False)
+    shown = engine.url.render_as_string(hide_password=True)
+    if args.db_command == "upgrade":
+        migrations.upgrade(url, args.revision)
+    elif args.db_command == "downgrade":
+        migrations.downgrade(url, args.revision)
+    print(f"{shown}: schema revision {migrations.current_revision(engine)} (newest {migrations.head_revision()})")
+    engine.dispose()
+    return 0
+
+
+def _create_token(app: Flask, role: str, name: str) -> int:
+    from .auth import create_token
+    from .db import get_db
+
+    with get_db(app).write() as session:
+        token = create_token(session, role, name)
+    print(token)
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+
+
+def _worker(app: Flask) -> int:
+    from .scheduler import start_scheduler
+
+    scheduler = start_scheduler(app)
+    logging.getLogger(__name__).info("pasto worker: closing due rounds every %s s", app.config["PASTO_SCHEDULER_INTERVAL"])
+    try:
+        _wait_for_signal()
+    finally:
+        scheduler.shutdown(wait=True)
+    return 0
+
+
+def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> int:
+    from waitress import create_server
+
+    from .scheduler import start_scheduler
+
+    server = create_server(app, host=host, port=port, threads=threads)
+    background = start_scheduler(app) if scheduler else None
+    print(f"pasto: serving on http://{host}:{server.effective_port}"
+          f"{'' if background else ' (no scheduler: run `pasto worker`)'}", flush=True)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.close())
+    try:
+        server.run()
+    except OSError:
+        pass  # the listening socket was closed by the signal handler
+    finally:
+        if background is not None:
+            background.shutdown(wait=True)
+    return 0
