@@ -1,0 +1,598 @@
+"""The PASTO update: exponentiated gradient on the simplex with exploration (paper Algorithm 1).
+
+One call of :func:`update` closes round t (1-based; ``state.round_index = t - 1``):
+
+1. the estimator's accumulators take in the round's observations (Eq. 5-6 for ``ips``);
+2. V = the current M x K estimate, c = thresholds resolved on V;
+3. g_t = V^T grad f(V p_t) (Eq. 7) at the probabilities p_t served in round t;
+4. log w_t = log w_{t-1} + gamma_t g_t (Algorithm 1 line 7, in log space), normalised by logsumexp;
+   in solve-per-round mode, every ``solve_every`` rounds the weights are then moved to the
+   maximiser of f(V p) by warm-started mirror ascent (:func:`pasto.optimum.mirror_ascent`);
+5. p_{t+1} = (1 - eps_{t+1}) w_t / ||w_t||_1 + eps_{t+1} / K (line 3);
+6. the deployed mixture is updated (the paper's average of p_1..p_t, the average over the current
+   stage, or the current exploitation mixture w_t / ||w_t||_1).
+
+Configuration (:class:`AlgorithmConfig`) is separate from learned state (:class:`ControllerState`);
+both round-trip through JSON-friendly dicts. Every array carries optional leading batch dimensions
+so many independent runs advance in one call; ``round_index`` is shared by the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.special import logsumexp, softmax
+
+from pasto.estimators import (
+    Estimate,
+    History,
+    Statistics,
+    control_variate_round_estimate,
+    discount_statistics,
+    empty_history,
+    history_estimate,
+    history_update,
+    ips_round_estimate,
+    pooled_estimate,
+)
+from pasto.objectives import Objective
+from pasto.optimum import mirror_ascent
+
+__all__ = [
+    "AlgorithmConfig",
+    "ControllerState",
+    "PRESETS",
+    "initial_state",
+    "update",
+    "estimate",
+    "exploration_rate",
+    "step_size",
+    "stage_of",
+]
+
+ESTIMATORS = ("ips", "pooled", "control_variate")
+STEP_SCHEDULES = ("constant", "per_arm", "horizon", "doubling", "adagrad")
+EXPLORATION_SCHEDULES = ("paper", "sqrt", "constant")
+DEPLOY_RULES = ("average", "stage", "last")
+GUARDRAIL_WEIGHT_RULES = ("fixed", "dual_ascent")
+
+# Before a solve, log weights are lifted to at least (max - this): an arm written off under an
+# earlier estimate can come back within a few mirror-ascent steps (e^-30 ~ 1e-13 of the mass).
+_SOLVE_LOG_WEIGHT_FLOOR = 30.0
+_LARGEST = np.finfo(float).max
+_MAX_LOG_STEP = 1e6
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Configuration of the controller (no learned state).
+
+    Attributes
+    ----------
+    estimator : {"ips", "pooled", "control_variate"}
+        How the M x K mean matrix is estimated (see :mod:`pasto.estimators`).
+    discount : float
+        Discount delta in (0, 1] applied per round to the estimator's history (1 = none).
+    step_schedule : {"constant", "per_arm", "horizon", "doubling", "adagrad"}
+        gamma_t = step_size; step_size / K (the paper's 0.1 / K with step_size 0.1);
+        step_size / sqrt(horizon); step_size / sqrt(last round of the current doubling stage);
+        step_size * sqrt(ln K) / sqrt(sum_{s<=t} ||g_s - mean(g_s)||_inf^2).
+    step_size : float
+        Scale of the step schedule (>= 0).
+    horizon : int or None
+        T for the ``horizon`` schedule.
+    stage_length : int
+        T_0: stage k covers rounds T_0 (2^k - 1) + 1 .. T_0 (2^(k+1) - 1) (``doubling`` and
+        ``stage`` deployment).
+    exploration : {"paper", "sqrt", "constant"}
+        eps_t = exploration_scale / sqrt(t + 10) (paper section 6); max(floor, scale / sqrt(t));
+        scale. Always clipped to [0, 1].
+    exploration_scale, exploration_floor : float
+    deploy : {"average", "stage", "last"}
+        Average of the served p since round 1 (paper, Algorithm 1 line 9); average of the served p
+        over the current stage; the current exploitation mixture w_t / ||w_t||_1 (no exploration).
+    solve_every : int
+        0: plain Algorithm 1. n > 0: every n rounds, after the EG step, run ``solve_steps``
+        mirror-ascent steps on max_p f(V p) warm-started from the weights.
+    solve_steps : int
+    guardrail_weights : {"fixed", "dual_ascent"}
+        Fixed penalties lambda, or lambda_{t+1} = max(0, lambda_t + dual_step (c - y_t)) with y_t the
+        estimated guardrail metrics of the exploitation mixture.
+    dual_step : float
+    """
+
+    estimator: str = "pooled"
+    discount: float = 1.0
+    step_schedule: str = "adagrad"
+    step_size: float = 1.0
+    horizon: int | None = None
+    stage_length: int = 10
+    exploration: str = "sqrt"
+    exploration_scale: float = 1.0
+    exploration_floor: float = 0.05
+    deploy: str = "last"
+    solve_every: int = 5
+    solve_steps: int = 100
+    guardrail_weights: str = "fixed"
+    dual_step: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("estimator", ESTIMATORS),
+            ("step_schedule", STEP_SCHEDULES),
+            ("exploration", EXPLORATION_SCHEDULES),
+            ("deploy", DEPLOY_RULES),
+            ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"Algorithm option {name!r} must be one of {list(allowed)}, got {value!r}.")
+        for name in ("discount", "step_size", "exploration_scale", "exploration_floor", "dual_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
+            object.__setattr__(self, name, float(value))
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
+        for name in ("step_size", "exploration_scale", "dual_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Algorithm option {name!r} must be >= 0, got {getattr(self, name)}.")
+        if not 0.0 <= self.exploration_floor <= 1.0:
+            raise ValueError(
+                f"Algorithm option 'exploration_floor' must be in [0, 1], got {self.exploration_floor}."
+            )
+        for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"Algorithm option {name!r} must be an integer >= {minimum}, got {value!r}.")
+        if self.horizon is not None and (
+            isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
+        ):
+            raise ValueError(f"Algorithm option 'horizon' must be a positive integer, got {self.horizon!r}.")
+        if self.step_schedule == "horizon" and self.horizon is None:
+            raise ValueError("The 'horizon' step schedule needs the option 'horizon' (the number of rounds T).")
+
+    @classmethod
+    def from_preset(cls, preset: str = "default", **overrides: Any) -> AlgorithmConfig:
+        """A preset (``"paper"`` or ``"default"``) with any option overridden by keyword."""
+        if preset not in PRESETS:
+            raise ValueError(f"Unknown algorithm preset {preset!r}; the presets are {sorted(PRESETS)}.")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(overrides) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"Unknown algorithm option(s) {unknown}; the valid options are {valid}."
+            )
+        return cls(**{**PRESETS[preset], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AlgorithmConfig:
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise ValueError(f"Unknown algorithm option(s) {unknown}; the valid options are {valid}.")
+        return cls(**data)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Algorithm 1 with the paper's simulation settings (section 6): IPS history average with
+    # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), deploy the average of p_1..p_t.
+    "paper": dict(
+        estimator="ips",
+        discount=1.0,
+        step_schedule="per_arm",
+        step_size=0.1,
+        exploration="paper",
+        exploration_scale=0.1,
+        exploration_floor=0.0,
+        deploy="average",
+        solve_every=0,
+        solve_steps=0,
+        guardrail_weights="fixed",
+    ),
+    # Estimate-then-solve: pooled means, the concave problem re-solved on the estimate every few
+    # rounds, exploration max(0.05, 1/sqrt(t)), deploy the exploitation mixture.
+    "default": dict(
+        estimator="pooled",
+        discount=1.0,
+        step_schedule="adagrad",
+        step_size=1.0,
+        exploration="sqrt",
+        exploration_scale=1.0,
+        exploration_floor=0.05,
+        deploy="last",
+        solve_every=5,
+        solve_steps=100,
+        guardrail_weights="fixed",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    """Learned state of the controller.
+
+    Attributes
+    ----------
+    round_index : int
+        0-based index of the round now being served (round t = round_index + 1 in the paper).
+    probabilities : ndarray, shape (..., K)
+        p served in the current round (the logged propensities).
+    deployed : ndarray, shape (..., K)
+        The mixture recommended now.
+    log_weights : ndarray, shape (..., K)
+        Normalised log w (log of the exploitation mixture).
+    probability_sum : ndarray, shape (..., K)
+        Sum of the p served in rounds 1..round_index.
+    stage_probability_sum : ndarray, shape (..., K)
+        Sum of the p served in the rounds of the current stage that have closed.
+    gradient_square_sum : ndarray, shape (...)
+        sum_s ||g_s - mean(g_s)||_inf^2 (AdaGrad-style step).
+    guardrail_weights : ndarray, shape (..., G)
+        Current penalties lambda (fixed unless dual ascent).
+    history : History or None
+        Running sums of per-round estimates (``ips`` and ``control_variate``).
+    baseline : ndarray, shape (..., M, K), or None
+        Control-variate baseline for the round being served.
+    discounted : Statistics or None
+        Discounted pooled statistics (``pooled`` with discount < 1).
+    """
+
+    round_index: int
+    probabilities: np.ndarray
+    deployed: np.ndarray
+    log_weights: np.ndarray
+    probability_sum: np.ndarray
+    stage_probability_sum: np.ndarray
+    gradient_square_sum: np.ndarray
+    guardrail_weights: np.ndarray
+    history: History | None = None
+    baseline: np.ndarray | None = None
+    discounted: Statistics | None = None
+
+    @property
+    def n_arms(self) -> int:
+        return int(self.log_weights.shape[-1])
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        return tuple(self.log_weights.shape[:-1])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict (nested lists of floats)."""
+        data: dict[str, Any] = {"round_index": int(self.round_index)}
+        for name in (
+            "probabilities",
+            "deployed",
+            "log_weights",
+            "probability_sum",
+            "stage_probability_sum",
+            "gradient_square_sum",
+            "guardrail_weights",
+        ):
+            data[name] = np.asarray(getattr(self, name)).tolist()
+        if self.history is not None:
+            data["history"] = {
+                "sums": self.history.sums.tolist(),
+                "sums_of_squares": self.history.sums_of_squares.tolist(),
+                "weights": self.history.weights.tolist(),
+            }
+        if self.baseline is not None:
+            data["baseline"] = self.baseline.tolist()
+        if self.discounted is not None:
+            data["discounted"] = {
+                "counts": self.discounted.counts.tolist(),
+                "sums": self.discounted.sums.tolist(),
+                "sums_of_squares": self.discounted.sums_of_squares.tolist(),
+            }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControllerState:
+        required = (
+            "round_index",
+            "probabilities",
+            "deployed",
+            "log_weights",
+            "probability_sum",
+            "stage_probability_sum",
+            "gradient_square_sum",
+            "guardrail_weights",
+        )
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise ValueError(f"The controller state is missing the key(s) {missing}.")
+        unknown = sorted(set(data) - set(required) - {"history", "baseline", "discounted"})
+        if unknown:
+            raise ValueError(f"The controller state has unknown key(s) {unknown}.")
+
+        def array(value: Any) -> np.ndarray:
+            return np.asarray(value, dtype=float)
+
+        history = None
+        if data.get("history") is not None:
+            h = data["history"]
+            history = History(array(h["sums"]), array(h["sums_of_squares"]), array(h["weights"]))
+        discounted = None
+        if data.get("discounted") is not None:
+            d = data["discounted"]
+            discounted = Statistics(array(d["counts"]), array(d["sums"]), array(d["sums_of_squares"]))
+        return cls(
+            round_index=int(data["round_index"]),
+            probabilities=array(data["probabilities"]),
+            deployed=array(data["deployed"]),
+            log_weights=array(data["log_weights"]),
+            probability_sum=array(data["probability_sum"]),
+            stage_probability_sum=array(data["stage_probability_sum"]),
+            gradient_square_sum=array(data["gradient_square_sum"]),
+            guardrail_weights=array(data["guardrail_weights"]),
+            history=history,
+            baseline=None if data.get("baseline") is None else array(data["baseline"]),
+            discounted=discounted,
+        )
+
+
+# ---------------------------------------------------------------------------- schedules
+def exploration_rate(config: AlgorithmConfig, round_number: int) -> float:
+    """eps_t for the 1-based round t (clipped to [0, 1])."""
+    t = float(round_number)
+    if config.exploration == "paper":
+        eps = config.exploration_scale / math.sqrt(t + 10.0)
+    elif config.exploration == "sqrt":
+        eps = max(config.exploration_floor, config.exploration_scale / math.sqrt(t))
+    else:
+        eps = config.exploration_scale
+    return min(1.0, max(0.0, eps))
+
+
+def stage_of(config: AlgorithmConfig, round_number: int) -> int:
+    """Stage k of the 1-based round t: T_0 (2^k - 1) < t <= T_0 (2^(k+1) - 1)."""
+    return int(math.floor(math.log2((round_number - 1) / config.stage_length + 1.0)))
+
+
+def _stage_end(config: AlgorithmConfig, stage: int) -> int:
+    return config.stage_length * (2 ** (stage + 1) - 1)
+
+
+def step_size(
+    config: AlgorithmConfig, round_number: int, n_arms: int, gradient_square_sum: np.ndarray
+) -> np.ndarray:
+    """gamma_t for the 1-based round t; shape (...) like ``gradient_square_sum``."""
+    g2 = np.asarray(gradient_square_sum, dtype=float)
+    if config.step_schedule == "constant":
+        gamma = config.step_size
+    elif config.step_schedule == "per_arm":
+        gamma = config.step_size / n_arms
+    elif config.step_schedule == "horizon":
+        gamma = config.step_size / math.sqrt(config.horizon)
+    elif config.step_schedule == "doubling":
+        gamma = config.step_size / math.sqrt(_stage_end(config, stage_of(config, round_number)))
+    else:
+        numerator = config.step_size * math.sqrt(math.log(n_arms))
+        return np.divide(numerator, np.sqrt(g2), out=np.zeros_like(g2), where=g2 > 0)
+    return np.full_like(g2, gamma)
+
+
+# ---------------------------------------------------------------------------- state
+def initial_state(
+    config: AlgorithmConfig,
+    n_arms: int,
+    n_metrics: int,
+    batch_shape: tuple[int, ...] = (),
+    objective: Objective | None = None,
+) -> ControllerState:
+    """State before round 1: uniform weights (Algorithm 1 line 1), p_1 uniform.
+
+    Parameters
+    ----------
+    config : AlgorithmConfig
+    n_arms, n_metrics : int
+        K and M.
+    batch_shape : tuple of int
+        Leading batch dimensions (independent runs).
+    objective : Objective, optional
+        Supplies the initial guardrail penalties (needed for dual ascent; otherwise the update
+        uses the objective's penalties and this only sets the recorded weights).
+    """
+    if isinstance(n_arms, bool) or not isinstance(n_arms, (int, np.integer)) or n_arms < 1:
+        raise ValueError(f"The number of arms must be a positive integer, got {n_arms!r}.")
+    if isinstance(n_metrics, bool) or not isinstance(n_metrics, (int, np.integer)) or n_metrics < 1:
+        raise ValueError(f"The number of metrics must be a positive integer, got {n_metrics!r}.")
+    batch_shape = tuple(int(b) for b in batch_shape)
+    vector_shape = batch_shape + (int(n_arms),)
+    uniform = np.full(vector_shape, 1.0 / n_arms)
+    penalties = np.zeros(0) if objective is None else objective.penalties
+    history = None
+    if config.estimator in ("ips", "control_variate"):
+        # The paper's V_0 = U_0 = 0 enters the average as one round (Algorithm 1 line 5).
+        history = empty_history(
+            n_metrics, n_arms, batch_shape, prior_weight=1.0 if config.estimator == "ips" else 0.0
+        )
+    baseline = np.zeros(batch_shape + (n_metrics, n_arms)) if config.estimator == "control_variate" else None
+    discounted = None
+    if config.estimator == "pooled" and config.discount < 1.0:
+        discounted = Statistics.zeros(n_metrics, n_arms, batch_shape)
+    return ControllerState(
+        round_index=0,
+        probabilities=uniform,
+        deployed=uniform.copy(),
+        log_weights=np.full(vector_shape, -math.log(n_arms)),
+        probability_sum=np.zeros(vector_shape),
+        stage_probability_sum=np.zeros(vector_shape),
+        gradient_square_sum=np.zeros(batch_shape),
+        guardrail_weights=np.broadcast_to(penalties, batch_shape + penalties.shape).copy(),
+        history=history,
+        baseline=baseline,
+        discounted=discounted,
+    )
+
+
+def _check_statistics(name: str, statistics: Statistics, shape: tuple[int, ...]) -> None:
+    if not isinstance(statistics, Statistics):
+        raise ValueError(f"{name} must be a pasto.estimators.Statistics, got {type(statistics).__name__}.")
+    if statistics.shape != shape:
+        raise ValueError(f"{name} must have shape {shape} (batch, metrics, arms), got {statistics.shape}.")
+    for part in (statistics.counts, statistics.sums, statistics.sums_of_squares):
+        if not np.all(np.isfinite(part)):
+            raise ValueError(f"{name} contains non-finite values.")
+    if np.any(statistics.counts < 0):
+        raise ValueError(f"{name} has negative counts.")
+
+
+def estimate(config: AlgorithmConfig, state: ControllerState, pooled_statistics: Statistics) -> Estimate:
+    """The algorithm's current estimate of the M x K means.
+
+    Parameters
+    ----------
+    config : AlgorithmConfig
+    state : ControllerState
+    pooled_statistics : Statistics
+        Observations over every round so far, shape (..., M, K) (used by ``pooled``).
+    """
+    if config.estimator in ("ips", "control_variate"):
+        if state.history is None:
+            raise ValueError(f"The state carries no history, which the {config.estimator!r} estimator needs.")
+        return history_estimate(state.history)
+    if config.discount < 1.0:
+        if state.discounted is None:
+            raise ValueError("The state carries no discounted statistics, which a discount < 1 needs.")
+        return pooled_estimate(state.discounted)
+    return pooled_estimate(pooled_statistics)
+
+
+def _exploitation(log_weights: np.ndarray) -> np.ndarray:
+    return softmax(log_weights, axis=-1)
+
+
+def update(
+    config: AlgorithmConfig,
+    objective: Objective,
+    state: ControllerState,
+    round_statistics: Statistics,
+    pooled_statistics: Statistics,
+    propensities: np.ndarray | None = None,
+) -> ControllerState:
+    """Close round ``state.round_index`` and return the state for the next round.
+
+    Parameters
+    ----------
+    config : AlgorithmConfig
+    objective : Objective
+    state : ControllerState
+    round_statistics : Statistics, shape (..., M, K)
+        Observations of the closing round only (the IPS estimators' U_t; the round's observation
+        count per metric plays the role of the paper's Q).
+    pooled_statistics : Statistics, shape (..., M, K)
+        Observations over every round so far, late ones included (pooled estimator, and the
+        control-variate baseline for the next round).
+    propensities : ndarray, shape (..., K), optional
+        The p served when ``round_statistics`` were sampled; defaults to ``state.probabilities``.
+
+    Returns
+    -------
+    ControllerState
+        ``round_index + 1``, new probabilities (each >= eps/K, summing to 1) and deployed mixture.
+    """
+    n_arms = state.n_arms
+    n_metrics = objective.n_metrics
+    batch_shape = state.batch_shape
+    matrix_shape = batch_shape + (n_metrics, n_arms)
+    _check_statistics("round_statistics", round_statistics, matrix_shape)
+    _check_statistics("pooled_statistics", pooled_statistics, matrix_shape)
+    served = state.probabilities
+    if propensities is None:
+        propensities = served
+    propensities = np.asarray(propensities, dtype=float)
+    if propensities.shape != batch_shape + (n_arms,):
+        raise ValueError(
+            f"propensities must have shape {batch_shape + (n_arms,)}, got {propensities.shape}."
+        )
+    if np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
+        raise ValueError("An arm has observations in the round but a served probability of 0.")
+
+    t = state.round_index + 1
+    history, baseline, discounted = state.history, state.baseline, state.discounted
+    observed = round_statistics.counts.sum(axis=-1) > 0  # (..., M)
+    if config.estimator == "ips":
+        u = ips_round_estimate(round_statistics, propensities)
+        history = history_update(history, u, observed, config.discount)
+    elif config.estimator == "control_variate":
+        u = control_variate_round_estimate(round_statistics, propensities, baseline)
+        history = history_update(history, u, observed, config.discount)
+        # The next round's baseline is fixed now, before it is sampled, which keeps U unbiased.
+        baseline = pooled_estimate(pooled_statistics).means
+    elif config.discount < 1.0:
+        discounted = discount_statistics(discounted, round_statistics, config.discount)
+    interim = dataclasses.replace(state, history=history, baseline=baseline, discounted=discounted)
+    means = estimate(config, interim, pooled_statistics).means
+    thresholds = objective.thresholds(means)
+    dual = config.guardrail_weights == "dual_ascent"
+    penalties = state.guardrail_weights if dual else None
+
+    # Eq. 7 at the probabilities served in the closing round.
+    x = np.einsum("...mk,...k->...m", means, served)
+    with np.errstate(over="ignore", invalid="ignore"):
+        gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
+    # EG ignores constants added to g, so the centred gradient is used; it is handled as
+    # scale * direction (|direction| <= 2) so that absurd metric scales cannot overflow to inf/nan.
+    gradient = np.nan_to_num(gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
+    scale = np.max(np.abs(gradient), axis=-1)
+    scale = np.where(scale > 0, scale, 1.0)
+    direction = gradient / scale[..., None]
+    direction = direction - direction.mean(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        spread = np.max(np.abs(direction), axis=-1) * scale
+        gradient_square_sum = state.gradient_square_sum + spread**2
+        gamma = step_size(config, t, n_arms, gradient_square_sum)
+        # No log weight moves by more than _MAX_LOG_STEP in one round (only reachable with
+        # gradients of absurd size; the order of the arms' moves is kept).
+        move = np.minimum(gamma * scale, _MAX_LOG_STEP)
+    log_weights = state.log_weights + move[..., None] * direction
+    log_weights = log_weights - logsumexp(log_weights, axis=-1, keepdims=True)
+
+    if config.solve_every and t % config.solve_every == 0 and config.solve_steps > 0:
+        lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - _SOLVE_LOG_WEIGHT_FLOOR)
+        log_weights = mirror_ascent(objective, means, thresholds, lifted, config.solve_steps, penalties)
+    # Arms far below the best keep a finite log weight (their mass, < e^-700, is zero anyway).
+    log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
+    exploitation = _exploitation(log_weights)
+
+    guardrail_weights = state.guardrail_weights
+    if dual:
+        y = np.einsum("...mk,...k->...m", means, exploitation)[..., objective.guardrail_rows]
+        guardrail_weights = np.maximum(0.0, guardrail_weights + config.dual_step * (thresholds - y))
+
+    eps = exploration_rate(config, t + 1)
+    probabilities = (1.0 - eps) * exploitation + eps / n_arms
+
+    probability_sum = state.probability_sum + served
+    if t == 1 or stage_of(config, t) != stage_of(config, t - 1):
+        stage_probability_sum = served.copy()
+    else:
+        stage_probability_sum = state.stage_probability_sum + served
+    if config.deploy == "average":
+        deployed = probability_sum / t
+    elif config.deploy == "stage":
+        deployed = stage_probability_sum / stage_probability_sum.sum(axis=-1, keepdims=True)
+    else:
+        deployed = exploitation
+    return ControllerState(
+        round_index=t,
+        probabilities=probabilities,
+        deployed=deployed,
+        log_weights=log_weights,
+        probability_sum=probability_sum,
+        stage_probability_sum=stage_probability_sum,
+        gradient_square_sum=gradient_square_sum,
+        guardrail_weights=guardrail_weights,
+        history=history,
+        baseline=baseline,
+        discounted=discounted,
+    )

@@ -1,0 +1,367 @@
+"""Objectives f(x) over the expected metric vector x = mu p (paper section 3, Eq. 3).
+
+Row order of every M x K matrix follows ``Objective.metrics``. The objective is
+
+    f(x) = sum_i w_i x_{primary_i} - sum_j lambda_j * min(0, x_{g_j} - c_j)^2
+
+that is, a weighted sum of primary metrics (a single primary metric with weight 1 is the paper's
+X) minus the paper's quadratic guardrail penalty (section 6, lambda = 5 in its experiments). With no
+guardrails f is linear and the best mixture is a single arm. f is concave and differentiable, so
+exponentiated gradient applies (Eq. 7).
+
+A guardrail threshold is either absolute (``c_j = threshold``) or relative to a baseline arm b
+(``c_j = mu[g_j, b] * (1 + threshold)``; threshold -0.02 reads "at most 2% below arm b"). Relative
+thresholds are resolved on whatever mean matrix the caller passes (the current estimate during
+learning, the true means in a simulation) and are treated as constants when differentiating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Guardrail", "Objective"]
+
+_SPEC_KEYS = {"primary", "guardrails"}
+_GUARDRAIL_KEYS = {"metric", "threshold", "penalty", "relative_to"}
+_GUARDRAIL_REQUIRED = ("metric", "threshold", "penalty")
+
+
+@dataclass(frozen=True)
+class Guardrail:
+    """A lower bound on one metric, enforced by the penalty ``penalty * min(0, y - c)^2``.
+
+    Attributes
+    ----------
+    metric : str
+        Name of the guarded metric.
+    threshold : float
+        Absolute lower bound c, or, with ``relative_to``, the relative change allowed against the
+        baseline arm (c = baseline mean * (1 + threshold)).
+    penalty : float
+        Penalty weight lambda >= 0.
+    relative_to : str or None
+        Name of the baseline arm for a relative threshold.
+    """
+
+    metric: str
+    threshold: float
+    penalty: float
+    relative_to: str | None = None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Concave objective over the expected metric vector.
+
+    Attributes
+    ----------
+    metrics : tuple of str
+        All metric names; the row order of every M x K matrix.
+    primary : tuple of (str, float)
+        The maximised metrics and their weights.
+    guardrails : tuple of Guardrail
+        Penalised lower bounds.
+    arm_names : tuple of str or None
+        Arm names, in column order; needed only to resolve relative thresholds.
+    """
+
+    metrics: tuple[str, ...]
+    primary: tuple[tuple[str, float], ...]
+    guardrails: tuple[Guardrail, ...] = ()
+    arm_names: tuple[str, ...] | None = None
+    # Derived index arrays, computed once so value/gradient are plain vectorised numpy.
+    _primary_weights: np.ndarray = field(init=False, repr=False, compare=False)
+    _guardrail_rows: np.ndarray = field(init=False, repr=False, compare=False)
+    _guardrail_selector: np.ndarray = field(init=False, repr=False, compare=False)
+    _penalties: np.ndarray = field(init=False, repr=False, compare=False)
+    _raw_thresholds: np.ndarray = field(init=False, repr=False, compare=False)
+    _relative_columns: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        metrics = tuple(self.metrics)
+        object.__setattr__(self, "metrics", metrics)
+        object.__setattr__(self, "primary", tuple((str(m), float(w)) for m, w in self.primary))
+        object.__setattr__(self, "guardrails", tuple(self.guardrails))
+        if self.arm_names is not None:
+            object.__setattr__(self, "arm_names", tuple(self.arm_names))
+        _validate(self)
+        row = {name: index for index, name in enumerate(metrics)}
+        weights = np.zeros(len(metrics))
+        for name, weight in self.primary:
+            weights[row[name]] += weight
+        rows = np.array([row[g.metric] for g in self.guardrails], dtype=np.intp)
+        selector = np.zeros((len(self.guardrails), len(metrics)))
+        selector[np.arange(len(rows)), rows] = 1.0
+        arm_column = {name: index for index, name in enumerate(self.arm_names or ())}
+        relative = np.array(
+            [arm_column[g.relative_to] if g.relative_to is not None else -1 for g in self.guardrails],
+            dtype=np.intp,
+        )
+        for name, value in (
+            ("_primary_weights", weights),
+            ("_guardrail_rows", rows),
+            ("_guardrail_selector", selector),
+            ("_penalties", np.array([g.penalty for g in self.guardrails], dtype=float)),
+            ("_raw_thresholds", np.array([g.threshold for g in self.guardrails], dtype=float)),
+            ("_relative_columns", relative),
+        ):
+            value.setflags(write=False)
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_spec(
+        cls,
+        metrics: Sequence[str],
+        spec: Mapping[str, Any],
+        arm_names: Sequence[str] | None = None,
+    ) -> Objective:
+        """Build an objective from its JSON form.
+
+        Parameters
+        ----------
+        metrics : sequence of str
+            Metric names in row order.
+        spec : mapping
+            ``{"primary": "x" | {"x": 1.0, "z": 0.5}, "guardrails": [{"metric", "threshold",
+            "penalty", "relative_to"?}, ...]}``; ``guardrails`` may be omitted.
+        arm_names : sequence of str, optional
+            Arm names; required when a guardrail has ``relative_to``.
+
+        Raises
+        ------
+        ValueError
+            With a sentence naming the offending key when the spec is invalid.
+        """
+        if not isinstance(spec, Mapping):
+            raise ValueError("The objective must be a JSON object with keys 'primary' and 'guardrails'.")
+        unknown = sorted(set(spec) - _SPEC_KEYS)
+        if unknown:
+            raise ValueError(
+                f"The objective has unknown key(s) {unknown}; allowed keys are 'primary' and 'guardrails'."
+            )
+        if "primary" not in spec:
+            raise ValueError("The objective needs a 'primary' metric (a name or a {name: weight} object).")
+        raw_primary = spec["primary"]
+        if isinstance(raw_primary, str):
+            primary = ((raw_primary, 1.0),)
+        elif isinstance(raw_primary, Mapping):
+            items = []
+            for name, weight in raw_primary.items():
+                if not _is_number(weight):
+                    raise ValueError(f"The weight of primary metric {name!r} must be a number, got {weight!r}.")
+                items.append((str(name), float(weight)))
+            primary = tuple(items)
+        else:
+            raise ValueError(
+                f"'primary' must be a metric name or a {{name: weight}} object, got {raw_primary!r}."
+            )
+        raw_guardrails = spec.get("guardrails", [])
+        if raw_guardrails is None:
+            raw_guardrails = []
+        if not isinstance(raw_guardrails, Sequence) or isinstance(raw_guardrails, (str, bytes)):
+            raise ValueError("'guardrails' must be a list of guardrail objects.")
+        guardrails = []
+        for position, raw in enumerate(raw_guardrails):
+            where = f"Guardrail {position}"
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"{where} must be an object with keys 'metric', 'threshold' and 'penalty'.")
+            unknown = sorted(set(raw) - _GUARDRAIL_KEYS)
+            if unknown:
+                raise ValueError(
+                    f"{where} has unknown key(s) {unknown}; allowed keys are "
+                    "'metric', 'threshold', 'penalty' and 'relative_to'."
+                )
+            for key in _GUARDRAIL_REQUIRED:
+                if key not in raw:
+                    raise ValueError(f"{where} is missing the required key {key!r}.")
+            for key in ("threshold", "penalty"):
+                if not _is_number(raw[key]):
+                    raise ValueError(f"{where} key {key!r} must be a number, got {raw[key]!r}.")
+            relative_to = raw.get("relative_to")
+            if relative_to is not None and not isinstance(relative_to, str):
+                raise ValueError(f"{where} key 'relative_to' must be an arm name, got {relative_to!r}.")
+            guardrails.append(
+                Guardrail(
+                    metric=str(raw["metric"]),
+                    threshold=float(raw["threshold"]),
+                    penalty=float(raw["penalty"]),
+                    relative_to=relative_to,
+                )
+            )
+        return cls(
+            metrics=tuple(metrics),
+            primary=primary,
+            guardrails=tuple(guardrails),
+            arm_names=None if arm_names is None else tuple(arm_names),
+        )
+
+    def to_spec(self) -> dict[str, Any]:
+        """The JSON form accepted by :meth:`from_spec`."""
+        if len(self.primary) == 1 and self.primary[0][1] == 1.0:
+            primary: Any = self.primary[0][0]
+        else:
+            primary = {name: weight for name, weight in self.primary}
+        guardrails = []
+        for g in self.guardrails:
+            item: dict[str, Any] = {"metric": g.metric, "threshold": g.threshold, "penalty": g.penalty}
+            if g.relative_to is not None:
+                item["relative_to"] = g.relative_to
+            guardrails.append(item)
+        return {"primary": primary, "guardrails": guardrails}
+
+    # ------------------------------------------------------------------ numerics
+    @property
+    def n_metrics(self) -> int:
+        return len(self.metrics)
+
+    @property
+    def primary_weights(self) -> np.ndarray:
+        """(M,) weight of each metric row in the linear (primary) part."""
+        return self._primary_weights
+
+    @property
+    def guardrail_rows(self) -> np.ndarray:
+        """(G,) metric row of each guardrail."""
+        return self._guardrail_rows
+
+    @property
+    def penalties(self) -> np.ndarray:
+        """(G,) penalty weights lambda_j."""
+        return self._penalties
+
+    def thresholds(self, means: np.ndarray) -> np.ndarray:
+        """Resolve guardrail thresholds c_j.
+
+        Parameters
+        ----------
+        means : ndarray, shape (..., M, K)
+            Mean matrix used for relative thresholds (ignored by absolute ones).
+
+        Returns
+        -------
+        ndarray, shape (..., G)
+        """
+        means = np.asarray(means, dtype=float)
+        if means.ndim < 2 or means.shape[-2] != self.n_metrics:
+            raise ValueError(
+                f"The means must have shape (..., {self.n_metrics}, K), got {means.shape}."
+            )
+        batch = means.shape[:-2]
+        result = np.broadcast_to(self._raw_thresholds, batch + self._raw_thresholds.shape).copy()
+        relative = self._relative_columns >= 0
+        if relative.any():
+            if self.arm_names is not None and means.shape[-1] != len(self.arm_names):
+                raise ValueError(
+                    f"The means have {means.shape[-1]} arms but the objective names {len(self.arm_names)}."
+                )
+            rows = self._guardrail_rows[relative]
+            columns = self._relative_columns[relative]
+            baseline = means[..., rows, columns]
+            result[..., relative] = baseline * (1.0 + self._raw_thresholds[relative])
+        return result
+
+    def _shortfall(self, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=float)
+        if x.shape[-1:] != (self.n_metrics,):
+            raise ValueError(f"The metric vector must have shape (..., {self.n_metrics}), got {x.shape}.")
+        return np.minimum(0.0, x[..., self._guardrail_rows] - np.asarray(thresholds, dtype=float))
+
+    def value(
+        self, x: np.ndarray, thresholds: np.ndarray, penalties: np.ndarray | None = None
+    ) -> np.ndarray:
+        """f(x).
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., M)
+            Expected metric vector (mu p).
+        thresholds : ndarray, shape (..., G)
+            Resolved thresholds (see :meth:`thresholds`).
+        penalties : ndarray, shape (..., G), optional
+            Penalty weights replacing the configured ones (dual-ascent guardrail weights).
+
+        Returns
+        -------
+        ndarray, shape (...)
+        """
+        x = np.asarray(x, dtype=float)
+        lam = self._penalties if penalties is None else np.asarray(penalties, dtype=float)
+        shortfall = self._shortfall(x, thresholds)
+        return x @ self._primary_weights - np.sum(lam * shortfall**2, axis=-1)
+
+    def gradient(
+        self, x: np.ndarray, thresholds: np.ndarray, penalties: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Gradient of f with respect to x; shape (..., M). Arguments as in :meth:`value`."""
+        x = np.asarray(x, dtype=float)
+        lam = self._penalties if penalties is None else np.asarray(penalties, dtype=float)
+        shortfall = self._shortfall(x, thresholds)
+        return self._primary_weights + (-2.0 * lam * shortfall) @ self._guardrail_selector
+
+    def mixture_value(
+        self, means: np.ndarray, probabilities: np.ndarray, thresholds: np.ndarray | None = None
+    ) -> np.ndarray:
+        """f(mu p) for means (..., M, K) and probabilities (..., K); thresholds default to ``thresholds(means)``."""
+        means = np.asarray(means, dtype=float)
+        if thresholds is None:
+            thresholds = self.thresholds(means)
+        x = np.einsum("...mk,...k->...m", means, np.asarray(probabilities, dtype=float))
+        return self.value(x, thresholds)
+
+
+def _validate(objective: Objective) -> None:
+    metrics = objective.metrics
+    if len(metrics) == 0:
+        raise ValueError("The objective needs at least one metric name.")
+    for name in metrics:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Metric names must be non-empty strings, got {name!r}.")
+    if len(set(metrics)) != len(metrics):
+        raise ValueError(f"Metric names must be unique, got {list(metrics)}.")
+    known = set(metrics)
+    if not objective.primary:
+        raise ValueError("The objective needs at least one primary metric.")
+    primary_names = [name for name, _ in objective.primary]
+    if len(set(primary_names)) != len(primary_names):
+        raise ValueError(f"Primary metrics must be unique, got {primary_names}.")
+    for name, weight in objective.primary:
+        if name not in known:
+            raise ValueError(f"Primary metric {name!r} is not one of the metrics {list(metrics)}.")
+        if not math.isfinite(weight):
+            raise ValueError(f"The weight of primary metric {name!r} must be finite, got {weight}.")
+    if all(weight == 0.0 for _, weight in objective.primary):
+        raise ValueError("At least one primary metric needs a non-zero weight.")
+    if objective.arm_names is not None and len(set(objective.arm_names)) != len(objective.arm_names):
+        raise ValueError(f"Arm names must be unique, got {list(objective.arm_names)}.")
+    for position, g in enumerate(objective.guardrails):
+        where = f"Guardrail {position} (metric {g.metric!r})"
+        if g.metric not in known:
+            raise ValueError(f"{where} refers to an unknown metric; the metrics are {list(metrics)}.")
+        if g.metric in primary_names:
+            raise ValueError(
+                f"{where} guards a primary metric; a metric is either maximised or guarded, not both."
+            )
+        if not math.isfinite(g.threshold):
+            raise ValueError(f"{where} key 'threshold' must be finite, got {g.threshold}.")
+        if not math.isfinite(g.penalty) or g.penalty < 0:
+            raise ValueError(f"{where} key 'penalty' must be a finite number >= 0, got {g.penalty}.")
+        if g.relative_to is not None:
+            if objective.arm_names is None:
+                raise ValueError(
+                    f"{where} key 'relative_to' names arm {g.relative_to!r}, but no arm names were given."
+                )
+            if g.relative_to not in objective.arm_names:
+                raise ValueError(
+                    f"{where} key 'relative_to' names arm {g.relative_to!r}, which is not one of the arms "
+                    f"{list(objective.arm_names)}."
+                )

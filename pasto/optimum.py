@@ -1,0 +1,283 @@
+"""Optimum tools: the best mixture max_p f(mu p) on the simplex, the best single arm, regret.
+
+:func:`mirror_ascent` is the batched exponentiated-gradient solver (entropic mirror ascent with a
+per-problem adaptive step and monotone acceptance) that the algorithm's solve-per-round mode
+uses. :func:`best_mixture` is exact: mirror ascent finds the support, then SLSQP solves the
+problem restricted to a small working set of arms, and columns violating the optimality
+condition (``g_k <= p . g`` for every arm, g = mu^T grad f(mu p)) are added until none remains.
+The optimum of f(mu p) has at most G + 2 arms in its support (f depends on mu p only through the
+primary combination and the G guarded rows), so the restricted problems stay small even at
+K = 10,000.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import logsumexp
+
+from pasto.objectives import Objective
+
+__all__ = [
+    "mirror_ascent",
+    "best_mixture",
+    "best_single",
+    "regret",
+    "per_round_regret",
+    "smoothness",
+]
+
+# Log weights more than this below the largest are clamped: their probability (< e^-700) is zero
+# in float64 anyway, and keeping them finite keeps every later step free of inf - inf.
+_LOG_WEIGHT_SPAN = 700.0
+
+
+def _normalise(log_weights: np.ndarray) -> np.ndarray:
+    log_weights = log_weights - logsumexp(log_weights, axis=-1, keepdims=True)
+    return np.maximum(log_weights, -_LOG_WEIGHT_SPAN)
+
+
+def smoothness(objective: Objective, means: np.ndarray, penalties: np.ndarray | None = None) -> np.ndarray:
+    """Upper bound L on the curvature of p -> f(mu p) in the l1 norm; shape (...).
+
+    f's Hessian is diagonal with -2 lambda_j on violated guardrails, so
+    |d^T mu^T H mu d| <= 2 sum_j lambda_j max_k mu[g_j, k]^2 for ||d||_1 <= 1. A mirror-ascent step
+    of 1 / L never decreases f (relative smoothness with respect to the entropy).
+    """
+    means = np.asarray(means, dtype=float)
+    lam = objective.penalties if penalties is None else np.asarray(penalties, dtype=float)
+    rows = means[..., objective.guardrail_rows, :]
+    return 2.0 * np.sum(lam * np.max(rows**2, axis=-1), axis=-1)
+
+
+def _evaluate(objective, means, thresholds, log_weights, penalties):
+    p = np.exp(log_weights)
+    x = np.einsum("...mk,...k->...m", means, p)
+    value = objective.value(x, thresholds, penalties)
+    gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
+    return value, gradient
+
+
+def mirror_ascent(
+    objective: Objective,
+    means: np.ndarray,
+    thresholds: np.ndarray,
+    log_weights: np.ndarray | None = None,
+    steps: int = 200,
+    penalties: np.ndarray | None = None,
+) -> np.ndarray:
+    """Maximise f(mu p) over the simplex by exponentiated gradient, for a batch of problems.
+
+    Each problem keeps its own step size: it starts at 1 / L (see :func:`smoothness`), doubles
+    after an accepted step and halves after a rejected one; a step is accepted only if f does not
+    decrease, so f(mu p) is monotone along the iterations.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (..., M, K)
+    thresholds : ndarray, shape (..., G)
+    log_weights : ndarray, shape (..., K), optional
+        Warm start (unnormalised log weights); uniform when omitted.
+    steps : int
+        Number of iterations (each costs two evaluations of f and its gradient).
+    penalties : ndarray, shape (..., G), optional
+        Guardrail penalties replacing the objective's.
+
+    Returns
+    -------
+    ndarray, shape (..., K)
+        Normalised log weights (log p) of the final iterate.
+    """
+    means = np.asarray(means, dtype=float)
+    thresholds = np.asarray(thresholds, dtype=float)
+    if log_weights is None:
+        log_weights = np.zeros(means.shape[:-2] + means.shape[-1:])
+    current = _normalise(np.asarray(log_weights, dtype=float))
+    value, gradient = _evaluate(objective, means, thresholds, current, penalties)
+    spread = np.ptp(gradient, axis=-1)
+    curvature = smoothness(objective, means, penalties)
+    # Linear objectives have no curvature: start from a step that moves log-odds by about one.
+    step = 1.0 / np.maximum(np.maximum(curvature, spread), 1e-12)
+    for _ in range(steps):
+        candidate = _normalise(current + step[..., None] * gradient)
+        candidate_value, candidate_gradient = _evaluate(objective, means, thresholds, candidate, penalties)
+        accept = candidate_value >= value
+        current = np.where(accept[..., None], candidate, current)
+        value = np.where(accept, candidate_value, value)
+        gradient = np.where(accept[..., None], candidate_gradient, gradient)
+        step = np.where(accept, np.minimum(step * 2.0, 1e12), step * 0.5)
+    return current
+
+
+def _restricted_solve(objective, means, thresholds, support, start):
+    sub = means[:, support]
+
+    def negative(q):
+        x = sub @ q
+        return -float(objective.value(x, thresholds)), -(sub.T @ objective.gradient(x, thresholds))
+
+    result = minimize(
+        negative,
+        start,
+        jac=True,
+        method="SLSQP",
+        bounds=[(0.0, 1.0)] * len(support),
+        constraints=[{"type": "eq", "fun": lambda q: np.sum(q) - 1.0, "jac": lambda q: np.ones_like(q)}],
+        options={"ftol": 1e-15, "maxiter": 500},
+    )
+    q = np.clip(result.x, 0.0, None)
+    return q / q.sum()
+
+
+def _best_mixture_single(objective, means, thresholds):
+    m, k = means.shape
+    log_p = mirror_ascent(objective, means, thresholds, steps=300)
+    p_start = np.exp(log_p)
+    best_p, best_value = p_start, float(objective.mixture_value(means, p_start, thresholds))
+    single_values = objective.value(means.T, thresholds)
+    single = int(np.argmax(single_values))
+    if single_values[single] > best_value:
+        best_p = np.zeros(k)
+        best_p[single] = 1.0
+        best_value = float(single_values[single])
+    if k == 1:
+        return best_p, best_value
+    width = min(k, len(objective.guardrails) + 8)
+    support = np.union1d(np.argsort(p_start)[-width:], [single])
+    p = best_p
+    for _ in range(50):
+        start = p[support] + 1e-3
+        q = _restricted_solve(objective, means, thresholds, support, start / start.sum())
+        candidate = np.zeros(k)
+        candidate[support] = q
+        value = float(objective.mixture_value(means, candidate, thresholds))
+        if value >= best_value:
+            best_p, best_value = candidate, value
+        p = best_p
+        x = means @ p
+        gradient = means.T @ objective.gradient(x, thresholds)
+        gap = gradient - p @ gradient
+        scale = 1.0 + np.max(np.abs(gradient))
+        outside = np.setdiff1d(np.flatnonzero(gap > 1e-9 * scale), support)
+        if outside.size == 0:
+            break
+        worst = outside[np.argsort(gap[outside])[-width:]]
+        support = np.union1d(np.flatnonzero(p > 0), worst)
+    # Polish: a few monotone mirror-ascent steps cannot lower the value.
+    polished = np.exp(mirror_ascent(objective, means, thresholds, np.log(np.maximum(best_p, 1e-300)), steps=50))
+    polished_value = float(objective.mixture_value(means, polished, thresholds))
+    if polished_value > best_value:
+        best_p, best_value = polished, polished_value
+    return best_p, best_value
+
+
+def best_mixture(
+    objective: Objective, means: np.ndarray, thresholds: np.ndarray | None = None
+) -> tuple[np.ndarray, float | np.ndarray]:
+    """The best mixture p* = argmax_p f(mu p) on the simplex and its value.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (..., M, K)
+    thresholds : ndarray, shape (..., G), optional
+        Defaults to ``objective.thresholds(means)``.
+
+    Returns
+    -------
+    (ndarray, float or ndarray)
+        p* with shape (..., K) and f(mu p*) (a float without batch dimensions, else shape (...)).
+    """
+    means = np.asarray(means, dtype=float)
+    if means.ndim < 2 or means.shape[-2] != objective.n_metrics:
+        raise ValueError(f"The means must have shape (..., {objective.n_metrics}, K), got {means.shape}.")
+    if not np.all(np.isfinite(means)):
+        raise ValueError("The means must be finite.")
+    if thresholds is None:
+        thresholds = objective.thresholds(means)
+    thresholds = np.broadcast_to(np.asarray(thresholds, dtype=float), means.shape[:-2] + (len(objective.guardrails),))
+    batch = means.shape[:-2]
+    probabilities = np.empty(batch + means.shape[-1:])
+    values = np.empty(batch)
+    for index in np.ndindex(*batch):
+        probabilities[index], values[index] = _best_mixture_single(objective, means[index], thresholds[index])
+    if not batch:
+        return probabilities, float(values)
+    return probabilities, values
+
+
+def best_single(
+    objective: Objective, means: np.ndarray, thresholds: np.ndarray | None = None
+) -> tuple[int | np.ndarray, float | np.ndarray]:
+    """The best single arm argmax_k f(mu[:, k]) and its value (arrays with batch dimensions)."""
+    means = np.asarray(means, dtype=float)
+    if thresholds is None:
+        thresholds = objective.thresholds(means)
+    thresholds = np.asarray(thresholds, dtype=float)
+    values = objective.value(np.swapaxes(means, -1, -2), thresholds[..., None, :])
+    index = np.argmax(values, axis=-1)
+    value = np.take_along_axis(values, index[..., None], axis=-1)[..., 0]
+    if index.ndim == 0:
+        return int(index), float(value)
+    return index, value
+
+
+def regret(
+    objective: Objective, means: np.ndarray, probabilities: np.ndarray, thresholds: np.ndarray | None = None
+) -> float | np.ndarray:
+    """f(mu p*) - f(mu p): the gap to the best mixture (>= 0 up to solver tolerance)."""
+    means = np.asarray(means, dtype=float)
+    if thresholds is None:
+        thresholds = objective.thresholds(means)
+    _, optimum = best_mixture(objective, means, thresholds)
+    gap = optimum - objective.mixture_value(means, probabilities, thresholds)
+    return float(gap) if np.ndim(gap) == 0 else gap
+
+
+def per_round_regret(
+    objective: Objective,
+    means_by_round: np.ndarray,
+    probabilities_by_round: np.ndarray,
+    estimates_by_round: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """The per-round regret terms of the paper's Theorem 2 (mu may drift over rounds).
+
+    With mu_bar_t = (1/t) sum_{s<=t} mu_s, round t contributes
+    ``f(mu_bar_t p*_t) - f(mu_bar_t p_t)`` (first bound) and, given the estimates V_s,
+    ``f(mu_bar_t p*_t) - f(V_bar_t p_t)`` with V_bar_t = (1/t) sum_{s<=t} V_s (second bound), where
+    p*_t maximises f(mu_bar_t p). Thresholds are resolved on mu_bar_t.
+
+    Parameters
+    ----------
+    means_by_round : ndarray, shape (T, M, K)
+    probabilities_by_round : ndarray, shape (T, K)
+        p_t served in round t.
+    estimates_by_round : ndarray, shape (T, M, K), optional
+
+    Returns
+    -------
+    dict
+        ``regret`` (T,), ``cumulative_regret`` (T,), and with estimates ``empirical_regret`` and
+        ``cumulative_empirical_regret``.
+    """
+    means_by_round = np.asarray(means_by_round, dtype=float)
+    probabilities_by_round = np.asarray(probabilities_by_round, dtype=float)
+    rounds = np.arange(1, means_by_round.shape[0] + 1)[:, None, None]
+    average_means = np.cumsum(means_by_round, axis=0) / rounds
+    thresholds = objective.thresholds(average_means)
+    optimum = np.empty(means_by_round.shape[0])
+    for t in range(means_by_round.shape[0]):
+        if t > 0 and np.array_equal(average_means[t], average_means[t - 1]):
+            optimum[t] = optimum[t - 1]
+        else:
+            optimum[t] = best_mixture(objective, average_means[t], thresholds[t])[1]
+    achieved = objective.mixture_value(average_means, probabilities_by_round, thresholds)
+    result = {"regret": optimum - achieved}
+    result["cumulative_regret"] = np.cumsum(result["regret"])
+    if estimates_by_round is not None:
+        average_estimates = np.cumsum(np.asarray(estimates_by_round, dtype=float), axis=0) / rounds
+        empirical = objective.mixture_value(average_estimates, probabilities_by_round, thresholds)
+        result["empirical_regret"] = optimum - empirical
+        result["cumulative_empirical_regret"] = np.cumsum(result["empirical_regret"])
+    return result

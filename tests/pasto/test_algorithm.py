@@ -1,0 +1,180 @@
+"""The PASTO update: Algorithm 1 by hand, presets, configuration and state round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pasto.algorithm import (
+    AlgorithmConfig,
+    ControllerState,
+    estimate,
+    exploration_rate,
+    initial_state,
+    stage_of,
+    step_size,
+    update,
+)
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+
+OBJECTIVE_A = Objective.from_spec(
+    ["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]}
+)
+MU_A = np.array([[2.0, 0.0], [-2.0, 2.0]])
+
+
+def _one_query_round(arm: int, values: np.ndarray, n_arms: int = 2) -> Statistics:
+    return Statistics.from_observations(np.array([arm]), np.asarray(values)[None, :], n_arms)
+
+
+def test_paper_preset_is_algorithm_1_by_hand():
+    config = AlgorithmConfig.from_preset("paper")
+    state = initial_state(config, 2, 2, objective=OBJECTIVE_A)
+    pooled = Statistics.zeros(2, 2)
+    rng = np.random.default_rng(0)
+    # Reference: Algorithm 1 written out directly.
+    w = np.ones(2)
+    v = np.zeros((2, 2))
+    p_sum = np.zeros(2)
+    for t in range(1, 40):
+        eps = 0.1 / math.sqrt(t + 10)
+        p = (1 - eps) * w / w.sum() + eps / 2
+        np.testing.assert_allclose(state.probabilities, p, rtol=1e-12)
+        arm = int(rng.choice(2, p=p))
+        observed = MU_A[:, arm] + rng.normal(size=2)
+        u_t = np.zeros((2, 2))
+        u_t[:, arm] = observed / p[arm]
+        v = t / (t + 1) * v + u_t / (t + 1)
+        x = v @ p
+        grad_f = np.array([1.0, -10.0 * min(0.0, x[1])])
+        g = v.T @ grad_f
+        w = w * np.exp(0.1 / 2 * g)
+        p_sum += p
+        round_stats = _one_query_round(arm, observed)
+        pooled = pooled + round_stats
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+        np.testing.assert_allclose(np.exp(state.log_weights), w / w.sum(), rtol=1e-10)
+        np.testing.assert_allclose(state.deployed, p_sum / t, rtol=1e-12)
+        np.testing.assert_allclose(estimate(config, state, pooled).means, v, rtol=1e-12, atol=1e-12)
+        assert state.round_index == t
+
+
+def test_exploration_schedules():
+    paper = AlgorithmConfig.from_preset("paper")
+    assert exploration_rate(paper, 1) == pytest.approx(0.1 / math.sqrt(11))
+    default = AlgorithmConfig.from_preset("default")
+    assert exploration_rate(default, 1) == 1.0
+    assert exploration_rate(default, 100) == pytest.approx(0.1)
+    assert exploration_rate(default, 10_000) == pytest.approx(0.05)
+    constant = AlgorithmConfig.from_preset("default", exploration="constant", exploration_scale=0.2)
+    assert exploration_rate(constant, 7) == 0.2
+
+
+def test_step_schedules():
+    g2 = np.array([4.0, 0.0])
+    base = AlgorithmConfig.from_preset("paper")
+    np.testing.assert_allclose(step_size(base, 3, 10, g2), 0.01)
+    horizon = AlgorithmConfig.from_preset("paper", step_schedule="horizon", step_size=1.0, horizon=100)
+    np.testing.assert_allclose(step_size(horizon, 3, 10, g2), 0.1)
+    doubling = AlgorithmConfig.from_preset("paper", step_schedule="doubling", step_size=1.0, stage_length=10)
+    # Stages: rounds 1-10, 11-30, 31-70, ...
+    assert [stage_of(doubling, t) for t in (1, 10, 11, 30, 31, 70, 71)] == [0, 0, 1, 1, 2, 2, 3]
+    np.testing.assert_allclose(step_size(doubling, 31, 10, g2), 1 / math.sqrt(70))
+    adagrad = AlgorithmConfig.from_preset("paper", step_schedule="adagrad", step_size=1.0)
+    np.testing.assert_allclose(step_size(adagrad, 3, 10, g2), [math.sqrt(math.log(10)) / 2, 0.0])
+
+
+def test_unknown_override_lists_valid_options():
+    with pytest.raises(ValueError, match="valid options are") as info:
+        AlgorithmConfig.from_preset("default", step="big")
+    assert "step_schedule" in str(info.value)
+
+
+def test_unknown_preset_and_bad_values():
+    with pytest.raises(ValueError, match="presets are"):
+        AlgorithmConfig.from_preset("fast")
+    with pytest.raises(ValueError, match="'estimator' must be one of"):
+        AlgorithmConfig.from_preset("default", estimator="magic")
+    with pytest.raises(ValueError, match="'discount'"):
+        AlgorithmConfig.from_preset("default", discount=0.0)
+    with pytest.raises(ValueError, match="'horizon'"):
+        AlgorithmConfig.from_preset("default", step_schedule="horizon")
+    with pytest.raises(ValueError, match="'solve_every'"):
+        AlgorithmConfig.from_preset("default", solve_every=-1)
+
+
+@pytest.mark.parametrize("preset", ["paper", "default"])
+def test_config_dict_round_trip(preset):
+    config = AlgorithmConfig.from_preset(preset)
+    assert AlgorithmConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"estimator": "ips"}, {"estimator": "control_variate"}, {"discount": 0.9},
+     {"guardrail_weights": "dual_ascent"}],
+)
+def test_state_json_round_trip_and_continuation(overrides):
+    config = AlgorithmConfig.from_preset("default", **overrides)
+    rng = np.random.default_rng(0)
+    state = initial_state(config, 3, 2, (2,), objective=OBJECTIVE_A)
+    pooled = Statistics.zeros(2, 3, (2,))
+    means = np.array([[1.0, 0.0, 0.5], [-1.0, 1.0, 0.2]])
+    for _ in range(7):
+        arms = rng.integers(0, 3, size=(2, 4))
+        values = means.T[arms] + rng.normal(size=(2, 4, 2))
+        round_stats = Statistics.from_observations(arms, values, 3)
+        pooled = pooled + round_stats
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+    restored = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.round_index == state.round_index
+    a = update(config, OBJECTIVE_A, state, round_stats, pooled)
+    b = update(config, OBJECTIVE_A, restored, round_stats, pooled)
+    np.testing.assert_array_equal(a.probabilities, b.probabilities)
+    np.testing.assert_array_equal(a.deployed, b.deployed)
+
+
+def test_state_from_dict_rejects_unknown_and_missing_keys():
+    data = initial_state(AlgorithmConfig.from_preset("paper"), 2, 2).to_dict()
+    with pytest.raises(ValueError, match="unknown key"):
+        ControllerState.from_dict({**data, "extra": 1})
+    del data["log_weights"]
+    with pytest.raises(ValueError, match="missing"):
+        ControllerState.from_dict(data)
+
+
+def test_update_rejects_mismatched_statistics():
+    config = AlgorithmConfig.from_preset("paper")
+    state = initial_state(config, 2, 2)
+    with pytest.raises(ValueError, match="round_statistics must have shape"):
+        update(config, OBJECTIVE_A, state, Statistics.zeros(2, 3), Statistics.zeros(2, 2))
+
+
+def test_update_rejects_observations_on_arm_with_zero_propensity():
+    config = AlgorithmConfig.from_preset("paper")
+    state = initial_state(config, 2, 2)
+    stats = _one_query_round(1, np.array([0.0, 1.0]))
+    with pytest.raises(ValueError, match="probability of 0"):
+        update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([1.0, 0.0]))
+
+
+def test_default_preset_learns_setup_a_mixture():
+    """A short noiseless-ish run: the deployed mixture approaches p* = [0.5125, 0.4875]."""
+    config = AlgorithmConfig.from_preset("default")
+    rng = np.random.default_rng(0)
+    runs = 20
+    state = initial_state(config, 2, 2, (runs,), objective=OBJECTIVE_A)
+    pooled = Statistics.zeros(2, 2, (runs,))
+    for _ in range(200):
+        u = rng.random((runs, 10))
+        arms = (u >= state.probabilities[:, :1]).astype(int)
+        values = MU_A.T[arms] + 0.5 * rng.normal(size=(runs, 10, 2))
+        round_stats = Statistics.from_observations(arms, values, 2)
+        pooled = pooled + round_stats
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+    f = OBJECTIVE_A.mixture_value(MU_A, state.deployed)
+    assert f.mean() > 0.98

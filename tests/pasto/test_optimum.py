@@ -1,0 +1,93 @@
+"""Best mixture / best single arm / regret against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from pasto.objectives import Objective
+from pasto.optimum import best_mixture, best_single, mirror_ascent, per_round_regret, regret
+
+OBJECTIVE_A = Objective.from_spec(
+    ["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]}
+)
+OBJECTIVE_B = Objective.from_spec(
+    ["x", "y1", "y2"],
+    {"primary": "x", "guardrails": [
+        {"metric": "y1", "threshold": 0.5, "penalty": 5.0},
+        {"metric": "y2", "threshold": 0.5, "penalty": 5.0}]},
+)
+
+
+def _simplex_grid(k: int, n: int) -> np.ndarray:
+    points = [c for c in itertools.product(range(n + 1), repeat=k - 1) if sum(c) <= n]
+    return np.array([list(c) + [n - sum(c)] for c in points], dtype=float) / n
+
+
+def test_paper_example_optimum():
+    p, value = best_mixture(OBJECTIVE_A, np.array([[2.0, 0.0], [-2.0, 2.0]]))
+    np.testing.assert_allclose(p, [0.5125, 0.4875], atol=1e-7)
+    assert value == pytest.approx(1.0125, abs=1e-10)
+    assert best_single(OBJECTIVE_A, np.array([[2.0, 0.0], [-2.0, 2.0]])) == (1, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_mixture_matches_brute_force_k3(seed):
+    rng = np.random.default_rng(seed)
+    means = rng.uniform(-1, 1, size=(3, 3))
+    grid = _simplex_grid(3, 400)
+    brute = OBJECTIVE_B.mixture_value(means, grid).max()
+    p, value = best_mixture(OBJECTIVE_B, means)
+    assert value >= brute - 1e-12
+    assert value - brute < 1e-3  # the grid's resolution
+    assert p.min() >= 0 and p.sum() == pytest.approx(1.0, abs=1e-12)
+    assert OBJECTIVE_B.mixture_value(means, p) == pytest.approx(value)
+
+
+def test_best_mixture_batched_matches_loop():
+    rng = np.random.default_rng(7)
+    means = rng.uniform(-1, 1, size=(2, 2, 3, 8))
+    p, values = best_mixture(OBJECTIVE_B, means)
+    assert p.shape == (2, 2, 8) and values.shape == (2, 2)
+    for index in np.ndindex(2, 2):
+        assert values[index] == pytest.approx(best_mixture(OBJECTIVE_B, means[index])[1], abs=1e-10)
+
+
+def test_mixture_never_worse_than_best_single_and_linear_is_single():
+    rng = np.random.default_rng(8)
+    means = rng.uniform(-1, 1, size=(3, 50))
+    assert best_mixture(OBJECTIVE_B, means)[1] >= best_single(OBJECTIVE_B, means)[1] - 1e-12
+    linear = Objective.from_spec(["x", "y1", "y2"], {"primary": "x"})
+    p, value = best_mixture(linear, means)
+    assert value == pytest.approx(means[0].max())
+
+
+def test_regret_is_zero_at_optimum_and_positive_elsewhere():
+    means = np.array([[2.0, 0.0], [-2.0, 2.0]])
+    assert regret(OBJECTIVE_A, means, np.array([0.5125, 0.4875])) == pytest.approx(0.0, abs=1e-9)
+    assert regret(OBJECTIVE_A, means, np.array([0.0, 1.0])) == pytest.approx(1.0125)
+
+
+def test_per_round_regret_with_stationary_means():
+    means = np.broadcast_to(np.array([[2.0, 0.0], [-2.0, 2.0]]), (3, 2, 2))
+    probabilities = np.array([[0.0, 1.0], [0.5, 0.5], [0.5125, 0.4875]])
+    result = per_round_regret(OBJECTIVE_A, means, probabilities, estimates_by_round=means)
+    np.testing.assert_allclose(result["regret"], [1.0125, 0.0125, 0.0], atol=1e-9)
+    np.testing.assert_allclose(result["cumulative_regret"], [1.0125, 1.025, 1.025], atol=1e-9)
+    np.testing.assert_allclose(result["empirical_regret"], result["regret"])
+
+
+def test_mirror_ascent_is_monotone_and_batched():
+    rng = np.random.default_rng(9)
+    means = rng.uniform(-1, 1, size=(5, 3, 20))
+    thresholds = OBJECTIVE_B.thresholds(means)
+    values = []
+    log_p = None
+    for _ in range(5):
+        log_p = mirror_ascent(OBJECTIVE_B, means, thresholds, log_p, steps=20)
+        values.append(OBJECTIVE_B.mixture_value(means, np.exp(log_p), thresholds))
+    assert np.all(np.diff(np.array(values), axis=0) >= -1e-12)
+    _, optimum = best_mixture(OBJECTIVE_B, means)
+    assert np.all(optimum - values[-1] < 1e-3)
