@@ -178,6 +178,13 @@ def _plot(result, path: Path) -> None:
         axes.axhline(0.0, color="grey", linestyle=":", label="best single arm (r = 0)")
     axes.plot(rounds, centre, label=summary["algorithm"])
     axes.fill_between(rounds, low, high, alpha=0.25)
+    # Scale to the later 90% of the rounds: the first few rounds can sit far below and flatten the rest.
+    reference_low, reference_high = (summary["best_single"], summary["best_mixture"]) if fixed else (0.0, 1.0)
+    settled = slice(len(rounds) // 10, None)
+    bottom = min(reference_low, float(np.nanmin(low[settled])))
+    top = max(reference_high, float(np.nanmax(high[settled])))
+    margin = 0.05 * (top - bottom) or 0.05
+    axes.set_ylim(bottom - margin, top + margin)
     axes.set_xlabel("round")
     axes.set_title(f"{summary['scenario']}: {summary['algorithm']}, {summary['runs']} runs")
     axes.legend(loc="lower right")

@@ -1,0 +1,136 @@
+"""`pasto simulate` end to end, and the hand-off of service commands."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pasto.cli import _Progress, main, parse_setting
+
+
+def test_simulate_prints_the_table_and_writes_the_json(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    status = main(["simulate", "setup-a", "--algorithm", "paper", "--runs", "30", "--rounds", "200",
+                   "--seed", "7", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert "scenario setup-a  algorithm paper  runs 30  rounds 200  seed 7" in captured.out
+    assert "best single arm f = 0.0000   best mixture f = 1.0125" in captured.out
+    lines = [line for line in captured.out.splitlines() if line.strip().startswith(("100 |", "200 |"))]
+    assert len(lines) == 2
+    document = json.loads(out.read_text())
+    assert document["scenario"] == "setup-a" and document["algorithm"] == "paper"
+    assert document["runs"] == 30 and document["rounds"] == 200 and document["seed"] == 7
+    assert [row["round"] for row in document["checkpoints"]] == [100, 200]
+    assert document["best_single"] == pytest.approx(0.0) and document["best_mixture"] == pytest.approx(1.0125, abs=1e-4)
+    assert document["config"]["estimator"] == "ips"
+    row = document["checkpoints"][-1]
+    assert f"{row['objective']['mean']:9.3f}" in lines[-1]
+
+
+def test_same_seed_identical_json(tmp_path, capsys):
+    paths = [tmp_path / "first.json", tmp_path / "second.json"]
+    for path in paths:
+        assert main(["simulate", "setup-a", "--runs", "10", "--rounds", "60", "--out", str(path)]) == 0
+    capsys.readouterr()
+    assert paths[0].read_bytes() == paths[1].read_bytes()
+
+
+def test_settings_and_noise_override_reach_the_simulation(tmp_path, capsys):
+    out = tmp_path / "ablation.json"
+    argv = ["simulate", "setup-a", "--runs", "10", "--rounds", "50", "--noise-std", "0.5",
+            "--set", "deploy=average", "--set", "solve_every=10", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    document = json.loads(out.read_text())
+    assert document["config"]["deploy"] == "average" and document["config"]["solve_every"] == 10
+    assert document["noise"]["std"] == [0.5, 0.5]
+
+
+def test_baselines_run_from_the_cli(capsys):
+    for algorithm in ("scgd", "thompson"):
+        assert main(["simulate", "setup-a", "--algorithm", algorithm, "--runs", "5", "--rounds", "30"]) == 0
+        assert f"algorithm {algorithm}" in capsys.readouterr().out
+
+
+def test_a_scenario_path_works(tmp_path, capsys):
+    path = tmp_path / "two-arms.json"
+    path.write_text(json.dumps({
+        "name": "two-arms", "metrics": ["x"], "objective": {"primary": "x"},
+        "arms": {"means": [[0.0, 1.0]]}, "noise": {"kind": "gaussian", "std": 0.1}, "rounds": 20,
+    }))
+    assert main(["simulate", str(path), "--runs", "4"]) == 0
+    assert "scenario two-arms" in capsys.readouterr().out
+
+
+def test_parse_setting_reads_json_values():
+    assert parse_setting("step_size=0.5") == ("step_size", 0.5)
+    assert parse_setting("horizon=null") == ("horizon", None)
+    assert parse_setting("deploy=average") == ("deploy", "average")
+    assert parse_setting(" estimator = pooled") == ("estimator", " pooled")
+
+
+def test_progress_line_uses_carriage_returns():
+    stream = io.StringIO()
+    progress = _Progress(stream, "setup-a/paper")
+    progress(1, 4)
+    progress(4, 4)
+    text = stream.getvalue()
+    assert text.startswith("\rsetup-a/paper [")
+    assert "4/4 rounds" in text and text.endswith("\n")
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    status = main(["simulate", "setup-a", "--runs", "3", "--rounds", "20", "--plot", str(tmp_path / "c.png")])
+    assert status == 2
+    assert "pip install pasto[plot]" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_writes_an_image(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "curve.png"
+    assert main(["simulate", "setup-a", "--runs", "5", "--rounds", "40", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_service_commands_without_the_service_give_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "service", None)
+    monkeypatch.setitem(sys.modules, "service.cli", None)
+    assert main(["serve", "--port", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert "the command 'serve' belongs to the pasto service" in err
+    assert "pasto simulate" in err
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "simulate SCENARIO" in capsys.readouterr().err
+
+
+def test_entry_point_in_a_subprocess_never_imports_the_web_stack(tmp_path):
+    out = tmp_path / "result.json"
+    code = (
+        "import sys; from pasto.cli import main; "
+        f"status = main(['simulate', 'setup-a', '--runs', '4', '--rounds', '30', '--out', {str(out)!r}]); "
+        "assert 'flask' not in sys.modules and 'sqlalchemy' not in sys.modules, 'web stack imported'; "
+        "sys.exit(status)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert "scenario setup-a" in completed.stdout
+    assert json.loads(out.read_text())["runs"] == 4
+    module = subprocess.run(
+        [sys.executable, "-m", "pasto.cli", "simulate", "setup-b", "--runs", "2", "--rounds", "5", "--quiet"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert module.returncode == 0, module.stderr
+    assert "scenario setup-b" in module.stdout and "best mixture" not in module.stdout
