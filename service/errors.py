@@ -85,8 +85,6 @@ def register_error_handlers(app: Flask) -> None:
         if error.code == 405 and getattr(error, "valid_methods", None):
             details = {"allowed_methods": sorted(error.valid_methods)}
         message = error.description or error.name
-        if error.code == 400 and "JSON" in (message or ""):
-            message = "The request body is not valid JSON."
         response = error_response(error.code or 500, _code_for(error), message, details)
         if error.code == 405 and getattr(error, "valid_methods", None):
             response.headers["Allow"] = ", ".join(sorted(error.valid_methods))

@@ -6,6 +6,7 @@ validation and the published contract cannot drift apart.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from flask import request
@@ -116,7 +117,10 @@ def json_body() -> Any:
     """The request's JSON body; 415 when it is not JSON, 400 when it does not parse."""
     if not request.is_json:
         raise ApiError(415, "unsupported_media_type", "The request body must be JSON (Content-Type: application/json).")
-    return request.get_json()
+    try:
+        return json.loads(request.get_data(cache=True))
+    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
+        raise ApiError(400, "invalid_json", f"The request body is not valid JSON: {error}.") from None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -92,3 +92,14 @@ def serve() -> Iterator[Callable]:
         server.shutdown()
         thread.join(timeout=10)
         server.server_close()
+
+
+@pytest.fixture
+def setup_a():
+    """``setup_a(name="setup-a", **overrides)``: the request body of a setup-A experiment."""
+    return setup_a_body
+
+
+@pytest.fixture
+def admin_token() -> str:
+    return ADMIN_TOKEN

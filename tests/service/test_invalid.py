@@ -1,0 +1,265 @@
+"""Every error path of the HTTP contract: a 4xx JSON error saying what was wrong, nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import sqlalchemy as sa
+
+from service.db import get_db
+from service.models import ArmRoundCount, Experiment, ObservationId, RoundStatistic, RoundUnit
+
+EXPERIMENTS = "/api/v1/experiments"
+ASSIGN = "/api/v1/experiments/setup-a/assign"
+OBSERVATIONS = "/api/v1/experiments/setup-a/observations"
+
+
+@pytest.fixture
+def created(api, setup_a):
+    response = api("POST", EXPERIMENTS, json=setup_a())
+    assert response.status_code == 201
+    return response.get_json()
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.is_json
+    error = response.get_json()["error"]
+    assert set(error) == {"code", "message", "details"}
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+def observation(**overrides):
+    item = {"id": "o1", "unit": "u1", "round": 0, "values": {"x": 1.0, "y": 2.0}}
+    item.update(overrides)
+    return item
+
+
+def count_rows(app, model) -> int:
+    with get_db(app).read() as session:
+        return session.execute(sa.select(sa.func.count()).select_from(model)).scalar_one()
+
+
+# ------------------------------------------------------------------------- generic HTTP errors
+def test_unknown_url_is_a_json_404(api):
+    assert error_of(api("GET", "/api/v1/nothing"), 404)["code"] == "not_found"
+
+
+def test_wrong_method_is_a_json_405(api, created):
+    error = error_of(api("DELETE", "/api/v1/experiments/setup-a"), 405)
+    assert error["code"] == "method_not_allowed"
+    assert "GET" in error["details"]["allowed_methods"]
+
+
+@pytest.mark.parametrize("method, suffix", [
+    ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("GET", "/rounds"), ("POST", "/rounds"),
+    ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"),
+])
+def test_unknown_experiment_is_404(api, method, suffix):
+    body = {"unit": "u"} if suffix == "/assign" else {"observations": [observation()]} if suffix == "/observations" else None
+    error = error_of(api(method, f"/api/v1/experiments/nope{suffix}", json=body), 404)
+    assert "nope" in error["message"]
+
+
+def test_huge_payload_is_413(api, app, created):
+    app.config["MAX_CONTENT_LENGTH"] = 1024
+    body = {"units": [f"unit-{i}" for i in range(1000)]}
+    assert error_of(api("POST", ASSIGN, json=body), 413)["code"] == "request_entity_too_large"
+
+
+def test_body_that_is_not_json_is_415(api, created):
+    response = api("POST", ASSIGN, data="unit=u1", content_type="application/x-www-form-urlencoded")
+    assert error_of(response, 415)["code"] == "unsupported_media_type"
+
+
+def test_malformed_json_is_400(api, created):
+    error = error_of(api("POST", ASSIGN, data="{\"unit\": ", content_type="application/json"), 400)
+    assert "JSON" in error["message"]
+
+
+@pytest.mark.parametrize("body", [[1, 2], "u1", 3, None])
+def test_body_must_be_an_object(api, created, body):
+    response = api("POST", ASSIGN, data=json.dumps(body), content_type="application/json")
+    assert error_of(response, 422)["details"][0]["location"] == "body"
+
+
+# ------------------------------------------------------------------------- experiment creation
+@pytest.mark.parametrize("change, location", [
+    ({"name": "Bad Name"}, "name"),
+    ({"name": "x" * 65}, "name"),
+    ({"name": ""}, "name"),
+    ({"arms": [{"name": "a", "params": {}}]}, "arms"),
+    ({"arms": [{"name": "a"}, {"name": "a"}]}, "arms[1].name"),
+    ({"arms": [{"name": "a", "params": []}, {"name": "b"}]}, "arms[0].params"),
+    ({"arms": [{"name": "a", "extra": 1}, {"name": "b"}]}, "arms[0].extra"),
+    ({"metrics": []}, "metrics"),
+    ({"metrics": ["x", "x", "y"]}, "metrics[1]"),
+    ({"metrics": ["x", 3]}, "metrics[1]"),
+    ({"objective": {"primary": "z", "guardrails": []}}, "objective"),
+    ({"objective": {"primary": "x", "guardrails": [{"metric": "w", "threshold": 0, "penalty": 1}]}}, "objective"),
+    ({"objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0, "penalty": -1}]}},
+     "objective.guardrails[0].penalty"),
+    ({"objective": {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0, "penalty": 1, "relative_to": "nope"}]}}, "objective"),
+    ({"round_seconds": 0.5}, "round_seconds"),
+    ({"round_seconds": "60"}, "round_seconds"),
+    ({"round_seconds": True}, "round_seconds"),
+    ({"settle_seconds": -1}, "settle_seconds"),
+    ({"algorithm": {"preset": "fastest"}}, "algorithm.preset"),
+    ({"algorithm": {"preset": "default", "no_such_option": 1}}, "algorithm"),
+    ({"algorithm": {"preset": "default", "estimator": "magic"}}, "algorithm"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"unexpected": 1}, "unexpected"),
+])
+def test_invalid_experiment_is_422_naming_the_item(api, app, setup_a, change, location):
+    error = error_of(api("POST", EXPERIMENTS, json=setup_a(**change)), 422)
+    assert error["code"] == "invalid_request"
+    assert error["details"][0]["location"] == location, error
+    assert error["message"].startswith(location)
+    assert count_rows(app, Experiment) == 0
+
+
+@pytest.mark.parametrize("missing", ["name", "arms", "metrics", "objective", "round_seconds"])
+def test_missing_experiment_field_is_422(api, setup_a, missing):
+    body = setup_a()
+    del body[missing]
+    assert error_of(api("POST", EXPERIMENTS, json=body), 422)["details"][0]["location"] == missing
+
+
+def test_non_finite_threshold_is_422(api, setup_a):
+    body = json.dumps(setup_a()).replace('"threshold": 0.0', '"threshold": NaN')
+    error = error_of(api("POST", EXPERIMENTS, data=body, content_type="application/json"), 422)
+    assert error["details"][0]["location"] == "objective.guardrails[0].threshold"
+
+
+def test_duplicate_experiment_name_is_409(api, app, setup_a, created):
+    error = error_of(api("POST", EXPERIMENTS, json=setup_a()), 409)
+    assert error["code"] == "conflict" and "setup-a" in error["message"]
+    assert count_rows(app, Experiment) == 1
+
+
+# ------------------------------------------------------------------------- assignment
+@pytest.mark.parametrize("body, location", [
+    ({}, "unit"),
+    ({"unit": ""}, "unit"),
+    ({"unit": 42}, "unit"),
+    ({"unit": None}, "unit"),
+    ({"unit": "u\u0000"}, "unit"),
+    ({"unit": "x" * 257}, "unit"),
+    ({"units": []}, "units"),
+    ({"units": "u1"}, "units"),
+    ({"units": ["u1", 2]}, "units[1]"),
+    ({"units": ["u1"], "unit": "u2"}, "unit"),
+    ({"unit": "u1", "round": 3}, "round"),
+])
+def test_invalid_assign_is_422(api, created, body, location):
+    error = error_of(api("POST", ASSIGN, json=body), 422)
+    assert error["details"][0]["location"] == location, error
+
+
+def test_lone_surrogate_unit_is_422(api, created):
+    response = api("POST", ASSIGN, data='{"unit": "\\ud800"}', content_type="application/json")
+    assert error_of(response, 422)["details"][0]["location"] == "unit"
+
+
+def test_assign_batch_over_the_limit_is_422(api, created):
+    error = error_of(api("POST", ASSIGN, json={"units": [f"u{i}" for i in range(10_001)]}), 422)
+    assert error["details"][0]["location"] == "units"
+
+
+# ------------------------------------------------------------------------- observations
+@pytest.mark.parametrize("item, location", [
+    (observation(values={"z": 1.0}), "observations[1].values.z"),
+    (observation(arm="c"), "observations[1].arm"),
+    (observation(round=1), "observations[1].round"),
+    (observation(round=-1), "observations[1].round"),
+    (observation(round="0"), "observations[1].round"),
+    (observation(values={}), "observations[1].values"),
+    (observation(values={"x": "1"}), "observations[1].values.x"),
+    (observation(values={"x": True}), "observations[1].values.x"),
+    (observation(values={"x": None}), "observations[1].values.x"),
+    (observation(values=[1.0]), "observations[1].values"),
+    (observation(id=""), "observations[1].id"),
+    (observation(id=7), "observations[1].id"),
+    (observation(unit=None), "observations[1].unit"),
+    (observation(extra=1), "observations[1].extra"),
+    ({"unit": "u1", "round": 0, "values": {"x": 1.0}}, "observations[1].id"),
+])
+def test_invalid_observation_rejects_the_whole_batch(api, app, created, item, location):
+    good = observation(id="good", unit="u2")
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": [good, item]}), 422)
+    assert error["details"][0]["location"] == location, error
+    assert error["message"].startswith(location)
+    for model in (ObservationId, RoundStatistic, ArmRoundCount, RoundUnit):
+        assert count_rows(app, model) == 0
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e309"])
+def test_non_finite_values_are_422(api, app, created, literal):
+    text = '{"observations": [{"id": "o1", "unit": "u1", "round": 0, "values": {"x": %s}}]}' % literal
+    error = error_of(api("POST", OBSERVATIONS, data=text, content_type="application/json"), 422)
+    assert error["details"][0]["location"] == "observations[0].values.x"
+    assert "finite" in error["message"]
+    assert count_rows(app, ObservationId) == 0
+
+
+def test_arm_that_contradicts_the_sticky_assignment_is_422(api, app, created):
+    assigned = api("POST", ASSIGN, json={"unit": "u1"}).get_json()["arm"]
+    other = "b" if assigned == "a" else "a"
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": [observation(arm=other)]}), 422)
+    assert error["details"][0]["location"] == "observations[0].arm"
+    assert assigned in error["message"] and other in error["message"]
+    assert api("POST", OBSERVATIONS, json={"observations": [observation(arm=assigned)]}).status_code == 202
+
+
+@pytest.mark.parametrize("body, location", [
+    ({}, "observations"),
+    ({"observations": []}, "observations"),
+    ({"observations": {"id": "o1"}}, "observations"),
+    ({"observations": [observation()], "more": 1}, "more"),
+])
+def test_invalid_observation_envelope_is_422(api, created, body, location):
+    assert error_of(api("POST", OBSERVATIONS, json=body), 422)["details"][0]["location"] == location
+
+
+def test_observation_batch_over_the_limit_is_422(api, created):
+    batch = [observation(id=f"o{i}", unit=f"u{i}") for i in range(10_001)]
+    assert error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)["details"][0]["location"] == "observations"
+
+
+def test_stopped_experiment_refuses_observations_with_409(api, app, created):
+    assert api("POST", "/api/v1/experiments/setup-a/stop").status_code == 200
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": [observation()]}), 409)
+    assert "stopped" in error["message"]
+    assert count_rows(app, ObservationId) == 0
+
+
+# ------------------------------------------------------------------------- rounds and status
+def test_closing_a_paused_experiment_is_409(api, created):
+    assert api("POST", "/api/v1/experiments/setup-a/pause").status_code == 200
+    assert "paused" in error_of(api("POST", "/api/v1/experiments/setup-a/rounds"), 409)["message"]
+
+
+def test_closing_a_round_that_is_not_current_is_409(api, created):
+    assert api("POST", "/api/v1/experiments/setup-a/rounds", json={"round": 0}).status_code == 200
+    error = error_of(api("POST", "/api/v1/experiments/setup-a/rounds", json={"round": 0}), 409)
+    assert "Round 0" in error["message"]
+
+
+@pytest.mark.parametrize("body, location", [
+    ({"round": "0"}, "round"), ({"round": -1}, "round"), ({"round": True}, "round"), ({"when": 1}, "body"),
+    ([0], "body"),
+])
+def test_invalid_close_body_is_422(api, created, body, location):
+    error = error_of(api("POST", "/api/v1/experiments/setup-a/rounds", json=body), 422)
+    assert error["details"][0]["location"] == location
+
+
+@pytest.mark.parametrize("action", ["pause", "resume"])
+def test_a_stopped_experiment_cannot_be_paused_or_resumed(api, created, action):
+    assert api("POST", "/api/v1/experiments/setup-a/stop").status_code == 200
+    error = error_of(api("POST", f"/api/v1/experiments/setup-a/{action}"), 409)
+    assert "stopped" in error["message"]
