@@ -103,3 +103,21 @@ def setup_a():
 @pytest.fixture
 def admin_token() -> str:
     return ADMIN_TOKEN
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def backend_url(request, tmp_path) -> str:
+    """A fresh database URL on each backend (PostgreSQL tests are marked ``postgres``)."""
+    if request.param == "postgres":
+        return request.getfixturevalue("postgres_url")
+    return f"sqlite:///{tmp_path / 'pasto.sqlite'}"
+
+
+@pytest.fixture
+def backend_api(backend_url):
+    """An :class:`Api` on a migrated database of each backend."""
+    application = make_app(backend_url)
+    with get_db(application).write() as session:
+        role_tokens = {role: create_token(session, role, f"test-{role}") for role in ("read", "ingest", "admin")}
+    yield Api(application.test_client(), role_tokens)
+    get_db(application).engine.dispose()

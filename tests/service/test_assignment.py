@@ -1,0 +1,79 @@
+"""Assignment: sticky per round, identical to pasto.hashing, batch == single, fresh after a round closes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pasto.hashing import bucket, choose_arm, cumulative_probabilities
+from service import create_app
+from service.db import get_db
+
+ASSIGN = "/api/v1/experiments/setup-a/assign"
+
+
+def expected_arm(seed: int, unit: str, round_index: int, probabilities) -> int:
+    return choose_arm(cumulative_probabilities(probabilities), bucket(seed, unit, round_index))
+
+
+def test_assignment_is_sticky_and_matches_the_shared_hash(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(seed=123)).status_code == 201
+    units = [f"user-{i}" for i in range(500)] + ["ünïcødé-🙂", "x' OR 1=1; --"]
+    batch = api("POST", ASSIGN, role="ingest", json={"units": units}).get_json()["assignments"]
+    assert [item["unit"] for item in batch] == units
+    arms = ["a", "b"]
+    for item in batch:
+        single = api("POST", ASSIGN, role="ingest", json={"unit": item["unit"]}).get_json()
+        assert single == item
+        assert item["round"] == 0
+        assert item["probability"] == 0.5
+        assert item["arm"] == arms[expected_arm(123, item["unit"], 0, [0.5, 0.5])]
+        assert item["params"] == ({"weight": 1.0} if item["arm"] == "a" else {"weight": 0.0})
+    share = np.mean([item["arm"] == "a" for item in batch])
+    assert 0.4 < share < 0.6
+
+
+def test_a_new_round_reassigns_with_the_new_mixture_in_every_worker(app, api, setup_a, sqlite_url, admin_token):
+    """A second app on the same database stands for another worker process: it sees the new round
+    through the version check, without any restart."""
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    other = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_ADMIN_TOKEN": admin_token}).test_client()
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    assert other.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 0
+    observations = [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": 2.0 if i % 2 else -2.0, "y": 0.0}}
+                    for i in range(100)]
+    assert api("POST", "/api/v1/experiments/setup-a/observations", json={"observations": observations}).status_code == 202
+    closed = api("POST", "/api/v1/experiments/setup-a/rounds").get_json()
+    probabilities = closed["probabilities"]
+    assert probabilities != [0.5, 0.5]
+    units = [f"user-{i}" for i in range(200)]
+    batch = other.post(ASSIGN, json={"units": units}, headers=headers).get_json()["assignments"]
+    for item in batch:
+        assert item["round"] == 1
+        arm = expected_arm(7, item["unit"], 1, probabilities)
+        assert item["arm"] == ["a", "b"][arm]
+        assert item["probability"] == probabilities[arm]
+    get_db(other.application).engine.dispose()
+
+
+def test_a_stopped_experiment_serves_the_deployed_mixture(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    observations = [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": 1.0, "y": 1.0}} for i in range(20)]
+    api("POST", "/api/v1/experiments/setup-a/observations", json={"observations": observations})
+    api("POST", "/api/v1/experiments/setup-a/rounds")
+    stopped = api("POST", "/api/v1/experiments/setup-a/stop").get_json()
+    assert stopped["status"] == "stopped"
+    deployed = stopped["deployed"]
+    batch = api("POST", ASSIGN, role="ingest", json={"units": [f"z{i}" for i in range(100)]}).get_json()["assignments"]
+    for item in batch:
+        arm = expected_arm(7, item["unit"], stopped["round"]["index"], deployed)
+        assert item["arm"] == ["a", "b"][arm]
+        assert item["probability"] == deployed[arm]
+
+
+def test_a_batch_of_ten_thousand_units(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    units = [f"unit-{i}" for i in range(10_000)]
+    batch = api("POST", ASSIGN, role="ingest", json={"units": units}).get_json()["assignments"]
+    assert len(batch) == 10_000
+    for item in batch[::997]:
+        assert item["arm"] == ["a", "b"][expected_arm(7, item["unit"], 0, [0.5, 0.5])]

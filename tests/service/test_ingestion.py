@@ -1,0 +1,102 @@
+"""Ingestion: exactly-once, aggregated exactly, late observations kept and counted, on both backends."""
+
+from __future__ import annotations
+
+import numpy as np
+import sqlalchemy as sa
+
+from pasto.hashing import bucket, choose_arm, cumulative_probabilities
+from service.db import get_db
+from service.models import ArmRoundCount, RoundStatistic
+
+OBSERVATIONS = "/api/v1/experiments/setup-a/observations"
+
+
+def statistics_in_db(app) -> dict[tuple[int, int, int], tuple[int, float, float]]:
+    with get_db(app).read() as session:
+        rows = session.execute(sa.select(RoundStatistic)).scalars().all()
+    return {(r.round_index, r.arm_index, r.metric_index): (r.count, r.sum, r.sum_of_squares) for r in rows}
+
+
+def sticky_arm(seed: int, unit: str, round_index: int, probabilities) -> int:
+    return choose_arm(cumulative_probabilities(probabilities), bucket(seed, unit, round_index))
+
+
+def test_statistics_are_exact_and_ids_count_once(backend_api, setup_a):
+    api = backend_api
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    rng = np.random.default_rng(3)
+    batch = []
+    for i in range(400):
+        values = {"x": float(rng.normal())}
+        if i % 3:
+            values["y"] = float(rng.normal(2.0, 1.0))  # metrics may arrive separately
+        batch.append({"id": f"obs-{i}", "unit": f"user-{i % 150}", "round": 0, "values": values})
+    first = api("POST", OBSERVATIONS, role="ingest", json={"observations": batch[:300] + batch[:20]})
+    assert first.status_code == 202
+    assert first.get_json() == {"accepted": 300, "duplicates": 20}
+    second = api("POST", OBSERVATIONS, role="ingest", json={"observations": batch[250:]})
+    assert second.get_json() == {"accepted": 100, "duplicates": 50}
+    again = api("POST", OBSERVATIONS, role="ingest", json={"observations": batch})
+    assert again.get_json() == {"accepted": 0, "duplicates": 400}
+
+    expected: dict[tuple[int, int, int], list[float]] = {}
+    for item in batch:
+        arm = sticky_arm(7, item["unit"], 0, [0.5, 0.5])
+        for metric, value in item["values"].items():
+            expected.setdefault((0, arm, ["x", "y"].index(metric)), []).append(value)
+    stored = statistics_in_db(app)
+    assert set(stored) == set(expected)
+    for key, values in expected.items():
+        count, total, total_of_squares = stored[key]
+        assert count == len(values)
+        assert np.isclose(total, np.sum(values), rtol=1e-12, atol=1e-9)
+        assert np.isclose(total_of_squares, np.sum(np.square(values)), rtol=1e-12, atol=1e-9)
+
+    with get_db(app).read() as session:
+        counts = session.execute(sa.select(ArmRoundCount)).scalars().all()
+    assert sum(row.observations for row in counts) == 400
+    assert sum(row.units for row in counts) == 150  # distinct units, for the SRM test
+    assert sum(row.late_observations for row in counts) == 0
+
+
+def test_late_observations_are_kept_counted_and_pooled(backend_api, setup_a):
+    api = backend_api
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    on_time = [{"id": f"a{i}", "unit": f"u{i}", "round": 0, "values": {"x": 1.0, "y": 1.0}} for i in range(10)]
+    assert api("POST", OBSERVATIONS, role="ingest", json={"observations": on_time}).status_code == 202
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    late = [{"id": f"b{i}", "unit": f"v{i}", "round": 0, "values": {"x": 3.0}} for i in range(4)]
+    response = api("POST", OBSERVATIONS, role="ingest", json={"observations": late})
+    assert response.get_json() == {"accepted": 4, "duplicates": 0}
+
+    rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
+    assert rounds[0]["late_observations"] == 4
+    assert sum(rounds[0]["counts"]) == 14
+    assert api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()["late_observations"] == 4
+    x_count = sum(count for (round_index, _, metric), (count, _, _) in statistics_in_db(app).items()
+                  if round_index == 0 and metric == 0)
+    assert x_count == 14  # kept in round 0's statistics, so the next update's pooled estimate uses them
+
+
+def test_omitted_arm_is_derived_from_the_sticky_assignment(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    units = [f"user-{i}" for i in range(50)]
+    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest", json={"units": units}).get_json()
+    arm_of = {item["unit"]: item["arm"] for item in assigned["assignments"]}
+    batch = [{"id": unit, "unit": unit, "round": 0, "values": {"x": 1.0}} for unit in units]
+    assert api("POST", OBSERVATIONS, role="ingest", json={"observations": batch}).status_code == 202
+    rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
+    assert rounds[0]["counts"] == [sum(arm == "a" for arm in arm_of.values()), sum(arm == "b" for arm in arm_of.values())]
+
+
+def test_observations_for_an_earlier_round_use_that_rounds_assignment(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    round_zero = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                     json={"units": [f"u{i}" for i in range(40)]}).get_json()["assignments"]
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    batch = [{"id": item["unit"], "unit": item["unit"], "round": 0, "arm": item["arm"], "values": {"x": 0.5}}
+             for item in round_zero]
+    assert api("POST", OBSERVATIONS, role="ingest", json={"observations": batch}).get_json()["accepted"] == 40

@@ -1,0 +1,201 @@
+"""Round closing: compare-and-set (one update per round), settle time, pause, crash safety, scheduler job."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import sqlalchemy as sa
+
+import pasto.algorithm
+from service.db import get_db
+from service.models import Experiment, Round
+from service.rounds import close_due_rounds, close_round
+from service.scheduler import run_scheduled_work
+
+EXPERIMENT = "/api/v1/experiments/setup-a"
+
+
+def observe(api, round_index: int, prefix: str, n: int = 40) -> None:
+    batch = [{"id": f"{prefix}{i}", "unit": f"{prefix}{i}", "round": round_index,
+              "values": {"x": 1.0 if i % 2 else -1.0, "y": 0.5}} for i in range(n)]
+    response = api("POST", f"{EXPERIMENT}/observations", role="ingest", json={"observations": batch})
+    assert response.status_code == 202, response.get_json()
+
+
+def experiment_row(app):
+    with get_db(app).read() as session:
+        return session.execute(sa.select(Experiment).where(Experiment.name == "setup-a")).scalar_one()
+
+
+def round_rows(app):
+    with get_db(app).read() as session:
+        return session.execute(sa.select(Round).order_by(Round.index)).scalars().all()
+
+
+def count_updates(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real_update = pasto.algorithm.update
+
+    def counting_update(*args, **kwargs):
+        calls.append(1)
+        return real_update(*args, **kwargs)
+
+    monkeypatch.setattr("service.rounds.update", counting_update)
+    return calls
+
+
+def test_two_threads_closing_the_same_round_apply_one_update(backend_api, setup_a, monkeypatch):
+    api = backend_api
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    observe(api, 0, "a")
+    experiment_id = experiment_row(app).id
+    calls = count_updates(monkeypatch)
+    barrier = threading.Barrier(2)
+    results = []
+
+    def closer():
+        barrier.wait()
+        results.append(close_round(get_db(app), experiment_id, 0))
+
+    threads = [threading.Thread(target=closer) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(result is None for result in results) == [False, True]
+    assert len(calls) == 1
+    experiment = experiment_row(app)
+    assert (experiment.round_index, experiment.applied_rounds) == (1, 1)
+    assert [row.index for row in round_rows(app)] == [0, 1]
+
+
+def test_two_schedulers_close_each_round_once(backend_api, setup_a, monkeypatch):
+    api = backend_api
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=1)).status_code == 201
+    calls = count_updates(monkeypatch)
+    start = experiment_row(app).created_at
+    for step in range(1, 6):
+        now = start + timedelta(seconds=2 * step)
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=lambda: (barrier.wait(), close_due_rounds(app, now))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert len(calls) == 5
+    assert experiment_row(app).round_index == 5
+    assert [row.index for row in round_rows(app)] == list(range(6))
+
+
+def test_a_failed_update_leaves_the_round_open(api, app, setup_a, monkeypatch):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    observe(api, 0, "a")
+    before = experiment_row(app)
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash in the middle of the update")
+
+    monkeypatch.setattr("service.rounds.update", crash)
+    assert api("POST", f"{EXPERIMENT}/rounds").status_code == 500
+    after = experiment_row(app)
+    assert (after.round_index, after.applied_rounds, after.version, after.state) == (
+        before.round_index, before.applied_rounds, before.version, before.state)
+    assert [row.closed_at for row in round_rows(app)] == [None]
+    monkeypatch.undo()
+    assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
+    assert experiment_row(app).applied_rounds == 1
+
+
+def test_scheduler_job_closes_due_rounds_only(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
+    ends_at = round_rows(app)[0].ends_at
+    assert close_due_rounds(app, ends_at - timedelta(seconds=1)) == []
+    advances = close_due_rounds(app, ends_at)
+    assert [(a.experiment, a.closed_round, a.applied, a.round_index) for a in advances] == [("setup-a", 0, (0,), 1)]
+    rounds = round_rows(app)
+    assert rounds[1].started_at == ends_at and rounds[1].ends_at == ends_at + timedelta(seconds=60)
+    assert close_due_rounds(app, ends_at) == []
+
+
+def test_settle_time_delays_the_update_and_decides_lateness(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60, settle_seconds=30)).status_code == 201
+    observe(api, 0, "a")
+    ends_at = round_rows(app)[0].ends_at
+    first = close_due_rounds(app, ends_at + timedelta(seconds=1))
+    assert [(a.closed_round, a.applied) for a in first] == [(0, ())]
+    rounds = round_rows(app)
+    assert rounds[1].probabilities == rounds[0].probabilities  # nothing learned yet
+    assert rounds[0].closed_at is not None and rounds[0].applied_at is None
+    observe(api, 0, "settling", n=6)  # round 0 has ended but is settling: on time
+    assert api("GET", f"{EXPERIMENT}/diagnostics", role="read").get_json()["late_observations"] == 0
+    second = close_due_rounds(app, ends_at + timedelta(seconds=31))
+    assert [(a.closed_round, a.applied) for a in second] == [(None, (0,))]
+    experiment = experiment_row(app)
+    assert (experiment.round_index, experiment.applied_rounds) == (1, 1)
+    observe(api, 0, "late", n=3)
+    assert api("GET", f"{EXPERIMENT}/diagnostics", role="read").get_json()["late_observations"] == 3
+
+
+def test_manual_close_ignores_the_settle_time(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(settle_seconds=3600)).status_code == 201
+    observe(api, 0, "a")
+    closed = api("POST", f"{EXPERIMENT}/rounds").get_json()
+    assert closed["closed_round"] == 0 and closed["applied"] == [0]
+    assert closed["round"]["index"] == 1
+    assert closed["probabilities"] != [0.5, 0.5]
+
+
+def test_paused_rounds_do_not_advance_and_resume_restarts_the_clock(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
+    ends_at = round_rows(app)[0].ends_at
+    assert api("POST", f"{EXPERIMENT}/pause").get_json()["status"] == "paused"
+    assert close_due_rounds(app, ends_at + timedelta(hours=1)) == []
+    assert api("POST", f"{EXPERIMENT}/assign", role="ingest", json={"unit": "u"}).get_json()["round"] == 0
+    observe(api, 0, "while-paused")  # paused experiments keep collecting data
+    resumed = api("POST", f"{EXPERIMENT}/resume").get_json()
+    assert resumed["status"] == "running"
+    assert round_rows(app)[0].ends_at > ends_at
+
+
+def test_stopped_experiments_are_never_advanced(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
+    api("POST", f"{EXPERIMENT}/stop")
+    assert close_due_rounds(app, round_rows(app)[0].ends_at + timedelta(hours=1)) == []
+    assert api("POST", f"{EXPERIMENT}/rounds").status_code == 409
+
+
+def test_scheduler_tick_writes_a_heartbeat(api, app):
+    assert api("GET", "/healthz", role=None).get_json()["scheduler"]["alive"] is False
+    run_scheduled_work(app, "test-scheduler")
+    health = api("GET", "/healthz", role=None).get_json()
+    assert health["scheduler"]["alive"] is True
+    assert health["database"]["reachable"] is True
+    assert health["schema"]["current"] == health["schema"]["head"]
+
+
+def test_get_rounds_reports_every_round(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    for index in range(3):
+        observe(api, index, f"r{index}-")
+        assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
+    rounds = api("GET", f"{EXPERIMENT}/rounds", role="read").get_json()["rounds"]
+    assert [entry["index"] for entry in rounds] == [0, 1, 2, 3]
+    for entry in rounds[:3]:
+        assert entry["closed_at"] is not None
+        assert sum(entry["counts"]) == 40
+        assert len(entry["probabilities"]) == 2 and abs(sum(entry["probabilities"]) - 1) < 1e-12
+        assert set(entry["means"]) == {"x", "y"}
+        assert isinstance(entry["objective"], float) and isinstance(entry["regret"], float)
+        assert entry["regret"] >= 0
+    assert rounds[3]["closed_at"] is None and rounds[3]["objective"] is None
+    diagnostics = api("GET", f"{EXPERIMENT}/diagnostics", role="read").get_json()
+    assert set(diagnostics) >= {"objective", "best_mixture", "best_single", "regret", "guardrails", "srm",
+                                "late_observations"}
+    assert len(diagnostics["regret"]["per_round"]) == 3
+    assert diagnostics["regret"]["cumulative"] == pytest.approx(sum(diagnostics["regret"]["per_round"]))
+    assert diagnostics["guardrails"][0]["metric"] == "y"
+    assert set(diagnostics["srm"]) >= {"statistic", "p_value", "ok"}
