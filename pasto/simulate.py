@@ -349,7 +349,7 @@ def simulate(
         "checkpoints": rows,
     }
     for regime, means in enumerate(regimes):
-        if means.ndim == 2:
+        if means.ndim == 2 and (regime == 0 or drift_round <= rounds):
             suffix = "" if regime == 0 else "_after_drift"
             summary["best_single" + suffix] = float(references.best_single[regime][0])
             summary["best_mixture" + suffix] = float(references.best_mixture[regime][0])

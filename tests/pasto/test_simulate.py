@@ -234,3 +234,10 @@ def test_unknown_algorithm_and_setting():
         make_policy("paper", {"gamma": 0.1})
     policy = make_policy("default", {"deploy": "average"})
     assert policy.config.deploy == "average"
+
+
+def test_a_drift_beyond_the_horizon_is_not_reported():
+    scenario = small(rounds=120, drift={"at_round": 100, "means": [[0.0, 2.0], [2.0, -2.0]]})
+    shortened = scenario.with_overrides(rounds=50)
+    summary = simulate(shortened, make_policy("paper")).summary
+    assert "best_mixture" in summary and "best_mixture_after_drift" not in summary
