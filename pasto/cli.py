@@ -117,15 +117,20 @@ def build_parser() -> argparse.ArgumentParser:
 class _Progress:
     """A carriage-return progress line on a terminal, redrawn at most ten times a second."""
 
+    UNITS = {"optimum": "runs' optima solved", "rounds": "rounds"}
+
     def __init__(self, stream: TextIO, label: str) -> None:
         self.stream = stream
         self.label = label
+        self.phase = ""
         self.started = time.monotonic()
         self.last_drawn = 0.0
 
-    def __call__(self, done: int, total: int) -> None:
+    def __call__(self, phase: str, done: int, total: int) -> None:
         now = time.monotonic()
-        if done < total and now - self.last_drawn < 0.1:
+        if phase != self.phase:
+            self.phase, self.started = phase, now
+        elif done < total and now - self.last_drawn < 0.1:
             return
         self.last_drawn = now
         width = 30
@@ -133,8 +138,8 @@ class _Progress:
         elapsed = now - self.started
         remaining = elapsed / done * (total - done) if done else 0.0
         self.stream.write(
-            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rounds, "
-            f"{elapsed:.0f}s elapsed, ~{remaining:.0f}s left "
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+            f"{self.UNITS.get(phase, phase)}, {elapsed:.0f}s elapsed, ~{remaining:.0f}s left "
         )
         if done == total:
             self.stream.write("\n")

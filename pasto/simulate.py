@@ -155,14 +155,29 @@ def draw_means(scenario: Scenario, runs: int) -> list[np.ndarray]:
     return regimes
 
 
-def reference_values(objective: Objective, regimes: list[np.ndarray], runs: int) -> References:
-    """f_single* and f_mix* per run and regime (``pasto.optimum.best_mixture`` once per distinct means)."""
+def reference_values(
+    objective: Objective,
+    regimes: list[np.ndarray],
+    runs: int,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> References:
+    """f_single* and f_mix* per run and regime (``pasto.optimum.best_mixture`` once per distinct means).
+
+    ``progress("optimum", runs_solved, runs)`` is called after each per-run solve.
+    """
     from pasto.optimum import best_mixture
 
     singles, mixtures = [], []
     for means in regimes:
         _, single = baselines.best_single_arm(objective, means)
-        _, mixture = best_mixture(objective, means)
+        if means.ndim == 2:
+            _, mixture = best_mixture(objective, means)
+        else:
+            mixture = np.empty(runs)
+            for run in range(runs):
+                _, mixture[run] = best_mixture(objective, means[run])
+                if progress is not None:
+                    progress("optimum", run + 1, runs)
         single = np.broadcast_to(np.asarray(single, dtype=float), (runs,))
         mixture = np.broadcast_to(np.asarray(mixture, dtype=float), (runs,))
         singles.append(single)
@@ -258,7 +273,7 @@ def simulate(
     policy: Policy,
     *,
     references: References | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> SimulationResult:
     """Run ``scenario.runs`` independent runs of ``policy`` for ``scenario.rounds`` rounds at once.
 
@@ -271,7 +286,8 @@ def simulate(
         Precomputed ``reference_values`` for this scenario's seed and runs (the optimum is solved
         per run when means are drawn, which is worth sharing between algorithms).
     progress : callable, optional
-        Called as ``progress(rounds_done, rounds)`` after every round.
+        Called as ``progress("optimum", runs_solved, runs)`` while the per-run optima are solved
+        (drawn means only) and ``progress("rounds", rounds_done, rounds)`` after every round.
 
     Returns
     -------
@@ -282,7 +298,7 @@ def simulate(
     objective = scenario.objective()
     regimes = draw_means(scenario, runs)
     if references is None:
-        references = reference_values(objective, regimes, runs)
+        references = reference_values(objective, regimes, runs, progress)
     thresholds = [objective.thresholds(means) for means in regimes]
     drift_round = scenario.drift.at_round if scenario.drift is not None else rounds + 1
 
@@ -316,7 +332,7 @@ def simulate(
         if round_number in checkpoints:
             checkpoint_regret[round_number] = regret.mean()
         if progress is not None:
-            progress(round_number, rounds)
+            progress("rounds", round_number, rounds)
 
     regime_by_round = (np.arange(1, rounds + 1) >= drift_round).astype(int)
     single = references.best_single[regime_by_round]

@@ -78,12 +78,15 @@ def test_parse_setting_reads_json_values():
 
 def test_progress_line_uses_carriage_returns():
     stream = io.StringIO()
-    progress = _Progress(stream, "setup-a/paper")
-    progress(1, 4)
-    progress(4, 4)
+    progress = _Progress(stream, "setup-b/paper")
+    progress("optimum", 1, 2)
+    progress("optimum", 2, 2)
+    progress("rounds", 1, 4)
+    progress("rounds", 4, 4)
     text = stream.getvalue()
-    assert text.startswith("\rsetup-a/paper [")
-    assert "4/4 rounds" in text and text.endswith("\n")
+    assert text.startswith("\rsetup-b/paper [")
+    assert "2/2 runs' optima solved" in text
+    assert "\rsetup-b/paper [" + "#" * 30 + "] 4/4 rounds" in text and text.endswith("\n")
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path, capsys):
