@@ -218,7 +218,9 @@ def _simulate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     for option, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None and not path.resolve().parent.is_dir():
             raise ValueError(f"{option} {path}: the directory {path.resolve().parent} does not exist.")
-    show_progress = not args.quiet and stderr.isatty() and scenario.runs * scenario.rounds >= 100_000
+    # Long runs only: many run-rounds, or an optimum to solve per run.
+    long_run = scenario.runs * scenario.rounds >= 100_000 or not scenario.fixed_means
+    show_progress = not args.quiet and stderr.isatty() and long_run
     progress = _Progress(stderr, f"{scenario.name}/{policy.name}") if show_progress else None
     result = simulate(scenario, policy, progress=progress)
     stdout.write(format_table(result.summary) + "\n")
