@@ -55,8 +55,10 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(rounds.bp)
     app.register_blueprint(diagnostics.bp)
 
-    # Monitoring (issue 4): the dashboard blueprint and /metrics (service/dashboard.py,
-    # service/monitoring.py) are registered here, e.g. `dashboard.init_app(app)`, `monitoring.init_app(app)`.
+    from . import dashboard, monitoring
+
+    monitoring.init_app(app)
+    app.register_blueprint(dashboard.bp)
     return app
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import threading
 import time
@@ -77,6 +78,9 @@ def authenticate(required_role: str) -> str:
     Raises 401 when the token is missing or unknown, 403 when its role is too low.
     """
     header = request.headers.get("Authorization", "")
+    if not header and required_role == "read" and anonymous_read_allowed():
+        g.token_role = "read"
+        return "read"
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
@@ -88,6 +92,17 @@ def authenticate(required_role: str) -> str:
         raise ApiError(403, "forbidden", f"This endpoint needs the {required_role!r} role; the token has {role!r}.")
     g.token_role = role
     return role
+
+
+def anonymous_read_allowed() -> bool:
+    """Whether this request may read without a token: ``PASTO_ANONYMOUS_LOOPBACK_READ`` is on and the
+    peer is a loopback address (a reverse proxy on the same machine would make everyone local)."""
+    if not current_app.config.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
+        return False
+    try:
+        return ipaddress.ip_address(request.remote_addr or "").is_loopback
+    except ValueError:
+        return False
 
 
 def require_role(role: str) -> Callable:

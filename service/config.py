@@ -18,6 +18,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_ADMIN_TOKEN`` (bootstrap admin token, kept only as its SHA-256 digest),
     ``PASTO_SCHEDULER_INTERVAL`` (seconds between round checks, default 1),
     ``PASTO_CHECK_SCHEMA`` (refuse to start on an un-migrated database, default true),
+    ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
+    false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
     ``MAX_CONTENT_LENGTH`` (bytes).
     """
     config: dict[str, Any] = {
@@ -25,11 +27,15 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_ADMIN_TOKEN": None,
         "PASTO_SCHEDULER_INTERVAL": 1.0,
         "PASTO_CHECK_SCHEMA": True,
+        "PASTO_ANONYMOUS_LOOPBACK_READ": False,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL"):
         if os.environ.get(key):
             config[key] = os.environ[key]
+    if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
+        config["PASTO_ANONYMOUS_LOOPBACK_READ"] = _flag("PASTO_ANONYMOUS_LOOPBACK_READ",
+                                                        os.environ["PASTO_ANONYMOUS_LOOPBACK_READ"])
     if overrides:
         config.update(overrides)
     try:
@@ -41,3 +47,12 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     if not config["PASTO_SCHEDULER_INTERVAL"] > 0:
         raise ValueError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
     return config
+
+
+def _flag(key: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in {"1", "true", "yes", "on"}:
+        return True
+    if value in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")

@@ -7,7 +7,12 @@ never show anything the API would not, and need no build step or network beyond 
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from flask import Blueprint, current_app, render_template, url_for
+
+from .auth import anonymous_read_allowed
+from .db import get_db
+from .models import Experiment
 
 bp = Blueprint("dashboard", __name__)
 
@@ -15,10 +20,8 @@ DEFAULT_POLL_SECONDS = 5.0
 
 
 def _page_config() -> dict:
-    from service.auth import anonymous_read_allowed
-
     return {
-        "apiBase": url_for("dashboard.index").rstrip("/") + "/api/v1",
+        "apiBase": url_for("experiments.list_experiments").removesuffix("/experiments"),
         "experimentPage": url_for("dashboard.experiment", name="__name__"),
         "anonymousRead": anonymous_read_allowed(),
         "pollSeconds": float(current_app.config.get("PASTO_DASHBOARD_POLL_SECONDS", DEFAULT_POLL_SECONDS)),
@@ -31,6 +34,8 @@ def index() -> str:
 
 
 @bp.get("/experiments/<name>")
-def experiment(name: str) -> str:
-    # An unknown name still renders: the page reports the API's 404, which needs no second code path.
-    return render_template("dashboard/experiment.html", name=name, page_config=_page_config())
+def experiment(name: str) -> tuple[str, int]:
+    # The page for an unknown name still renders (it shows the API's message), with the right status.
+    with get_db().read() as session:
+        exists = session.execute(sa.select(Experiment.id).where(Experiment.name == name)).first() is not None
+    return render_template("dashboard/experiment.html", name=name, page_config=_page_config()), 200 if exists else 404

@@ -28,14 +28,9 @@ def diagnostics(name: str):
         algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
         pooled = pooled_statistics(session, snapshot.id, n_metrics, n_arms)(snapshot.round_index)
         summaries = session.execute(
-            sa.select(Round.index, Round.probabilities, Round.summary)
-            .where(Round.experiment_id == snapshot.id).order_by(Round.index)
+            sa.select(Round.index, Round.summary).where(Round.experiment_id == snapshot.id).order_by(Round.index)
         ).all()
-        counts = session.execute(
-            sa.select(ArmRoundCount.round_index, ArmRoundCount.arm_index, ArmRoundCount.units,
-                      ArmRoundCount.late_observations)
-            .where(ArmRoundCount.experiment_id == snapshot.id)
-        ).all()
+        units, late, srm = traffic_report(session, snapshot.id, n_arms)
     state = ControllerState.from_dict(snapshot.state)
     current = estimate(algorithm, state, pooled)
     means = current.means
@@ -46,22 +41,6 @@ def diagnostics(name: str):
     best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
 
     per_round = [row.summary.get("regret") for row in summaries if row.summary is not None]
-    units = np.zeros(n_arms)
-    expected = np.zeros(n_arms)
-    late = 0
-    units_by_round: dict[int, np.ndarray] = {}
-    for row in counts:
-        units_by_round.setdefault(row.round_index, np.zeros(n_arms))[row.arm_index] += row.units
-        late += row.late_observations
-    for row in summaries:
-        round_units = units_by_round.get(row.index)
-        if round_units is not None:
-            units += round_units
-            expected += round_units.sum() * np.asarray(row.probabilities, dtype=np.float64)
-    if units.sum() > 0:
-        srm = json_safe(sample_ratio_mismatch(units, expected / expected.sum()))
-    else:
-        srm = {"statistic": None, "p_value": None, "ok": True}
     return jsonify({
         "round": snapshot.round_index,
         "objective": {"probabilities": finite(served_value), "deployed": finite(deployed_value)},
@@ -80,3 +59,33 @@ def diagnostics(name: str):
                                 for m, metric in enumerate(snapshot.metrics)},
         },
     })
+
+
+def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
+    """Observed units per arm (K,), late observations, and the sample-ratio-mismatch test against the
+    split expected from each round's logged probabilities (also read by ``service.monitoring``)."""
+    counts = session.execute(
+        sa.select(ArmRoundCount.round_index, ArmRoundCount.arm_index, ArmRoundCount.units,
+                  ArmRoundCount.late_observations)
+        .where(ArmRoundCount.experiment_id == experiment_id)
+    ).all()
+    round_probabilities = session.execute(
+        sa.select(Round.index, Round.probabilities).where(Round.experiment_id == experiment_id).order_by(Round.index)
+    ).all()
+    units = np.zeros(n_arms)
+    expected = np.zeros(n_arms)
+    late = 0
+    units_by_round: dict[int, np.ndarray] = {}
+    for row in counts:
+        units_by_round.setdefault(row.round_index, np.zeros(n_arms))[row.arm_index] += row.units
+        late += row.late_observations
+    for row in round_probabilities:
+        round_units = units_by_round.get(row.index)
+        if round_units is not None:
+            units += round_units
+            expected += round_units.sum() * np.asarray(row.probabilities, dtype=np.float64)
+    if units.sum() > 0:
+        srm = json_safe(sample_ratio_mismatch(units, expected / expected.sum()))
+    else:
+        srm = {"statistic": None, "p_value": None, "ok": True}
+    return units, late, srm

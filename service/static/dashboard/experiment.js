@@ -3,8 +3,8 @@ import {
   OTHER_COLOUR, PALETTE, apiGet, badge, element, formatInteger, formatNumber, formatPercent, poll, withAlpha,
 } from "./pasto.js";
 import {
-  armEstimates, cumulativeRegret, deployedSeries, guardrailSeries, mixtureSeries, objectiveSeries,
-  objectiveValues, observationsSeries,
+  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, mixtureSeries, objectiveSeries,
+  observationsSeries, primaryEstimate, primaryLabel,
 } from "./model.js";
 
 const name = document.getElementById("experiment").dataset.name;
@@ -17,83 +17,87 @@ Chart.defaults.font.family = getComputedStyle(document.documentElement).fontFami
 Chart.defaults.color = "#5b6575";
 Chart.defaults.animation = false;
 Chart.defaults.maintainAspectRatio = false;
+Chart.defaults.plugins.legend.position = "bottom";
 Chart.defaults.plugins.legend.labels.boxWidth = 12;
 Chart.defaults.plugins.legend.labels.boxHeight = 12;
+Chart.defaults.interaction.mode = "index";
+Chart.defaults.interaction.intersect = false;
+Chart.defaults.elements.point.radius = 0;
+Chart.defaults.elements.point.hoverRadius = 3;
+
+// Line series show their legend sample as a line (each dataset's `pointStyle`), bands as a box.
+const LINE_LEGEND = { labels: { usePointStyle: true, pointStyleWidth: 24 } };
 
 const charts = {};
 
-function chart(id, config) {
+// Creates the chart on first use; afterwards swaps its data in place, so polling does not flicker.
+function drawChart(id, config) {
   if (charts[id]) {
     charts[id].data = config.data;
     charts[id].update("none");
   } else {
     charts[id] = new Chart(document.getElementById(id), config);
   }
-  return charts[id];
 }
 
-const roundAxis = (labels) => ({
-  type: "linear",
-  title: { display: true, text: "round" },
-  min: labels.length ? labels[0] : 0,
-  max: labels.length ? labels[labels.length - 1] : 1,
-  ticks: { precision: 0, maxTicksLimit: 8 },
-});
+// Rounds as (x, y) points on a linear axis: spacing stays honest whatever the labels.
+const points = (rounds, values) => rounds.map((round, position) => ({ x: round.index, y: values[position] }));
 
-// Rounds as (x, y) points: a linear axis keeps the spacing honest if a round is ever missing.
-const points = (labels, values) => labels.map((x, position) => ({ x, y: values[position] }));
+function roundAxis(rounds) {
+  return {
+    type: "linear",
+    title: { display: true, text: "round" },
+    min: rounds.length ? rounds[0].index : 0,
+    max: rounds.length ? rounds[rounds.length - 1].index : 1,
+    // Without includeBounds: false the last round gets a tick of its own, crowding its neighbour.
+    ticks: { precision: 0, maxTicksLimit: 8, includeBounds: false },
+  };
+}
 
 const percentAxis = (extra = {}) => ({
   min: 0, max: 1, ticks: { callback: (value) => `${Math.round(value * 100)}%`, maxTicksLimit: 6 }, ...extra,
 });
 
-const boxLegend = { position: "bottom" };
-// For line series: each dataset's `pointStyle` ("line", or "rect" for a band) is its legend sample,
-// so a dashed line appears dashed; a box cannot show that.
-const lineLegend = { position: "bottom", labels: { usePointStyle: true, pointStyleWidth: 24 } };
+function line(label, data, colour, extra = {}) {
+  return { label, data, borderColor: colour, backgroundColor: colour, borderWidth: 2, pointStyle: "line", spanGaps: true, ...extra };
+}
+
+const numberTooltip = { callbacks: { label: (item) => `${item.dataset.label}: ${formatNumber(item.parsed.y)}` } };
 
 // --- panels -------------------------------------------------------------------------------------
 
+// The same arm keeps the same colour in the area chart, the deployed bars and the table.
 function colourMap(series) {
-  const colours = new Map();
-  series.forEach((entry, position) => {
-    colours.set(entry.arm, entry.arm === null ? OTHER_COLOUR : PALETTE[position % PALETTE.length]);
-  });
+  const colours = new Map(series.map((entry, position) => [entry.arm, entry.arm === null ? OTHER_COLOUR : PALETTE[position]]));
   return (arm) => colours.get(arm) ?? UNRANKED_COLOUR;
 }
 
-function drawMixture(experiment, rounds, labels) {
+function drawMixture(experiment, rounds) {
   const series = mixtureSeries(experiment, rounds, TOP_ARMS);
   const colourOf = colourMap(series);
-  chart("chart-mixture", {
+  drawChart("chart-mixture", {
     type: "line",
     data: {
       datasets: series.map((entry, position) => ({
         label: entry.label,
-        data: points(labels, entry.data),
+        data: points(rounds, entry.data),
         borderColor: colourOf(entry.arm),
         backgroundColor: withAlpha(colourOf(entry.arm), 0.55),
         borderWidth: 1,
         fill: position === 0 ? "origin" : "-1",
-        pointRadius: 0,
-        tension: 0,
       })),
     },
     options: {
-      interaction: { mode: "index", intersect: false },
-      scales: { x: roundAxis(labels), y: percentAxis({ stacked: true, title: { display: true, text: "probability" } }) },
-      plugins: {
-        legend: boxLegend,
-        tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatPercent(item.parsed.y)}` } },
-      },
+      scales: { x: roundAxis(rounds), y: percentAxis({ stacked: true, title: { display: true, text: "probability" } }) },
+      plugins: { tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatPercent(item.parsed.y)}` } } },
     },
   });
   return colourOf;
 }
 
 function drawDeployed(experiment, colourOf) {
-  const bars = deployedSeries(experiment, TOP_ARMS);
-  chart("chart-deployed", {
+  const bars = deployedBars(experiment, TOP_ARMS);
+  drawChart("chart-deployed", {
     type: "bar",
     data: {
       labels: bars.map((bar) => bar.label),
@@ -107,195 +111,146 @@ function drawDeployed(experiment, colourOf) {
     },
     options: {
       indexAxis: "y",
+      interaction: { mode: "nearest", intersect: true },
       scales: { x: percentAxis(), y: { ticks: { autoSkip: false } } },
-      plugins: {
-        legend: { display: false },
-        tooltip: { callbacks: { label: (item) => formatPercent(item.parsed.x) } },
-      },
+      plugins: { legend: { display: false }, tooltip: { callbacks: { label: (item) => formatPercent(item.parsed.x) } } },
     },
   });
 }
 
-const OBJECTIVE_STYLE = {
-  served: { colour: "#0072B2", dash: [] },
-  deployed: { colour: "#009E73", dash: [] },
-  best_single: { colour: "#D55E00", dash: [6, 4] },
-};
-
-function drawObjective(rounds, labels, diagnostics) {
+function drawObjective(rounds) {
   const series = objectiveSeries(rounds);
-  const datasets = series.map((entry) => ({
-    label: entry.label,
-    data: points(labels, entry.data),
-    borderColor: OBJECTIVE_STYLE[entry.key].colour,
-    backgroundColor: OBJECTIVE_STYLE[entry.key].colour,
-    borderDash: OBJECTIVE_STYLE[entry.key].dash,
-    borderWidth: 2,
-    pointRadius: 0,
-    pointStyle: "line",
-    spanGaps: true,
-  }));
-  // Without a per-round history of the best single arm, show today's estimate as a reference line.
-  const bestSingle = diagnostics?.best_single?.objective;
-  if (!series.some((entry) => entry.key === "best_single") && typeof bestSingle === "number" && labels.length) {
-    datasets.push({
-      label: "best single arm (current estimate)",
-      data: [{ x: labels[0], y: bestSingle }, { x: labels[labels.length - 1], y: bestSingle }],
-      borderColor: OBJECTIVE_STYLE.best_single.colour,
-      backgroundColor: OBJECTIVE_STYLE.best_single.colour,
-      borderDash: OBJECTIVE_STYLE.best_single.dash,
-      borderWidth: 2,
-      pointRadius: 0,
-      pointStyle: "line",
-    });
-  }
-  chart("chart-objective", {
-    type: "line",
-    data: { datasets },
-    options: {
-      interaction: { mode: "index", intersect: false },
-      scales: { x: roundAxis(labels), y: { title: { display: true, text: "f(V p)" } } },
-      plugins: {
-        legend: lineLegend,
-        tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatNumber(item.parsed.y)}` } },
-      },
-    },
-  });
-}
-
-function drawRegret(rounds, labels) {
-  chart("chart-regret", {
+  drawChart("chart-objective", {
     type: "line",
     data: {
-      datasets: [{
-        label: "cumulative regret",
-        data: points(labels, cumulativeRegret(rounds)),
-        borderColor: "#CC79A7",
-        backgroundColor: withAlpha("#CC79A7", 0.15),
-        fill: "origin",
-        borderWidth: 2,
-        pointRadius: 0,
-        spanGaps: true,
-      }],
+      datasets: [
+        line("served p_t", points(rounds, series.served), "#0072B2"),
+        line("deployed mixture", points(rounds, series.deployed), "#009E73"),
+        line("best single arm", points(rounds, series.bestSingle), "#D55E00", { borderDash: [6, 4] }),
+        line("best mixture", points(rounds, series.bestMixture), "#8a93a3", { borderDash: [2, 3], borderWidth: 1.5 }),
+      ],
     },
     options: {
-      interaction: { mode: "index", intersect: false },
-      scales: { x: roundAxis(labels), y: { beginAtZero: true } },
-      plugins: {
-        legend: { display: false },
-        tooltip: { callbacks: { label: (item) => `regret so far: ${formatNumber(item.parsed.y)}` } },
-      },
+      scales: { x: roundAxis(rounds), y: { title: { display: true, text: "f(V p)" } } },
+      plugins: { legend: LINE_LEGEND, tooltip: numberTooltip },
     },
   });
 }
 
-function guardrailTitle(entry) {
-  const current = entry.current;
-  const relation = entry.spec.relative_to
-    ? `≥ ${entry.spec.relative_to} × (1 ${entry.spec.threshold < 0 ? "−" : "+"} ${formatPercent(Math.abs(entry.spec.threshold))})`
-    : `≥ ${formatNumber(entry.spec.threshold)}`;
-  const status = !current || current.estimate === null || current.estimate === undefined
-    ? badge("no data", "")
-    : current.holds ? badge("holds", "ok") : badge("violated", "bad");
-  return element("h3", {}, `${entry.metric} ${relation}`, status);
+function drawRegret(rounds) {
+  drawChart("chart-regret", {
+    type: "line",
+    data: {
+      datasets: [line("cumulative regret", points(rounds, cumulativeRegret(rounds)), "#CC79A7", {
+        backgroundColor: withAlpha("#CC79A7", 0.15), fill: "origin",
+      })],
+    },
+    options: {
+      scales: { x: roundAxis(rounds), y: { beginAtZero: true } },
+      plugins: { legend: { display: false }, tooltip: numberTooltip },
+    },
+  });
 }
 
-function drawGuardrails(experiment, rounds, labels, diagnostics) {
+function guardrailHeading(entry) {
+  const { spec, current } = entry;
+  const bound = spec.relative_to
+    ? `≥ ${spec.relative_to} ${spec.threshold < 0 ? "−" : "+"} ${formatPercent(Math.abs(spec.threshold))}`
+    : `≥ ${formatNumber(spec.threshold)}`;
+  const status = current === null || current.estimate === null
+    ? badge("no data", "")
+    : current.holds ? badge("holds (deployed)", "ok") : badge("violated (deployed)", "bad");
+  return element("h3", {}, `${entry.metric} ${bound}`, status);
+}
+
+function drawGuardrails(experiment, rounds, diagnostics) {
   const container = document.getElementById("guardrail-panels");
   const series = guardrailSeries(experiment, rounds, diagnostics);
   document.getElementById("guardrails-empty").hidden = series.length > 0;
   if (container.children.length !== series.length) {
-    container.replaceChildren(...series.map((_, position) => element(
-      "div", { class: "guardrail", "data-guardrail": position },
+    container.replaceChildren(...series.map((entry, position) => element(
+      "div", { class: "guardrail", dataset: { metric: entry.metric } },
       element("h3"),
       element("div", { class: "chart small" }, element("canvas", {
-        id: `chart-guardrail-${position}`, role: "img", "aria-label": `Guardrail ${series[position].metric} over rounds`,
+        id: `chart-guardrail-${position}`, role: "img", "aria-label": `Guardrail ${entry.metric} over rounds`,
       })),
     )));
   }
   series.forEach((entry, position) => {
-    const panel = container.children[position];
-    panel.querySelector("h3").replaceWith(guardrailTitle(entry));
-    chart(`chart-guardrail-${position}`, {
+    container.children[position].querySelector("h3").replaceWith(guardrailHeading(entry));
+    const band = withAlpha("#0072B2", 0.18);
+    drawChart(`chart-guardrail-${position}`, {
       type: "line",
       data: {
         datasets: [
-          { label: "95% interval, low", data: points(labels, entry.lower), borderWidth: 0, pointRadius: 0, fill: false, borderColor: "transparent", spanGaps: true },
-          { label: "95% interval", data: points(labels, entry.upper), borderWidth: 0, pointRadius: 0, fill: "-1", borderColor: "transparent", backgroundColor: withAlpha("#0072B2", 0.18), pointStyle: "rect", spanGaps: true },
-          { label: "estimate", data: points(labels, entry.estimate), borderColor: "#0072B2", backgroundColor: "#0072B2", borderWidth: 2, pointRadius: 0, pointStyle: "line", spanGaps: true },
-          { label: "threshold", data: points(labels, entry.threshold), borderColor: "#B3261E", backgroundColor: "#B3261E", borderDash: [6, 4], borderWidth: 2, pointRadius: 0, pointStyle: "line", spanGaps: true },
+          // The band is the area between these two series; only the upper one is named in the legend.
+          line("interval low", points(rounds, entry.lower), "transparent", { borderWidth: 0 }),
+          line("95% interval", points(rounds, entry.upper), "transparent", { borderWidth: 0, fill: "-1", backgroundColor: band, pointStyle: "rect" }),
+          line("estimate", points(rounds, entry.estimate), "#0072B2"),
+          line("threshold", points(rounds, entry.threshold), "#B3261E", { borderDash: [6, 4] }),
         ],
       },
       options: {
-        interaction: { mode: "index", intersect: false },
-        scales: { x: roundAxis(labels) },
+        scales: { x: roundAxis(rounds) },
         plugins: {
-          legend: { ...lineLegend, labels: { ...lineLegend.labels, filter: (item) => item.text !== "95% interval, low" } },
-          tooltip: {
-            filter: (item) => item.dataset.label !== "95% interval, low",
-            callbacks: { label: (item) => `${item.dataset.label}: ${formatNumber(item.parsed.y)}` },
-          },
+          legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 0 } },
+          tooltip: { ...numberTooltip, filter: (item) => item.datasetIndex !== 0 },
         },
       },
     });
   });
 }
 
-function drawObservations(rounds, labels) {
+function drawObservations(rounds) {
   const { onTime, late } = observationsSeries(rounds);
-  chart("chart-observations", {
+  drawChart("chart-observations", {
     type: "bar",
     data: {
       datasets: [
-        { label: "observations", data: points(labels, onTime), backgroundColor: withAlpha("#0072B2", 0.75), stack: "n" },
-        { label: "late", data: points(labels, late), backgroundColor: withAlpha("#E69F00", 0.9), stack: "n" },
+        { label: "on time", data: points(rounds, onTime), backgroundColor: withAlpha("#0072B2", 0.75) },
+        { label: "late", data: points(rounds, late), backgroundColor: withAlpha("#E69F00", 0.9) },
       ],
     },
     options: {
-      interaction: { mode: "index", intersect: false },
-      scales: { x: { ...roundAxis(labels), type: "linear", offset: true, stacked: true }, y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } } },
-      plugins: { legend: boxLegend },
+      scales: {
+        x: { ...roundAxis(rounds), offset: true, stacked: true },
+        y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } },
+      },
     },
   });
-  return onTime.reduce((sum, count) => sum + count, 0);
 }
 
 // --- arms table ---------------------------------------------------------------------------------
 
-const sortState = { key: "probability", direction: "descending" };
+const sort = { key: "probability", direction: "descending" };
 let showAllArms = false;
 
 function armRows(experiment, rounds, diagnostics) {
   const estimates = armEstimates(experiment, diagnostics);
-  const samples = estimates?.samples
-    ?? experiment.arms.map((_, arm) => rounds.reduce((sum, round) => sum + (round.counts?.[arm] ?? 0), 0));
+  const samples = armSamples(experiment, rounds);
   return experiment.arms.map((arm, position) => ({
     position,
     name: arm.name,
-    params: JSON.stringify(arm.params ?? {}),
+    params: Object.entries(arm.params).map(([key, value]) => `${key}=${JSON.stringify(value)}`).join(", "),
     probability: experiment.probabilities[position],
     deployed: experiment.deployed[position],
     samples: samples[position],
-    means: Object.fromEntries(experiment.metrics.map((metric) => [metric, {
-      value: estimates?.metrics[metric].means[position] ?? null,
-      interval: estimates?.metrics[metric].intervals[position] ?? null,
-    }])),
+    means: Object.fromEntries(experiment.metrics.map((metric) => [metric, estimates[metric][position]])),
   }));
 }
 
 function sortValue(row, key) {
-  if (key.startsWith("mean:")) return row.means[key.slice(5)].value;
-  return row[key];
+  return key.startsWith("mean:") ? row.means[key.slice(5)].mean : row[key];
 }
 
 function compareRows(a, b) {
-  const left = sortValue(a, sortState.key);
-  const right = sortValue(b, sortState.key);
-  const sign = sortState.direction === "ascending" ? 1 : -1;
+  const left = sortValue(a, sort.key);
+  const right = sortValue(b, sort.key);
   if (left === right) return a.position - b.position;
-  if (left === null || left === undefined) return 1; // missing values last in either direction
-  if (right === null || right === undefined) return -1;
-  return (typeof left === "string" ? left.localeCompare(right) : left - right) * sign;
+  if (left === null) return 1; // arms without data last, in either direction
+  if (right === null) return -1;
+  const order = typeof left === "string" ? left.localeCompare(right, undefined, { numeric: true }) : left - right;
+  return sort.direction === "ascending" ? order : -order;
 }
 
 function drawArms(experiment, rounds, diagnostics, colourOf) {
@@ -304,21 +259,19 @@ function drawArms(experiment, rounds, diagnostics, colourOf) {
     { key: "params", label: "Params" },
     { key: "probability", label: "p_t", numeric: true },
     { key: "deployed", label: "Deployed", numeric: true },
-    { key: "samples", label: "Samples", numeric: true },
-    ...experiment.metrics.map((metric) => ({ key: `mean:${metric}`, label: `${metric} mean`, numeric: true })),
+    { key: "samples", label: "Observations", numeric: true },
+    ...experiment.metrics.map((metric) => ({ key: `mean:${metric}`, label: metric, numeric: true })),
   ];
-  const head = document.getElementById("arms-head");
-  head.replaceChildren(...columns.map((column) => {
+  document.getElementById("arms-head").replaceChildren(...columns.map((column) => {
     const button = element("button", { type: "button" }, column.label);
     button.addEventListener("click", () => {
-      sortState.direction = sortState.key === column.key && sortState.direction === "descending" ? "ascending" : "descending";
-      if (sortState.key !== column.key) sortState.direction = column.numeric ? "descending" : "ascending";
-      sortState.key = column.key;
+      if (sort.key === column.key) sort.direction = sort.direction === "ascending" ? "descending" : "ascending";
+      else Object.assign(sort, { key: column.key, direction: column.numeric ? "descending" : "ascending" });
       render();
     });
     return element("th", {
-      scope: "col", class: column.numeric ? "num" : null,
-      "aria-sort": sortState.key === column.key ? sortState.direction : "none", dataset: { key: column.key },
+      scope: "col", class: column.numeric ? "num" : null, dataset: { key: column.key },
+      "aria-sort": sort.key === column.key ? sort.direction : "none",
     }, button);
   }));
 
@@ -332,58 +285,53 @@ function drawArms(experiment, rounds, diagnostics, colourOf) {
     element("td", { class: "num" }, formatPercent(row.deployed)),
     element("td", { class: "num" }, formatInteger(row.samples)),
     ...experiment.metrics.map((metric) => {
-      const { value, interval } = row.means[metric];
-      return element("td", { class: "num" }, formatNumber(value),
-        interval ? element("span", { class: "interval" }, `[${formatNumber(interval[0])}, ${formatNumber(interval[1])}]`) : null);
+      const { mean, interval } = row.means[metric];
+      return element("td", { class: "num" }, formatNumber(mean),
+        interval && element("span", { class: "interval" }, `[${formatNumber(interval[0])}, ${formatNumber(interval[1])}]`));
     }),
   )));
-  const note = document.getElementById("arms-note");
-  note.hidden = rows.length <= TABLE_ROWS;
+  document.getElementById("arms-note").hidden = rows.length <= TABLE_ROWS;
   document.getElementById("arms-show-all").textContent = showAllArms
     ? `Show the first ${TABLE_ROWS} only` : `Show all ${rows.length} arms (${TABLE_ROWS} shown)`;
 }
 
 document.getElementById("arms-show-all").addEventListener("click", () => {
   showAllArms = !showAllArms;
-  if (latest) render();
+  render();
 });
 
-// --- summary ------------------------------------------------------------------------------------
+// --- figures ------------------------------------------------------------------------------------
 
-function setText(id, text) {
-  document.getElementById(id).textContent = text;
+function show(id, ...content) {
+  document.getElementById(id).replaceChildren(...content);
 }
 
-function setNode(id, ...nodes) {
-  document.getElementById(id).replaceChildren(...nodes);
-}
-
-function drawSummary(experiment, diagnostics, totalObservations) {
+function drawFigures(experiment, rounds, diagnostics) {
   const status = document.getElementById("status-badge");
   status.textContent = experiment.status;
   status.className = `badge ${experiment.status}`;
-  setText("fig-round", formatInteger(experiment.round?.index));
-  const objective = objectiveValues(diagnostics);
-  setText("fig-objective", formatNumber(objective.served));
-  setText("fig-deployed", formatNumber(objective.deployed));
-  const bestSingle = diagnostics?.best_single;
-  const bestArm = bestSingle && Number.isInteger(bestSingle.arm) ? experiment.arms[bestSingle.arm]?.name : bestSingle?.arm;
-  setText("fig-best-single", bestSingle ? `${formatNumber(bestSingle.objective)}${bestArm ? ` (${bestArm})` : ""}` : "–");
-  const bestMixture = diagnostics?.best_mixture?.objective;
-  const gain = diagnostics?.best_mixture?.gain ?? (typeof bestMixture === "number" && bestSingle ? bestMixture - bestSingle.objective : null);
-  setText("fig-gain", formatNumber(gain));
-  const guardrails = diagnostics?.guardrails ?? [];
-  const violated = guardrails.filter((guardrail) => guardrail.holds === false);
-  setNode("fig-guardrails", guardrails.length === 0 ? "none"
-    : violated.length ? badge(`${violated.length} of ${guardrails.length} violated`, "bad") : badge(`${guardrails.length} OK`, "ok"));
-  const srm = diagnostics?.srm;
-  const srmKnown = srm && typeof srm.p_value === "number";
-  setNode("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));
-  setText("fig-observations", formatInteger(totalObservations));
-  setText("fig-late", formatInteger(diagnostics?.late_observations));
-  setText("fig-srm-p", srmKnown ? formatNumber(srm.p_value, 2) : "–");
-  setText("fig-srm-stat", srmKnown ? formatNumber(srm.statistic) : "–");
-  document.title = `${experiment.name} · round ${experiment.round?.index ?? "–"} · pasto`;
+  show("fig-round", formatInteger(experiment.round.index));
+  const primary = primaryEstimate(experiment, diagnostics, experiment.deployed);
+  document.getElementById("fig-primary-label").textContent = `${primaryLabel(experiment)}, deployed`;
+  show("fig-primary", primary ? formatNumber(primary.estimate) : "–",
+    primary?.interval ? element("span", { class: "interval" }, ` ± ${formatNumber((primary.interval[1] - primary.interval[0]) / 2, 2)}`) : "");
+  show("fig-objective", formatNumber(diagnostics.objective.probabilities));
+  show("fig-deployed", formatNumber(diagnostics.objective.deployed));
+  show("fig-best-single", formatNumber(diagnostics.best_single.value),
+    element("span", { class: "interval" }, diagnostics.best_single.arm));
+  show("fig-gain", formatNumber(diagnostics.mixing_gain));
+  const violated = diagnostics.guardrails.filter((guardrail) => guardrail.holds === false);
+  show("fig-guardrails", diagnostics.guardrails.length === 0 ? "none"
+    : violated.length ? badge(`${violated.length} of ${diagnostics.guardrails.length} violated`, "bad")
+      : badge(`${diagnostics.guardrails.length} OK`, "ok"));
+  const { srm } = diagnostics;
+  const srmKnown = srm.p_value !== null;
+  show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));
+  show("fig-observations", formatInteger(armSamples(experiment, rounds).reduce((sum, count) => sum + count, 0)));
+  show("fig-late", formatInteger(diagnostics.late_observations));
+  show("fig-srm-p", srmKnown ? formatNumber(srm.p_value, 2) : "–");
+  show("fig-srm-stat", srmKnown ? formatNumber(srm.statistic) : "–");
+  document.title = `${experiment.name} · round ${experiment.round.index} · pasto`;
 }
 
 // --- refresh ------------------------------------------------------------------------------------
@@ -391,25 +339,25 @@ function drawSummary(experiment, diagnostics, totalObservations) {
 let latest = null;
 
 function render() {
+  if (!latest) return;
   const { experiment, rounds, diagnostics } = latest;
-  const labels = rounds.map((round) => round.index);
-  const colourOf = drawMixture(experiment, rounds, labels);
+  const colourOf = drawMixture(experiment, rounds);
   drawDeployed(experiment, colourOf);
-  drawObjective(rounds, labels, diagnostics);
-  drawRegret(rounds, labels);
-  drawGuardrails(experiment, rounds, labels, diagnostics);
-  const totalObservations = drawObservations(rounds, labels);
+  drawObjective(rounds);
+  drawRegret(rounds);
+  drawGuardrails(experiment, rounds, diagnostics);
+  drawObservations(rounds);
   drawArms(experiment, rounds, diagnostics, colourOf);
-  drawSummary(experiment, diagnostics, totalObservations);
-  // Lets a reader (and the browser test) tell when the page shows a given response.
+  drawFigures(experiment, rounds, diagnostics);
+  // Tells a reader (and the browser test) which response the page shows.
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
 }
 
 async function refresh() {
-  const [experiment, roundsBody, diagnostics] = await Promise.all([
+  const [experiment, { rounds }, diagnostics] = await Promise.all([
     apiGet(path), apiGet(`${path}/rounds`), apiGet(`${path}/diagnostics`),
   ]);
-  latest = { experiment, rounds: roundsBody.rounds, diagnostics };
+  latest = { experiment, rounds, diagnostics };
   render();
 }
 

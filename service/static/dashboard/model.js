@@ -55,11 +55,6 @@ export function guardrailSummary(diagnostics) {
   };
 }
 
-// When the controller last changed the mixture: the latest applied update, else creation.
-export function lastUpdate(experiment) {
-  return experiment.updated_at;
-}
-
 // Indices of the `count` arms with the largest probabilities, largest first; all of them when at most
 // one arm would be left over (an "other" band of one arm hides its name for nothing).
 export function topArms(probabilities, count) {

@@ -2,7 +2,7 @@
 import {
   apiGet, badge, config, element, formatAge, formatInteger, formatNumber, poll,
 } from "./pasto.js";
-import { guardrailSummary, lastUpdate, primaryEstimate, primaryMetricName } from "./model.js";
+import { guardrailSummary, primaryEstimate, primaryLabel } from "./model.js";
 
 const body = document.getElementById("experiments-body");
 
@@ -12,21 +12,19 @@ function cell(label, ...children) {
 
 function row(experiment, diagnostics) {
   const link = element("a", { href: config.experimentPage.replace("__name__", encodeURIComponent(experiment.name)) }, experiment.name);
-  const primary = primaryEstimate(experiment, diagnostics);
-  const primaryText = primary
-    ? `${primaryMetricName(experiment)} ${formatNumber(primary.estimate)}${primary.interval ? ` [${formatNumber(primary.interval[0])}, ${formatNumber(primary.interval[1])}]` : ""}`
-    : "–";
+  const primary = primaryEstimate(experiment, diagnostics, experiment.deployed);
+  const primaryText = primary === null ? "no data" : `${primaryLabel(experiment)} ${formatNumber(primary.estimate)}${
+    primary.interval ? ` ± ${formatNumber((primary.interval[1] - primary.interval[0]) / 2, 2)}` : ""}`;
   const guardrails = guardrailSummary(diagnostics);
-  const srm = diagnostics?.srm;
-  const srmBadge = !srm || srm.p_value === null || srm.p_value === undefined
-    ? badge("no data", "")
-    : srm.ok ? badge(`ok · p=${formatNumber(srm.p_value, 2)}`, "ok") : badge(`mismatch · p=${formatNumber(srm.p_value, 2)}`, "bad");
-  const updated = lastUpdate(experiment);
+  const { srm } = diagnostics;
+  const srmBadge = srm.p_value === null ? badge("no data", "")
+    : badge(`${srm.ok ? "ok" : "mismatch"} · p=${formatNumber(srm.p_value, 2)}`, srm.ok ? "ok" : "bad");
+  const updated = experiment.updated_at;
   return element(
     "tr", { dataset: { experiment: experiment.name } },
     element("td", { class: "title", "data-label": "Experiment" }, link),
     cell("Status", badge(experiment.status, experiment.status)),
-    element("td", { class: "num", "data-label": "Round" }, formatInteger(experiment.round?.index)),
+    element("td", { class: "num", "data-label": "Round" }, formatInteger(experiment.round.index)),
     cell("Primary metric", primaryText),
     cell("Guardrails", guardrails.total === 0 ? "none" : guardrails.violated.length === 0
       ? badge(`${guardrails.total} OK`, "ok")

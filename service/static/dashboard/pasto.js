@@ -156,8 +156,9 @@ export function badge(text, kind) {
   return element("span", { class: `badge ${kind}` }, text);
 }
 
-// Okabe–Ito colours: distinguishable with the common colour-vision deficiencies. Grey is "other".
-export const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"];
+// Okabe–Ito colours (distinguishable with the common colour-vision deficiencies), with Tol's wine
+// instead of black, which would dominate a stacked area. Grey is "other".
+export const PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#882255"];
 export const OTHER_COLOUR = "#9aa3b0";
 
 export function withAlpha(hex, alpha) {

@@ -1,0 +1,202 @@
+"""The dashboard in headless Chromium against a live server with a 32-round experiment."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.chromium
+
+VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
+
+
+class ConsoleWatcher:
+    """Collects console errors, uncaught exceptions and failed requests of one page."""
+
+    def __init__(self, page) -> None:
+        self.problems: list[str] = []
+        page.on("console", lambda message: message.type == "error" and self.problems.append(message.text))
+        page.on("pageerror", lambda error: self.problems.append(f"uncaught: {error}"))
+        # A navigation aborts the poll in flight (net::ERR_ABORTED): that is not a failure.
+        page.on("requestfailed", lambda request: request.failure != "net::ERR_ABORTED"
+                and self.problems.append(f"request failed: {request.url} ({request.failure})"))
+
+
+def open_page(browser, viewport: str):
+    context = browser.new_context(viewport=VIEWPORTS[viewport])
+    page = context.new_page()
+    return context, page, ConsoleWatcher(page)
+
+
+def chart_data(page, canvas_id: str) -> list[dict]:
+    """Label and y values of each dataset of the Chart.js chart drawn on ``canvas_id``."""
+    return page.evaluate(
+        """(id) => Chart.getChart(id).data.datasets.map((dataset) => ({
+               label: dataset.label,
+               x: dataset.data.map((point) => (typeof point === "object" && point !== null ? point.x : null)),
+               y: dataset.data.map((point) => (typeof point === "object" && point !== null ? point.y : point)),
+           }))""",
+        canvas_id,
+    )
+
+
+def chart_labels(page, canvas_id: str) -> list[str]:
+    return page.evaluate("(id) => Chart.getChart(id).data.labels", canvas_id)
+
+
+def assert_fits_width(page, width: int) -> None:
+    # Wide tables scroll inside their own box; the page itself must not scroll sideways.
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+
+def test_overview_asks_for_a_token_once_and_lists_experiments(live_server, browser, screenshot_dir):
+    experiments = live_server.api("GET", "/experiments", role="read").json()["experiments"]
+    for viewport in VIEWPORTS:
+        context, page, console = open_page(browser, viewport)
+        page.goto(live_server.base_url + "/")
+        page.wait_for_selector("#token-dialog[open]")
+        page.fill("#token-input", live_server.tokens["read"])
+        page.click("#token-form button[type=submit]")
+        page.wait_for_selector("#experiments-body tr[data-experiment]")
+        rows = page.locator("#experiments-body tr[data-experiment]")
+        assert rows.count() == len(experiments) == 2
+
+        seeded = page.locator('tr[data-experiment="homepage-ranking"]')
+        cells = seeded.locator("td")
+        assert cells.nth(1).inner_text() == "running"
+        seeded_round = next(entry for entry in experiments if entry["name"] == "homepage-ranking")["round"]["index"]
+        assert cells.nth(2).inner_text() == str(seeded_round) and seeded_round >= 32
+        assert cells.nth(3).inner_text().startswith("clicks ")
+        diagnostics = live_server.api("GET", "/experiments/homepage-ranking/diagnostics", role="read").json()
+        violated = [guardrail["metric"] for guardrail in diagnostics["guardrails"] if not guardrail["holds"]]
+        guardrail_text = cells.nth(4).inner_text()
+        assert guardrail_text == (f"{len(violated)} violated: {', '.join(violated)}" if violated else "2 OK")
+        assert cells.nth(5).inner_text().startswith("ok" if diagnostics["srm"]["ok"] else "mismatch")
+        assert "ago" in cells.nth(6).inner_text() or cells.nth(6).inner_text() == "just now"
+        assert page.locator('tr[data-experiment="search-boost"] td').nth(1).inner_text() == "paused"
+
+        # The token is kept for the tab: a reload does not ask again.
+        page.reload()
+        page.wait_for_selector("#experiments-body tr[data-experiment]")
+        assert not page.locator("#token-dialog").evaluate("dialog => dialog.open")
+
+        assert_fits_width(page, VIEWPORTS[viewport]["width"])
+        path = screenshot_dir / f"overview-{viewport}.png"
+        page.screenshot(path=str(path), full_page=True)
+        print(f"screenshot: {path}")
+        assert console.problems == []
+        context.close()
+
+
+@pytest.fixture
+def anonymous_loopback(live_server):
+    live_server.app.config["PASTO_ANONYMOUS_LOOPBACK_READ"] = True
+    yield
+    live_server.app.config["PASTO_ANONYMOUS_LOOPBACK_READ"] = False
+
+
+@pytest.mark.parametrize("viewport", list(VIEWPORTS))
+def test_experiment_page_draws_every_panel_from_the_api(live_server, browser, screenshot_dir, anonymous_loopback,
+                                                        viewport):
+    name = live_server.experiment
+    experiment = live_server.api("GET", f"/experiments/{name}", role="read").json()
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"]
+    diagnostics = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()
+    n_rounds = len(rounds)
+    applied = sum(1 for entry in rounds if entry["objective"] is not None)
+    assert n_rounds >= 33 and applied == n_rounds - 1  # 32+ closed rounds and the one being served
+
+    context, page, console = open_page(browser, viewport)
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{n_rounds}"]')
+    assert not page.locator("#token-dialog").evaluate("dialog => dialog.open")  # anonymous on loopback
+
+    # (1) Mixture: one point per round in every band; the bands stack to 1 in every round.
+    mixture = chart_data(page, "chart-mixture")
+    assert [dataset["label"] for dataset in mixture][0] == experiment["arms"][
+        max(range(len(experiment["arms"])), key=lambda arm: experiment["probabilities"][arm])]["name"]
+    for dataset in mixture:
+        assert dataset["x"] == [entry["index"] for entry in rounds]
+    for position in range(n_rounds):
+        assert math.isclose(sum(dataset["y"][position] for dataset in mixture), 1.0, abs_tol=1e-9)
+    # ... and the deployed mixture beside it.
+    deployed = chart_data(page, "chart-deployed")[0]["y"]
+    assert math.isclose(sum(deployed), 1.0, abs_tol=1e-9)
+    assert math.isclose(max(deployed), max(experiment["deployed"]), rel_tol=1e-12)
+
+    # (2) Objective of p_t, of the deployed mixture and of the best single arm, per applied round.
+    objective = {dataset["label"]: dataset["y"] for dataset in chart_data(page, "chart-objective")}
+    assert objective["served p_t"] == [entry["objective"] for entry in rounds]
+    assert objective["deployed mixture"] == [entry["objective_deployed"] for entry in rounds]
+    assert objective["best single arm"] == [
+        None if entry["best_single"] is None else entry["best_single"]["value"] for entry in rounds]
+    assert sum(value is not None for value in objective["served p_t"]) == applied
+
+    # (3) One panel per guardrail: estimate, 95% band and the threshold line.
+    guardrails = experiment["objective"]["guardrails"]
+    assert page.locator("#guardrail-panels .guardrail").count() == len(guardrails) == 2
+    for position, spec in enumerate(guardrails):
+        panel = chart_data(page, f"chart-guardrail-{position}")
+        by_label = {dataset["label"]: dataset["y"] for dataset in panel}
+        assert by_label["estimate"] == [None if entry["guardrails"] is None else entry["guardrails"][position]["estimate"]
+                                        for entry in rounds]
+        thresholds = [value for value in by_label["threshold"] if value is not None]
+        assert len(thresholds) == applied
+        if "relative_to" not in spec:
+            assert set(thresholds) == {spec["threshold"]}
+        for low, estimate, high in zip(by_label["interval low"], by_label["estimate"], by_label["95% interval"]):
+            assert (low is None) == (estimate is None) or low <= estimate <= high
+        heading = page.locator(f"#guardrail-panels .guardrail >> nth={position} >> h3").inner_text()
+        assert heading.startswith(spec["metric"])
+        assert ("holds" in heading) == diagnostics["guardrails"][position]["holds"]
+
+    # (4) Cumulative regret, non-decreasing, ending at the API's total.
+    regret = [value for value in chart_data(page, "chart-regret")[0]["y"] if value is not None]
+    assert len(regret) == applied
+    assert all(later >= earlier for earlier, later in zip(regret, regret[1:]))
+    assert math.isclose(regret[-1], diagnostics["regret"]["cumulative"], rel_tol=1e-9)
+
+    # (5) Arms table: one row per arm, sortable by clicking a column.
+    body_rows = page.locator("#arms-body tr")
+    assert body_rows.count() == len(experiment["arms"])
+    by_probability = sorted(range(len(experiment["arms"])), key=lambda arm: (-experiment["probabilities"][arm], arm))
+    assert page.locator("#arms-body tr").first.get_attribute("data-arm") == experiment["arms"][by_probability[0]]["name"]
+    page.click('#arms-head th[data-key="name"] button')
+    names = [row.get_attribute("data-arm") for row in page.locator("#arms-body tr").all()]
+    assert names == sorted(names, key=str.casefold) or names == sorted(names)
+    assert page.locator('#arms-head th[data-key="name"]').get_attribute("aria-sort") == "ascending"
+    page.click('#arms-head th[data-key="name"] button')
+    assert page.locator("#arms-body tr").first.get_attribute("data-arm") == names[-1]
+    assert "[" in body_rows.first.locator("td").nth(5).inner_text()  # mean with its interval
+
+    # (6) Data health: observations per round (on time + late), late total, SRM p-value.
+    health = {dataset["label"]: dataset["y"] for dataset in chart_data(page, "chart-observations")}
+    assert [on_time + late for on_time, late in zip(health["on time"], health["late"])] == [
+        sum(entry["counts"]) for entry in rounds]
+    assert sum(health["late"]) == diagnostics["late_observations"] > 0
+    assert page.locator("#fig-late").inner_text() == str(diagnostics["late_observations"])
+    assert page.locator("#fig-srm-p").inner_text() != "–"
+
+    assert_fits_width(page, VIEWPORTS[viewport]["width"])
+    path = screenshot_dir / f"experiment-{viewport}.png"
+    page.screenshot(path=str(path), full_page=True)
+    print(f"screenshot: {path}")
+    assert console.problems == []
+    context.close()
+
+
+def test_experiment_page_refreshes_without_reloading(live_server, browser, anonymous_loopback, play_round):
+    name = live_server.experiment
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    before = len(live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"])
+    page.wait_for_selector(f'#experiment[data-rounds="{before}"]')
+    page.evaluate("window.__sameDocument = true")
+    play_round(name)
+    page.wait_for_selector(f'#experiment[data-rounds="{before + 1}"]', timeout=15_000)
+    assert page.evaluate("window.__sameDocument === true")
+    assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
+    assert page.locator("#fig-round").inner_text() == str(before)
+    assert console.problems == []
+    context.close()
