@@ -299,6 +299,12 @@ def simulate(
     regimes = draw_means(scenario, runs)
     if references is None:
         references = reference_values(objective, regimes, runs, progress)
+    expected = (len(regimes), runs)
+    if references.best_single.shape != expected or references.best_mixture.shape != expected:
+        raise ValueError(
+            f"The references have shape {references.best_single.shape} but the scenario needs {expected} "
+            "(regimes, runs); compute them with reference_values for the same scenario."
+        )
     thresholds = [objective.thresholds(means) for means in regimes]
     drift_round = scenario.drift.at_round if scenario.drift is not None else rounds + 1
 

@@ -241,3 +241,10 @@ def test_a_drift_beyond_the_horizon_is_not_reported():
     shortened = scenario.with_overrides(rounds=50)
     summary = simulate(shortened, make_policy("paper")).summary
     assert "best_mixture" in summary and "best_mixture_after_drift" not in summary
+
+
+def test_references_of_another_scenario_are_refused():
+    scenario = small(rounds=10, checkpoints=[10])
+    references = reference_values(scenario.objective(), draw_means(scenario, 5), 5)
+    with pytest.raises(ValueError, match=r"The references have shape \(1, 5\) but the scenario needs \(1, 20\)"):
+        simulate(scenario, make_policy("paper"), references=references)
