@@ -196,6 +196,10 @@ def _paths() -> dict[str, Any]:
             "Database reachable, scheduler alive, schema version.", None,
             {"200": _json(_ref("Health"), "Healthy."), "503": _json(_ref("Health"), "Database or schema not ready.")},
             path_name=False)},
+        "/metrics": {"get": _operation(
+            "Prometheus metrics (text exposition format).", None,
+            {"200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            path_name=False)},
         "/api/v1/openapi.json": {"get": _operation(
             "This document.", None, {"200": {"description": "OpenAPI 3.1 document.",
                                              "content": {"application/json": {"schema": {"type": "object"}}}}},

@@ -121,3 +121,9 @@ def backend_api(backend_url):
         role_tokens = {role: create_token(session, role, f"test-{role}") for role in ("read", "ingest", "admin")}
     yield Api(application.test_client(), role_tokens)
     get_db(application).engine.dispose()
+
+
+@pytest.fixture
+def app_factory():
+    """``app_factory(database_url, **config)``: migrate the database and create an app on it."""
+    return make_app

@@ -1,0 +1,254 @@
+"""``GET /metrics``: controller gauges agree with the API, event counters count, multiprocess mode
+adds up the processes, and the Grafana dashboard only queries metrics the server exports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.db import get_db
+from service.models import Experiment, Round, utcnow
+from service.scheduler import heartbeat
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAFANA = ROOT / "dashboards" / "grafana" / "pasto.json"
+
+
+def scrape(api) -> dict[str, list]:
+    """Samples by sample name, from ``GET /metrics`` without a token."""
+    response = api("GET", "/metrics", role=None)
+    assert response.status_code == 200
+    assert response.mimetype == "text/plain"
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(response.get_data(as_text=True)):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append(sample)
+    return samples
+
+
+def by_label(samples: list, label: str, **match: str) -> dict[str, float]:
+    return {sample.labels[label]: sample.value for sample in samples
+            if all(sample.labels.get(key) == value for key, value in match.items())}
+
+
+def value(samples: dict[str, list], name: str, **match: str) -> float:
+    found = [sample.value for sample in samples.get(name, [])
+             if all(sample.labels.get(key) == wanted for key, wanted in match.items())]
+    assert len(found) == 1, f"{name} {match}: {found}"
+    return found[0]
+
+
+def play_rounds(api, name: str, rounds: int, units: int = 60) -> dict[str, int]:
+    """Assign, observe (setup A means) and close ``rounds`` rounds; returns units assigned per arm."""
+    assigned: dict[str, int] = {}
+    means = {"a": (2.0, -2.0), "b": (0.0, 2.0)}
+    for round_position in range(rounds):
+        units_ids = [f"{name}-r{round_position}-u{i}" for i in range(units)]
+        response = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest", json={"units": units_ids})
+        assert response.status_code == 200
+        batch = []
+        for i, assignment in enumerate(response.get_json()["assignments"]):
+            assigned[assignment["arm"]] = assigned.get(assignment["arm"], 0) + 1
+            x, y = means[assignment["arm"]]
+            batch.append({"id": assignment["unit"], "unit": assignment["unit"], "round": assignment["round"],
+                          "values": {"x": x + (i % 5 - 2) * 0.3, "y": y + (i % 3 - 1) * 0.3}})
+        response = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+                       json={"observations": batch})
+        assert response.status_code == 202
+        assert api("POST", f"/api/v1/experiments/{name}/rounds").status_code == 200
+    return assigned
+
+
+def test_controller_gauges_match_the_api(backend_api, setup_a):
+    api = backend_api
+    name = "gauges"
+    assert api("POST", "/api/v1/experiments", json=setup_a(name)).status_code == 201
+    play_rounds(api, name, rounds=4)
+    experiment = api("GET", f"/api/v1/experiments/{name}", role="read").get_json()
+    rounds = api("GET", f"/api/v1/experiments/{name}/rounds", role="read").get_json()["rounds"]
+    diagnostics = api("GET", f"/api/v1/experiments/{name}/diagnostics", role="read").get_json()
+    samples = scrape(api)
+
+    arm_names = [arm["name"] for arm in experiment["arms"]]
+    probabilities = by_label(samples["pasto_arm_probability"], "arm", experiment=name)
+    assert math.isclose(sum(probabilities.values()), 1.0, abs_tol=1e-12)
+    assert probabilities == dict(zip(arm_names, experiment["probabilities"]))
+    deployed = by_label(samples["pasto_arm_deployed_probability"], "arm", experiment=name)
+    assert math.isclose(sum(deployed.values()), 1.0, abs_tol=1e-12)
+    assert deployed == dict(zip(arm_names, experiment["deployed"]))
+
+    assert value(samples, "pasto_round_index", experiment=name) == experiment["round"]["index"] == 4
+    assert value(samples, "pasto_applied_rounds", experiment=name) == 4
+    assert by_label(samples["pasto_experiment_status"], "status", experiment=name) == {
+        "running": 1.0, "paused": 0.0, "stopped": 0.0}
+    latest = rounds[-2]  # the last applied round; rounds[-1] is being served
+    objective = by_label(samples["pasto_objective_estimate"], "mixture", experiment=name)
+    assert objective == {"served": latest["objective"], "deployed": latest["objective_deployed"],
+                         "best_single": latest["best_single"]["value"], "best_mixture": latest["best_mixture"]}
+    assert math.isclose(value(samples, "pasto_regret_cumulative_estimate", experiment=name),
+                        diagnostics["regret"]["cumulative"], rel_tol=1e-9)
+    (report,) = latest["guardrails"]
+    assert value(samples, "pasto_guardrail_margin", experiment=name, metric="y", guardrail="0") == pytest.approx(
+        report["estimate"] - report["threshold"], rel=1e-12)
+    assert value(samples, "pasto_guardrail_holds", experiment=name, metric="y") == float(report["holds"])
+    assert value(samples, "pasto_srm_p_value", experiment=name) == diagnostics["srm"]["p_value"]
+    assert value(samples, "pasto_late_observations", experiment=name) == diagnostics["late_observations"] == 0
+    assert value(samples, "pasto_observations_stored", experiment=name) == 4 * 60
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment=name) == 0.0
+
+
+def test_event_counters_count_what_the_api_did(api, setup_a):
+    name = "events"
+    assert api("POST", "/api/v1/experiments", json=setup_a(name)).status_code == 201
+    before = scrape(api)
+    assigned = play_rounds(api, name, rounds=3, units=50)
+    duplicate = [{"id": f"{name}-r0-u0", "unit": f"{name}-r0-u0", "round": 0, "values": {"x": 1.0}}]
+    response = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+                   json={"observations": duplicate})
+    assert response.get_json() == {"accepted": 0, "duplicates": 1}
+    samples = scrape(api)
+
+    assert by_label(samples["pasto_assignments_total"], "arm", experiment=name) == assigned
+    assert by_label(samples["pasto_observations_total"], "arm", experiment=name) == assigned
+    assert value(samples, "pasto_duplicate_observations_total", experiment=name) == 1
+    assert value(samples, "pasto_round_updates_total", experiment=name) == 3
+    assert value(samples, "pasto_round_update_duration_seconds_count", experiment=name) == 3
+    # Manual closes are not scheduler lag.
+    assert value(samples, "pasto_round_close_lag_seconds_count", experiment=name) == 0 if any(
+        sample.labels.get("experiment") == name for sample in samples.get("pasto_round_close_lag_seconds_count", [])
+    ) else True
+
+    def requests_to(snapshot, route, method, status):
+        return sum(sample.value for sample in snapshot.get("pasto_http_requests_total", [])
+                   if sample.labels == {"route": route, "method": method, "status": status})
+
+    assign_route = "/api/v1/experiments/<name>/assign"
+    assert requests_to(samples, assign_route, "POST", "200") - requests_to(before, assign_route, "POST", "200") == 3
+    assert requests_to(samples, "<unmatched>", "GET", "404") == requests_to(before, "<unmatched>", "GET", "404")
+    assert api("GET", "/no/such/page", role=None).status_code == 404
+    assert requests_to(scrape(api), "<unmatched>", "GET", "404") == requests_to(samples, "<unmatched>", "GET", "404") + 1
+
+
+def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a("late")).status_code == 201
+    assert api("POST", "/api/v1/experiments", json=setup_a("idle")).status_code == 201
+    assert api("POST", "/api/v1/experiments/idle/pause").status_code == 200
+    now = utcnow()
+    database = get_db(app)
+    with database.write() as session:
+        # Both rounds ended 90 s ago and no scheduler closed them.
+        session.execute(sa.update(Round).values(ends_at=now - timedelta(seconds=90)))
+    heartbeat(database, "test-scheduler", now - timedelta(seconds=40))
+    samples = scrape(api)
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment="late") >= 90
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment="idle") == 0  # paused: nothing is due
+    assert value(samples, "pasto_scheduler_heartbeat_age_seconds") >= 40
+    with database.read() as session:
+        updated = session.execute(sa.select(Experiment.updated_at).where(Experiment.name == "late")).scalar_one()
+    assert value(samples, "pasto_last_update_timestamp_seconds", experiment="late") == updated.timestamp()
+
+
+_WORKER = """
+import sys
+from service import create_app
+app = create_app({"PASTO_DATABASE_URL": sys.argv[1], "PASTO_ADMIN_TOKEN": "admin"})
+client = app.test_client()
+headers = {"Authorization": "Bearer admin"}
+if sys.argv[2] == "assign":
+    response = client.post("/api/v1/experiments/shared/assign", headers=headers,
+                           json={"units": [f"{sys.argv[3]}-{i}" for i in range(int(sys.argv[4]))]})
+    assert response.status_code == 200, response.get_data(as_text=True)
+else:
+    sys.stdout.write(client.get("/metrics").get_data(as_text=True))
+"""
+
+
+def test_multiprocess_mode_adds_up_every_process(sqlite_url, tmp_path, setup_a):
+    import migrations
+
+    migrations.upgrade(sqlite_url)
+    from service import create_app
+
+    app = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_ADMIN_TOKEN": "admin"})
+    response = app.test_client().post("/api/v1/experiments", headers={"Authorization": "Bearer admin"},
+                                      json=setup_a("shared"))
+    assert response.status_code == 201
+    get_db(app).engine.dispose()
+
+    multiprocess_dir = tmp_path / "prometheus"
+    multiprocess_dir.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(multiprocess_dir)}
+
+    def run(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-c", _WORKER, sqlite_url, *args], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    run("assign", "first", "30")
+    run("assign", "second", "45")
+    families = {family.name: family for family in text_string_to_metric_families(run("scrape"))}
+    assigned = sum(sample.value for sample in families["pasto_assignments"].samples
+                   if sample.name == "pasto_assignments_total" and sample.labels["experiment"] == "shared")
+    assert assigned == 75  # counted in two processes that have exited, read by a third
+    probabilities = [sample.value for sample in families["pasto_arm_probability"].samples
+                     if sample.labels["experiment"] == "shared"]
+    assert probabilities == [0.5, 0.5]
+
+
+# ---------------------------------------------------------------------------------------- Grafana
+
+
+def _exported_sample_names(text: str) -> set[str]:
+    """Every sample name the exposition declares, from the family types (so histograms and counters
+    that have not been observed yet still count as exported)."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}
+    names = set()
+    for family in text_string_to_metric_families(text):
+        names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def _panels(dashboard: dict):
+    for panel in dashboard["panels"]:
+        yield panel
+        yield from panel.get("panels", [])
+
+
+def test_grafana_dashboard_is_valid_and_queries_only_exported_metrics(api):
+    dashboard = json.loads(GRAFANA.read_text())
+    panels = list(_panels(dashboard))
+    assert dashboard["title"] and dashboard["uid"] and dashboard["schemaVersion"] >= 30
+    ids = [panel["id"] for panel in panels]
+    assert len(ids) == len(set(ids))
+    for panel in panels:
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"]) and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+        if panel["type"] != "row":
+            assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert panel["targets"], panel["title"]
+    variables = {variable["name"]: variable for variable in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+
+    queries = [target["expr"] for panel in panels for target in panel.get("targets", [])]
+    queries.append(variables["experiment"]["query"]["query"])
+    exported = _exported_sample_names(api("GET", "/metrics", role=None).get_data(as_text=True))
+    referenced = {name for query in queries for name in re.findall(r"\bpasto_[a-z0-9_]+", query)}
+    assert referenced, "the dashboard queries no pasto metric"
+    assert referenced - exported == set()
+    # Every family the server exports is on the board (ignoring the _created timestamps).
+    families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in exported if not name.endswith("_created")}
+    on_board = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in referenced}
+    assert families - on_board == set()

@@ -1,0 +1,75 @@
+"""The OpenAPI document matches the application's routes, both ways, and is valid OpenAPI 3.1."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+NOT_API = {"static"}
+
+
+def documented_operations(document) -> set[tuple[str, str]]:
+    return {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+
+
+def routed_operations(app) -> set[tuple[str, str]]:
+    operations = set()
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint in NOT_API or rule.endpoint.split(".")[0] == "dashboard":
+            continue  # HTML pages and static files are not part of the JSON API
+        path = re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule)
+        operations |= {(method, path) for method in rule.methods - {"HEAD", "OPTIONS"}}
+    return operations
+
+
+def test_every_route_is_documented_and_every_documented_operation_exists(api, app):
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+    assert document["openapi"].startswith("3.1")
+    assert routed_operations(app) == documented_operations(document)
+
+
+def test_document_is_a_valid_openapi_3_1_schema_for_schemathesis(api):
+    import schemathesis
+
+    schemathesis.experimental.OPEN_API_3_1.enable()
+    schema = schemathesis.from_dict(api("GET", "/api/v1/openapi.json", role=None).get_json(), validate_schema=True)
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) == len(documented_operations(schema.raw_schema))
+
+
+def test_every_reference_resolves(api):
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+    schemas = document["components"]["schemas"]
+
+    def walk(node):
+        if isinstance(node, dict):
+            reference = node.get("$ref")
+            if reference is not None:
+                assert reference.startswith("#/components/schemas/")
+                assert reference.rsplit("/", 1)[1] in schemas, reference
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(document)
+
+
+def test_request_examples_validate_against_the_published_schemas(api, setup_a):
+    """What the API accepts is what the document says (the schemas come from the validators)."""
+    import jsonschema
+
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+
+    def check(name, instance):
+        schema = {"$ref": f"#/components/schemas/{name}", "components": document["components"]}
+        jsonschema.Draft202012Validator(schema).validate(instance)
+
+    check("ExperimentCreate", setup_a())
+    check("AssignOne", {"unit": "u1"})
+    check("AssignMany", {"units": ["u1", "u2"]})
+    check("ObservationBatch", {"observations": [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.5}}]})
+    with pytest.raises(jsonschema.ValidationError):
+        check("ObservationBatch", {"observations": [{"id": "o", "unit": "u", "round": -1, "values": {"x": 1}}]})
