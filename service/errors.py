@@ -50,7 +50,8 @@ def validation_error(error: ValidationError, prefix: tuple[Any, ...] = ()) -> Ap
     problems = []
     for item in error.errors(include_url=False, include_input=False, include_context=False):
         location = format_location((*prefix, *item["loc"]))
-        problems.append({"location": location, "message": _sentence(item["msg"])})
+        message = item["msg"].removeprefix("Value error, ")
+        problems.append({"location": location, "message": _sentence(message)})
     first = problems[0]
     more = f" ({len(problems) - 1} more problems in details)" if len(problems) > 1 else ""
     return ApiError(422, "invalid_request", f"{first['location']}: {first['message']}{more}", problems)

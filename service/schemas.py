@@ -7,6 +7,7 @@ validation and the published contract cannot drift apart.
 from __future__ import annotations
 
 import json
+import math
 from typing import Annotated, Any, Literal
 
 from flask import request
@@ -30,6 +31,23 @@ def _storable(text: str) -> str:
     return text
 
 
+def _json_value(value: Any, depth: int = 0) -> Any:
+    if depth > 32:
+        raise ValueError("must not nest deeper than 32 levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must contain only finite numbers (no NaN or Infinity)")
+    if isinstance(value, str):
+        _storable(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key)
+            _json_value(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _json_value(item, depth + 1)
+    return value
+
+
 Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_storable)]
 ShortName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_storable)]
 MetricName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
@@ -42,7 +60,7 @@ class _Strict(BaseModel):
 
 class ArmSpec(_Strict):
     name: ShortName
-    params: dict[str, Any] = Field(default_factory=dict)
+    params: Annotated[dict[str, Any], AfterValidator(_json_value)] = Field(default_factory=dict)
 
 
 class GuardrailSpec(_Strict):
@@ -121,6 +139,8 @@ def json_body() -> Any:
         return json.loads(request.get_data(cache=True))
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, "invalid_json", f"The request body is not valid JSON: {error}.") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "The request body nests JSON too deeply.") from None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -79,6 +79,11 @@ def test_malformed_json_is_400(api, created):
     assert "JSON" in error["message"]
 
 
+def test_absurdly_nested_json_is_400(api, created):
+    response = api("POST", ASSIGN, data="[" * 100_000, content_type="application/json")
+    assert "nests" in error_of(response, 400)["message"]
+
+
 @pytest.mark.parametrize("body", [[1, 2], "u1", 3, None])
 def test_body_must_be_an_object(api, created, body):
     response = api("POST", ASSIGN, data=json.dumps(body), content_type="application/json")
@@ -94,6 +99,9 @@ def test_body_must_be_an_object(api, created, body):
     ({"arms": [{"name": "a"}, {"name": "a"}]}, "arms[1].name"),
     ({"arms": [{"name": "a", "params": []}, {"name": "b"}]}, "arms[0].params"),
     ({"arms": [{"name": "a", "extra": 1}, {"name": "b"}]}, "arms[0].extra"),
+    ({"arms": [{"name": "a", "params": {"w": float("nan")}}, {"name": "b"}]}, "arms[0].params"),
+    ({"arms": [{"name": "a", "params": {"w": ["ok", "nul\u0000"]}}, {"name": "b"}]}, "arms[0].params"),
+    ({"arms": [{"name": "a", "params": {"w": 1e308 * 10}}, {"name": "b"}]}, "arms[0].params"),
     ({"metrics": []}, "metrics"),
     ({"metrics": ["x", "x", "y"]}, "metrics[1]"),
     ({"metrics": ["x", 3]}, "metrics[1]"),
@@ -115,7 +123,8 @@ def test_body_must_be_an_object(api, created, body):
     ({"unexpected": 1}, "unexpected"),
 ])
 def test_invalid_experiment_is_422_naming_the_item(api, app, setup_a, change, location):
-    error = error_of(api("POST", EXPERIMENTS, json=setup_a(**change)), 422)
+    body = json.dumps(setup_a(**change))  # json.dumps writes NaN/Infinity, as careless clients do
+    error = error_of(api("POST", EXPERIMENTS, data=body, content_type="application/json"), 422)
     assert error["code"] == "invalid_request"
     assert error["details"][0]["location"] == location, error
     assert error["message"].startswith(location)
