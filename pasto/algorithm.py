@@ -92,6 +92,13 @@ class AlgorithmConfig:
         eps_t = exploration_scale / sqrt(t + 10) (paper section 6); max(floor, scale / sqrt(t));
         scale. Always clipped to [0, 1].
     exploration_scale, exploration_floor : float
+    directed_share : float
+        Share rho in [0, 1] of the exploitation mass moved to *plausible* arms: those whose
+        gradient g_k = (V^T grad f(V w))_k could reach the mixture's level w . g within
+        ``directed_z`` standard errors (optimism in the face of uncertainty, linearised at w). Arms
+        whose estimate rests on fewer than two observations are always plausible. Served
+        p = (1 - eps) ((1 - rho) w + rho d) + eps / K with d uniform over the plausible arms.
+    directed_z : float
     deploy : {"average", "stage", "last"}
         Average of the served p since round 1 (paper, Algorithm 1 line 9); average of the served p
         over the current stage; the current exploitation mixture w_t / ||w_t||_1 (no exploration).
@@ -114,6 +121,8 @@ class AlgorithmConfig:
     exploration: str = "sqrt"
     exploration_scale: float = 1.0
     exploration_floor: float = 0.05
+    directed_share: float = 0.0
+    directed_z: float = 2.0
     deploy: str = "last"
     solve_every: int = 5
     solve_steps: int = 100
@@ -131,20 +140,27 @@ class AlgorithmConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"Algorithm option {name!r} must be one of {list(allowed)}, got {value!r}.")
-        for name in ("discount", "step_size", "exploration_scale", "exploration_floor", "dual_step"):
+        for name in (
+            "discount",
+            "step_size",
+            "exploration_scale",
+            "exploration_floor",
+            "directed_share",
+            "directed_z",
+            "dual_step",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
             object.__setattr__(self, name, float(value))
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
-        for name in ("step_size", "exploration_scale", "dual_step"):
+        for name in ("step_size", "exploration_scale", "dual_step", "directed_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Algorithm option {name!r} must be >= 0, got {getattr(self, name)}.")
-        if not 0.0 <= self.exploration_floor <= 1.0:
-            raise ValueError(
-                f"Algorithm option 'exploration_floor' must be in [0, 1], got {self.exploration_floor}."
-            )
+        for name in ("exploration_floor", "directed_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"Algorithm option {name!r} must be in [0, 1], got {getattr(self, name)}.")
         for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -192,13 +208,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         exploration="paper",
         exploration_scale=0.1,
         exploration_floor=0.0,
+        directed_share=0.0,
         deploy="average",
         solve_every=0,
         solve_steps=0,
         guardrail_weights="fixed",
     ),
     # Estimate-then-solve: pooled means, the concave problem re-solved on the estimate every few
-    # rounds, exploration max(0.05, 1/sqrt(t)), deploy the exploitation mixture.
+    # rounds, exploration max(0.05, 1/sqrt(t)) plus a 20% share directed at plausible arms,
+    # deploy the exploitation mixture.
     "default": dict(
         estimator="pooled",
         discount=1.0,
@@ -207,6 +225,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         exploration="sqrt",
         exploration_scale=1.0,
         exploration_floor=0.05,
+        directed_share=0.2,
+        directed_z=2.0,
         deploy="last",
         solve_every=5,
         solve_steps=100,
@@ -471,6 +491,34 @@ def _exploitation(log_weights: np.ndarray) -> np.ndarray:
     return softmax(log_weights, axis=-1)
 
 
+def _plausible_arms(
+    objective: Objective,
+    current: Estimate,
+    mixture: np.ndarray,
+    thresholds: np.ndarray,
+    penalties: np.ndarray | None,
+    z: float,
+) -> np.ndarray:
+    """Uniform distribution over the arms that could belong to the optimal support; (..., K).
+
+    At the optimum of f(V p) every arm has g_k <= w . g (equality on the support). An arm is
+    plausible when g_k + z * se(g_k) >= w . g, with se(g_k) = sqrt(sum_m (df/dx_m)^2 se[m, k]^2);
+    undefined standard errors count as infinite.
+    """
+    means = current.means
+    x = np.einsum("...mk,...k->...m", means, mixture)
+    gradient_x = objective.gradient(x, thresholds, penalties)
+    gradient = np.einsum("...mk,...m->...k", means, gradient_x)
+    level = np.sum(mixture * gradient, axis=-1, keepdims=True)
+    errors = np.where(np.isnan(current.standard_errors), np.inf, current.standard_errors)
+    relevant = gradient_x[..., :, None] != 0
+    variance = np.sum(np.where(relevant, (gradient_x[..., :, None] * errors) ** 2, 0.0), axis=-2)
+    with np.errstate(invalid="ignore"):
+        plausible = gradient + z * np.sqrt(variance) >= level - 1e-12 * np.abs(level)
+    plausible = plausible | (mixture >= np.max(mixture, axis=-1, keepdims=True))
+    return plausible / plausible.sum(axis=-1, keepdims=True)
+
+
 def update(
     config: AlgorithmConfig,
     objective: Objective,
@@ -517,6 +565,22 @@ def update(
     if np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
         raise ValueError("An arm has observations in the round but a served probability of 0.")
 
+    # Metrics of absurd scale may overflow intermediate values (f, its gradient, variances);
+    # every such value is sanitised below, so the warnings carry no information.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _advance(config, objective, state, round_statistics, pooled_statistics, propensities)
+
+
+def _advance(
+    config: AlgorithmConfig,
+    objective: Objective,
+    state: ControllerState,
+    round_statistics: Statistics,
+    pooled_statistics: Statistics,
+    propensities: np.ndarray,
+) -> ControllerState:
+    n_arms = state.n_arms
+    served = state.probabilities
     t = state.round_index + 1
     history, baseline, discounted = state.history, state.baseline, state.discounted
     observed = round_statistics.counts.sum(axis=-1) > 0  # (..., M)
@@ -531,15 +595,15 @@ def update(
     elif config.discount < 1.0:
         discounted = discount_statistics(discounted, round_statistics, config.discount)
     interim = dataclasses.replace(state, history=history, baseline=baseline, discounted=discounted)
-    means = estimate(config, interim, pooled_statistics).means
+    current = estimate(config, interim, pooled_statistics)
+    means = current.means
     thresholds = objective.thresholds(means)
     dual = config.guardrail_weights == "dual_ascent"
     penalties = state.guardrail_weights if dual else None
 
     # Eq. 7 at the probabilities served in the closing round.
     x = np.einsum("...mk,...k->...m", means, served)
-    with np.errstate(over="ignore", invalid="ignore"):
-        gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
+    gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
     # EG ignores constants added to g, so the centred gradient is used; it is handled as
     # scale * direction (|direction| <= 2) so that absurd metric scales cannot overflow to inf/nan.
     gradient = np.nan_to_num(gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
@@ -547,13 +611,12 @@ def update(
     scale = np.where(scale > 0, scale, 1.0)
     direction = gradient / scale[..., None]
     direction = direction - direction.mean(axis=-1, keepdims=True)
-    with np.errstate(over="ignore"):
-        spread = np.max(np.abs(direction), axis=-1) * scale
-        gradient_square_sum = state.gradient_square_sum + spread**2
-        gamma = step_size(config, t, n_arms, gradient_square_sum)
-        # No log weight moves by more than _MAX_LOG_STEP in one round (only reachable with
-        # gradients of absurd size; the order of the arms' moves is kept).
-        move = np.minimum(gamma * scale, _MAX_LOG_STEP)
+    spread = np.max(np.abs(direction), axis=-1) * scale
+    gradient_square_sum = state.gradient_square_sum + spread**2
+    gamma = step_size(config, t, n_arms, gradient_square_sum)
+    # No log weight moves by more than _MAX_LOG_STEP in one round (only reachable with
+    # gradients of absurd size; the order of the arms' moves is kept).
+    move = np.minimum(gamma * scale, _MAX_LOG_STEP)
     log_weights = state.log_weights + move[..., None] * direction
     log_weights = log_weights - logsumexp(log_weights, axis=-1, keepdims=True)
 
@@ -567,10 +630,16 @@ def update(
     guardrail_weights = state.guardrail_weights
     if dual:
         y = np.einsum("...mk,...k->...m", means, exploitation)[..., objective.guardrail_rows]
-        guardrail_weights = np.maximum(0.0, guardrail_weights + config.dual_step * (thresholds - y))
+        raised = guardrail_weights + config.dual_step * (thresholds - y)
+        raised = np.where(np.isnan(raised), guardrail_weights, raised)
+        guardrail_weights = np.clip(raised, 0.0, _LARGEST)
 
     eps = exploration_rate(config, t + 1)
-    probabilities = (1.0 - eps) * exploitation + eps / n_arms
+    target = exploitation
+    if config.directed_share > 0:
+        directed = _plausible_arms(objective, current, exploitation, thresholds, penalties, config.directed_z)
+        target = (1.0 - config.directed_share) * exploitation + config.directed_share * directed
+    probabilities = (1.0 - eps) * target + eps / n_arms
 
     probability_sum = state.probability_sum + served
     if t == 1 or stage_of(config, t) != stage_of(config, t - 1):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import minimize
-from scipy.special import logsumexp
 
 from pasto.objectives import Objective
 
@@ -30,11 +29,17 @@ __all__ = [
 # Log weights more than this below the largest are clamped: their probability (< e^-700) is zero
 # in float64 anyway, and keeping them finite keeps every later step free of inf - inf.
 _LOG_WEIGHT_SPAN = 700.0
+_LARGEST = np.finfo(float).max
+# Largest change of a log weight in one step: beyond a few hundred the outcome is already decided.
+_MAX_MOVE = 1e6
 
 
-def _normalise(log_weights: np.ndarray) -> np.ndarray:
-    log_weights = log_weights - logsumexp(log_weights, axis=-1, keepdims=True)
-    return np.maximum(log_weights, -_LOG_WEIGHT_SPAN)
+def _normalise(log_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(log p, p) for unnormalised log weights, sharing one exp (the solver's hot path)."""
+    shifted = log_weights - np.max(log_weights, axis=-1, keepdims=True)
+    exponentials = np.exp(shifted)
+    total = np.sum(exponentials, axis=-1, keepdims=True)
+    return np.maximum(shifted - np.log(total), -_LOG_WEIGHT_SPAN), exponentials / total
 
 
 def smoothness(objective: Objective, means: np.ndarray, penalties: np.ndarray | None = None) -> np.ndarray:
@@ -50,11 +55,10 @@ def smoothness(objective: Objective, means: np.ndarray, penalties: np.ndarray | 
     return 2.0 * np.sum(lam * np.max(rows**2, axis=-1), axis=-1)
 
 
-def _evaluate(objective, means, thresholds, log_weights, penalties):
-    p = np.exp(log_weights)
-    x = np.einsum("...mk,...k->...m", means, p)
+def _evaluate(objective, means, thresholds, p, penalties):
+    x = (means @ p[..., None])[..., 0]
     value = objective.value(x, thresholds, penalties)
-    gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
+    gradient = (objective.gradient(x, thresholds, penalties)[..., None, :] @ means)[..., 0, :]
     return value, gradient
 
 
@@ -93,21 +97,33 @@ def mirror_ascent(
     thresholds = np.asarray(thresholds, dtype=float)
     if log_weights is None:
         log_weights = np.zeros(means.shape[:-2] + means.shape[-1:])
-    current = _normalise(np.asarray(log_weights, dtype=float))
-    value, gradient = _evaluate(objective, means, thresholds, current, penalties)
-    spread = np.ptp(gradient, axis=-1)
-    curvature = smoothness(objective, means, penalties)
-    # Linear objectives have no curvature: start from a step that moves log-odds by about one.
-    step = 1.0 / np.maximum(np.maximum(curvature, spread), 1e-12)
-    for _ in range(steps):
-        candidate = _normalise(current + step[..., None] * gradient)
-        candidate_value, candidate_gradient = _evaluate(objective, means, thresholds, candidate, penalties)
-        accept = candidate_value >= value
-        current = np.where(accept[..., None], candidate, current)
-        value = np.where(accept, candidate_value, value)
-        gradient = np.where(accept[..., None], candidate_gradient, gradient)
-        step = np.where(accept, np.minimum(step * 2.0, 1e12), step * 0.5)
+    # Metrics of absurd scale overflow f and its gradient; such problems simply stop moving
+    # (non-finite candidates are rejected) instead of producing nan probabilities.
+    with np.errstate(over="ignore", invalid="ignore"):
+        current, p = _normalise(np.asarray(log_weights, dtype=float))
+        value, gradient = _evaluate(objective, means, thresholds, p, penalties)
+        gradient = np.nan_to_num(gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
+        spread = np.ptp(gradient, axis=-1)
+        curvature = smoothness(objective, means, penalties)
+        # Linear objectives have no curvature: start from a step that moves log-odds by about one.
+        step = 1.0 / np.maximum(np.maximum(curvature, spread), 1e-12)
+        for _ in range(steps):
+            candidate, p = _normalise(current + _bounded_move(step, gradient))
+            candidate_value, candidate_gradient = _evaluate(objective, means, thresholds, p, penalties)
+            accept = (candidate_value >= value) & np.all(np.isfinite(candidate), axis=-1)
+            current = np.where(accept[..., None], candidate, current)
+            value = np.where(accept, candidate_value, value)
+            candidate_gradient = np.nan_to_num(candidate_gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
+            gradient = np.where(accept[..., None], candidate_gradient, gradient)
+            step = np.where(accept, np.minimum(step * 2.0, 1e12), step * 0.5)
     return current
+
+
+def _bounded_move(step: np.ndarray, gradient: np.ndarray) -> np.ndarray:
+    """step * gradient, rescaled per problem so that no entry exceeds _MAX_MOVE (order kept)."""
+    scale = np.max(np.abs(gradient), axis=-1)
+    scale = np.where(scale > 0, scale, 1.0)
+    return (gradient / scale[..., None]) * np.minimum(step * scale, _MAX_MOVE)[..., None]
 
 
 def _restricted_solve(objective, means, thresholds, support, start):
