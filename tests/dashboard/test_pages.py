@@ -74,7 +74,8 @@ def test_overview_asks_for_a_token_once_and_lists_experiments(live_server, brows
         assert guardrail_text == (f"{len(violated)} violated: {', '.join(violated)}" if violated else "2 OK")
         assert cells.nth(5).inner_text().startswith("ok" if diagnostics["srm"]["ok"] else "mismatch")
         assert "ago" in cells.nth(6).inner_text() or cells.nth(6).inner_text() == "just now"
-        assert page.locator('tr[data-experiment="search-boost"] td').nth(1).inner_text() == "paused"
+        empty = page.locator('tr[data-experiment="search-boost"] td')
+        assert [empty.nth(column).inner_text() for column in (1, 3, 4, 5)] == ["paused", "no data", "no data", "no data"]
 
         # The token is kept for the tab: a reload does not ask again.
         page.reload()
@@ -198,5 +199,21 @@ def test_experiment_page_refreshes_without_reloading(live_server, browser, anony
     assert page.evaluate("window.__sameDocument === true")
     assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
     assert page.locator("#fig-round").inner_text() == str(before)
+    assert console.problems == []
+    context.close()
+
+
+def test_an_experiment_without_data_renders_without_errors(live_server, browser, anonymous_loopback):
+    context, page, console = open_page(browser, "phone")
+    page.goto(f"{live_server.base_url}/experiments/search-boost")
+    page.wait_for_selector('#experiment[data-rounds="1"]')
+    assert page.locator("#status-badge").inner_text() == "paused"
+    assert len(chart_data(page, "chart-mixture")[0]["y"]) == 1
+    assert page.locator("#arms-body tr").count() == 2
+    for figure in ("#fig-srm", "#fig-guardrails"):
+        assert page.locator(figure).inner_text() == "no data"
+    assert page.locator("#fig-primary").inner_text() == "–"
+    assert "no data" in page.locator("#guardrail-panels h3").inner_text()
+    assert page.locator("#error-banner").is_hidden()
     assert console.problems == []
     context.close()

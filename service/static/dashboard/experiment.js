@@ -3,8 +3,8 @@ import {
   OTHER_COLOUR, PALETTE, apiGet, badge, element, formatInteger, formatNumber, formatPercent, poll, withAlpha,
 } from "./pasto.js";
 import {
-  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, mixtureSeries, objectiveSeries,
-  observationsSeries, primaryEstimate, primaryLabel,
+  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, guardrailSummary, hasData, mixtureSeries,
+  objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
 } from "./model.js";
 
 const name = document.getElementById("experiment").dataset.name;
@@ -152,12 +152,12 @@ function drawRegret(rounds) {
   });
 }
 
-function guardrailHeading(entry) {
+function guardrailHeading(entry, known) {
   const { spec, current } = entry;
   const bound = spec.relative_to
     ? `≥ ${spec.relative_to} ${spec.threshold < 0 ? "−" : "+"} ${formatPercent(Math.abs(spec.threshold))}`
     : `≥ ${formatNumber(spec.threshold)}`;
-  const status = current === null || current.estimate === null
+  const status = !known || current === null || current.estimate === null
     ? badge("no data", "")
     : current.holds ? badge("holds (deployed)", "ok") : badge("violated (deployed)", "bad");
   return element("h3", {}, `${entry.metric} ${bound}`, status);
@@ -177,7 +177,7 @@ function drawGuardrails(experiment, rounds, diagnostics) {
     )));
   }
   series.forEach((entry, position) => {
-    container.children[position].querySelector("h3").replaceWith(guardrailHeading(entry));
+    container.children[position].querySelector("h3").replaceWith(guardrailHeading(entry, hasData(diagnostics)));
     const band = withAlpha("#0072B2", 0.18);
     drawChart(`chart-guardrail-${position}`, {
       type: "line",
@@ -320,10 +320,10 @@ function drawFigures(experiment, rounds, diagnostics) {
   show("fig-best-single", formatNumber(diagnostics.best_single.value),
     element("span", { class: "interval" }, diagnostics.best_single.arm));
   show("fig-gain", formatNumber(diagnostics.mixing_gain));
-  const violated = diagnostics.guardrails.filter((guardrail) => guardrail.holds === false);
-  show("fig-guardrails", diagnostics.guardrails.length === 0 ? "none"
-    : violated.length ? badge(`${violated.length} of ${diagnostics.guardrails.length} violated`, "bad")
-      : badge(`${diagnostics.guardrails.length} OK`, "ok"));
+  const guardrails = guardrailSummary(diagnostics);
+  show("fig-guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? "no data"
+    : guardrails.violated.length ? badge(`${guardrails.violated.length} of ${guardrails.total} violated`, "bad")
+      : badge(`${guardrails.total} OK`, "ok"));
   const { srm } = diagnostics;
   const srmKnown = srm.p_value !== null;
   show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));

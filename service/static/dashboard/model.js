@@ -29,8 +29,15 @@ export function armEstimates(experiment, diagnostics) {
   })]));
 }
 
-// The primary metric under a mixture, with a 95% interval treating arms' estimates as independent.
+// Whether any unit has been observed: before that, estimates are the estimator's fallback values.
+export function hasData(diagnostics) {
+  return diagnostics.units.some((count) => count > 0);
+}
+
+// The primary metric under a mixture, with a 95% interval treating arms' estimates as independent;
+// null before any data.
 export function primaryEstimate(experiment, diagnostics, probabilities) {
+  if (!hasData(diagnostics)) return null;
   let estimate = 0;
   let variance = 0;
   for (const [metric, weight] of Object.entries(primaryWeights(experiment))) {
@@ -51,6 +58,7 @@ export function guardrailSummary(diagnostics) {
   const guardrails = diagnostics.guardrails;
   return {
     total: guardrails.length,
+    known: hasData(diagnostics),
     violated: guardrails.filter((guardrail) => guardrail.holds === false).map((guardrail) => guardrail.metric),
   };
 }

@@ -26,7 +26,7 @@ function row(experiment, diagnostics) {
     cell("Status", badge(experiment.status, experiment.status)),
     element("td", { class: "num", "data-label": "Round" }, formatInteger(experiment.round.index)),
     cell("Primary metric", primaryText),
-    cell("Guardrails", guardrails.total === 0 ? "none" : guardrails.violated.length === 0
+    cell("Guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? badge("no data", "") : guardrails.violated.length === 0
       ? badge(`${guardrails.total} OK`, "ok")
       : badge(`${guardrails.violated.length} violated: ${guardrails.violated.join(", ")}`, "bad")),
     cell("Traffic split (SRM)", srmBadge),
