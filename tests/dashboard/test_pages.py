@@ -217,3 +217,19 @@ def test_an_experiment_without_data_renders_without_errors(live_server, browser,
     assert page.locator("#error-banner").is_hidden()
     assert console.problems == []
     context.close()
+
+
+def test_a_rejected_token_is_asked_for_again(live_server, browser):
+    context, page, console = open_page(browser, "desktop")
+    page.goto(live_server.base_url + "/")
+    page.wait_for_selector("#token-dialog[open]")
+    page.fill("#token-input", "not-a-token")
+    page.click("#token-form button[type=submit]")
+    page.wait_for_selector("#token-dialog[open]")
+    assert "did not accept" in page.locator("#token-reason").inner_text()
+    page.fill("#token-input", live_server.tokens["read"])
+    page.click("#token-form button[type=submit]")
+    page.wait_for_selector("#experiments-body tr[data-experiment]")
+    # The browser logs the one rejected request, and nothing else.
+    assert len(console.problems) == 1 and "401" in console.problems[0]
+    context.close()

@@ -18,6 +18,9 @@ function storedToken() {
 
 let tokenRequest = null;
 
+// Escape would close the dialog and leave the page without data and no way back: keep it open.
+document.getElementById("token-dialog").addEventListener("cancel", (event) => event.preventDefault());
+
 // Resolves with a token typed by the user. Several fetches may need one at once: they share the dialog.
 function askForToken(reason) {
   if (tokenRequest) return tokenRequest;
@@ -34,8 +37,6 @@ function askForToken(reason) {
       tokenRequest = null;
       resolve(token);
     }, { once: true });
-    // Escape would leave the page without data and no way back: keep the dialog open.
-    dialog.addEventListener("cancel", (event) => event.preventDefault());
     dialog.showModal();
     input.focus();
   });
@@ -115,9 +116,11 @@ export function formatNumber(value, digits = 3) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   if (!Number.isFinite(value)) return value > 0 ? "∞" : "−∞";
   const magnitude = Math.abs(value);
-  if (magnitude !== 0 && (magnitude >= 1e6 || magnitude < 1e-3)) return value.toExponential(digits - 1).replace("-", "−");
-  const text = value.toLocaleString("en-US", { maximumSignificantDigits: Math.max(digits, Math.ceil(Math.log10(magnitude + 1))) });
-  return text.replace("-", "−");
+  // Typographic minus signs: "−0.2" reads better than "-0.2" next to other figures.
+  if (magnitude !== 0 && (magnitude >= 1e6 || magnitude < 1e-3)) return value.toExponential(digits - 1).replaceAll("-", "−");
+  // At least `digits` significant digits, and never fewer than the integer part has.
+  const significant = Math.max(digits, Math.ceil(Math.log10(magnitude + 1)));
+  return value.toLocaleString("en-US", { maximumSignificantDigits: significant }).replaceAll("-", "−");
 }
 
 export function formatPercent(value) {
