@@ -112,7 +112,7 @@ def create():
     except sa.exc.IntegrityError:
         # Two concurrent creations with the same name: the unique constraint decides.
         raise _duplicate(body.name) from None
-    response = jsonify(experiment_json(get_cache().get(body.name)))
+    response = jsonify(experiment_json(get_cache().get(body.name, fresh=True)))
     response.status_code = 201
     return response
 
@@ -168,7 +168,7 @@ def set_status(name: str, target: str) -> Snapshot:
             experiment.status = target
             experiment.version += 1
             experiment.updated_at = now
-    return get_cache().get(name)
+    return get_cache().get(name, fresh=True)
 
 
 @bp.post("/<name>/pause")

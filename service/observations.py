@@ -51,6 +51,8 @@ def ingest_observations(name: str):
     if snapshot.status == "stopped":
         raise _stopped(name)
     batch = parse(ObservationBatch, body).observations
+    if max(observation.round for observation in batch) > snapshot.round_index:
+        snapshot = cache.get(name, fresh=True)  # another worker may have started a newer round
     arm_indices = resolve_arms(snapshot, batch)
     result = ingest(get_db(), snapshot, batch, arm_indices)
     events.observed.send(snapshot, accepted=result.accepted, duplicates=result.duplicates,
@@ -101,12 +103,14 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
     first_of_id: dict[str, int] = {}
     for position, observation in enumerate(batch):
         first_of_id.setdefault(observation.id, position)
-    ordered = sorted(first_of_id.items())
+    arms = arm_indices.tolist()
     experiment_id = snapshot.id
+    ids = ObservationId.__table__
     with database.write() as session:
+        connection = session.connection()
         # Shares the row lock with other ingestion requests and excludes a concurrent round close, so
         # "late" is decided against the rounds as they are when this transaction commits.
-        row = session.execute(
+        row = connection.execute(
             sa.select(Experiment.status, Experiment.applied_rounds)
             .where(Experiment.id == experiment_id)
             .with_for_update(read=True)
@@ -114,96 +118,99 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
         if row.status == "stopped":
             raise _stopped(snapshot.name)
         insert_ids = (
-            database.insert(ObservationId)
+            database.insert(ids)
             .on_conflict_do_nothing(index_elements=["experiment_id", "client_id"])
-            .returning(ObservationId.client_id)
+            .returning(ids.c.client_id)
         )
-        inserted = session.execute(insert_ids, [
+        # Sorted ids: concurrent batches sharing ids wait on each other in one order, never in a cycle.
+        inserted = connection.execute(insert_ids, [
             {"experiment_id": experiment_id, "client_id": client_id,
-             "round_index": batch[position].round, "arm_index": int(arm_indices[position])}
-            for client_id, position in ordered
-        ]).scalars().all() if ordered else []
+             "round_index": batch[position].round, "arm_index": arms[position]}
+            for client_id, position in sorted(first_of_id.items())
+        ]).scalars().all()
         new_positions = sorted(first_of_id[client_id] for client_id in inserted)
         arm_counts: Counter[int] = Counter()
         if new_positions:
-            _add_statistics(session, database, snapshot, batch, arm_indices, new_positions)
-            arm_counts = _add_counts(session, database, experiment_id, batch, arm_indices, new_positions,
+            _add_statistics(connection, database, snapshot, batch, arms, new_positions)
+            arm_counts = _add_counts(connection, database, experiment_id, batch, arms, new_positions,
                                      row.applied_rounds)
     return IngestResult(accepted=len(new_positions), duplicates=len(batch) - len(new_positions),
                         arm_counts=dict(arm_counts))
 
 
-def _add_statistics(session, database: Database, snapshot: Snapshot, batch, arm_indices, positions) -> None:
-    rounds, arms, metrics, values = [], [], [], []
+def _add_statistics(connection, database: Database, snapshot: Snapshot, batch, arms: list[int],
+                    positions: list[int]) -> None:
+    n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
     metric_positions = snapshot.metric_positions
+    keys: list[int] = []
+    values: list[float] = []
     for position in positions:
         observation = batch[position]
-        arm = arm_indices[position]
+        base = (observation.round * n_arms + arms[position]) * n_metrics
         for metric, value in observation.values.items():
-            rounds.append(observation.round)
-            arms.append(arm)
-            metrics.append(metric_positions[metric])
+            keys.append(base + metric_positions[metric])
             values.append(value)
-    keys = np.stack([np.asarray(rounds, dtype=np.int64), np.asarray(arms, dtype=np.int64),
-                     np.asarray(metrics, dtype=np.int64)], axis=1)
-    values_array = np.asarray(values, dtype=np.float64)
-    unique_keys, group = np.unique(keys, axis=0, return_inverse=True)
-    group = group.reshape(-1)
-    counts = np.bincount(group, minlength=len(unique_keys))
-    sums = np.bincount(group, weights=values_array, minlength=len(unique_keys))
-    sums_of_squares = np.bincount(group, weights=values_array * values_array, minlength=len(unique_keys))
-    insert = database.insert(RoundStatistic)
+    # One integer key per (round, arm, metric); np.unique sorts them, so every transaction upserts
+    # (and locks) rows in the same order.
+    unique_keys, group = np.unique(np.asarray(keys, dtype=np.int64), return_inverse=True)
+    value_array = np.asarray(values, dtype=np.float64)
+    counts = np.bincount(group, minlength=unique_keys.size)
+    sums = np.bincount(group, weights=value_array, minlength=unique_keys.size)
+    sums_of_squares = np.bincount(group, weights=value_array * value_array, minlength=unique_keys.size)
+    table = RoundStatistic.__table__
+    insert = database.insert(table)
     upsert = insert.on_conflict_do_update(
         index_elements=["experiment_id", "round_index", "arm_index", "metric_index"],
         set_={
-            "count": RoundStatistic.count + insert.excluded.count,
-            "sum": RoundStatistic.sum + insert.excluded.sum,
-            "sum_of_squares": RoundStatistic.sum_of_squares + insert.excluded.sum_of_squares,
+            "count": table.c.count + insert.excluded.count,
+            "sum": table.c.sum + insert.excluded.sum,
+            "sum_of_squares": table.c.sum_of_squares + insert.excluded.sum_of_squares,
         },
     )
-    # np.unique sorts the keys: every transaction locks the rows in the same order (no deadlocks).
-    session.execute(upsert, [
-        {"experiment_id": snapshot.id, "round_index": key[0], "arm_index": key[1], "metric_index": key[2],
+    connection.execute(upsert, [
+        {"experiment_id": snapshot.id, "round_index": key // (n_arms * n_metrics),
+         "arm_index": key // n_metrics % n_arms, "metric_index": key % n_metrics,
          "count": count, "sum": total, "sum_of_squares": total_of_squares}
         for key, count, total, total_of_squares in zip(
             unique_keys.tolist(), counts.tolist(), sums.tolist(), sums_of_squares.tolist())
     ])
 
 
-def _add_counts(session, database: Database, experiment_id: int, batch, arm_indices, positions,
+def _add_counts(connection, database: Database, experiment_id: int, batch, arms: list[int], positions: list[int],
                 applied_rounds: int) -> Counter[int]:
     observations: Counter[tuple[int, int]] = Counter()
     late: Counter[tuple[int, int]] = Counter()
     unit_arm: dict[tuple[int, str], int] = {}
     for position in positions:
         observation = batch[position]
-        key = (observation.round, int(arm_indices[position]))
+        key = (observation.round, arms[position])
         observations[key] += 1
         if observation.round < applied_rounds:
             late[key] += 1
         unit_arm.setdefault((observation.round, observation.unit), key[1])
+    units = RoundUnit.__table__
     insert_units = (
-        database.insert(RoundUnit)
+        database.insert(units)
         .on_conflict_do_nothing(index_elements=["experiment_id", "round_index", "unit"])
-        .returning(RoundUnit.round_index, RoundUnit.arm_index)
+        .returning(units.c.round_index, units.c.arm_index)
     )
     new_units = Counter(
-        (row.round_index, row.arm_index)
-        for row in session.execute(insert_units, [
+        (round_index, arm) for round_index, arm in connection.execute(insert_units, [
             {"experiment_id": experiment_id, "round_index": round_index, "unit": unit, "arm_index": arm}
             for (round_index, unit), arm in sorted(unit_arm.items())
         ])
     )
-    insert = database.insert(ArmRoundCount)
+    table = ArmRoundCount.__table__
+    insert = database.insert(table)
     upsert = insert.on_conflict_do_update(
         index_elements=["experiment_id", "round_index", "arm_index"],
         set_={
-            "observations": ArmRoundCount.observations + insert.excluded.observations,
-            "units": ArmRoundCount.units + insert.excluded.units,
-            "late_observations": ArmRoundCount.late_observations + insert.excluded.late_observations,
+            "observations": table.c.observations + insert.excluded.observations,
+            "units": table.c.units + insert.excluded.units,
+            "late_observations": table.c.late_observations + insert.excluded.late_observations,
         },
     )
-    session.execute(upsert, [
+    connection.execute(upsert, [
         {"experiment_id": experiment_id, "round_index": key[0], "arm_index": key[1], "observations": count,
          "units": new_units.get(key, 0), "late_observations": late.get(key, 0)}
         for key, count in sorted(observations.items())

@@ -310,7 +310,7 @@ def close_current_round(name: str):
     if advance is None:
         raise ApiError(409, "conflict", f"Round {expected} of {name!r} is not the current round "
                                         "(it was already closed, or has not started).")
-    fresh = get_cache().get(name)
+    fresh = get_cache().get(name, fresh=True)
     return jsonify({
         "closed_round": advance.closed_round,
         "applied": list(advance.applied),

@@ -36,7 +36,8 @@ def test_a_new_round_reassigns_with_the_new_mixture_in_every_worker(app, api, se
     """A second app on the same database stands for another worker process: it sees the new round
     through the version check, without any restart."""
     assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
-    other = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_ADMIN_TOKEN": admin_token}).test_client()
+    other = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_ADMIN_TOKEN": admin_token,
+                        "PASTO_VERSION_CHECK_SECONDS": 0}).test_client()
     headers = {"Authorization": f"Bearer {admin_token}"}
     assert other.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 0
     observations = [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": 2.0 if i % 2 else -2.0, "y": 0.0}}
@@ -77,3 +78,21 @@ def test_a_batch_of_ten_thousand_units(api, setup_a):
     assert len(batch) == 10_000
     for item in batch[::997]:
         assert item["arm"] == ["a", "b"][expected_arm(7, item["unit"], 0, [0.5, 0.5])]
+
+
+def test_ingestion_refreshes_a_stale_worker_before_rejecting_a_round(app, api, setup_a, sqlite_url, admin_token):
+    """A worker whose cache is still within its check interval accepts observations for a round that
+    another worker started (it re-checks the version before calling the round "not started")."""
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    stale = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_ADMIN_TOKEN": admin_token,
+                        "PASTO_VERSION_CHECK_SECONDS": 3600}).test_client()
+    headers = {"Authorization": f"Bearer {admin_token}"}
+    assert stale.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 0
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    assert stale.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 0  # within its interval
+    observation = {"id": "o1", "unit": "u1", "round": 1, "values": {"x": 1.0}}
+    response = stale.post("/api/v1/experiments/setup-a/observations", json={"observations": [observation]},
+                          headers=headers)
+    assert response.status_code == 202
+    assert stale.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 1
+    get_db(stale.application).engine.dispose()
