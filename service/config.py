@@ -18,6 +18,7 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_ADMIN_TOKEN`` (bootstrap admin token, kept only as its SHA-256 digest),
     ``PASTO_SCHEDULER_INTERVAL`` (seconds between round checks, default 1),
     ``PASTO_CHECK_SCHEMA`` (refuse to start on an un-migrated database, default true),
+    ``PASTO_VERSION_CHECK_SECONDS`` (how stale a worker's cached experiment may be, default 0.05),
     ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
     false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
     ``MAX_CONTENT_LENGTH`` (bytes).
@@ -27,10 +28,11 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_ADMIN_TOKEN": None,
         "PASTO_SCHEDULER_INTERVAL": 1.0,
         "PASTO_CHECK_SCHEMA": True,
+        "PASTO_VERSION_CHECK_SECONDS": 0.05,
         "PASTO_ANONYMOUS_LOOPBACK_READ": False,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
     }
-    for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL"):
+    for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS"):
         if os.environ.get(key):
             config[key] = os.environ[key]
     if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
@@ -46,6 +48,12 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         ) from error
     if not config["PASTO_SCHEDULER_INTERVAL"] > 0:
         raise ValueError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
+    try:
+        config["PASTO_VERSION_CHECK_SECONDS"] = float(config["PASTO_VERSION_CHECK_SECONDS"])
+    except (TypeError, ValueError) as error:
+        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be a number of seconds.") from error
+    if not config["PASTO_VERSION_CHECK_SECONDS"] >= 0:
+        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be zero or a positive number of seconds.")
     return config
 
 
