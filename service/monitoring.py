@@ -31,7 +31,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
 from .db import get_db
-from .models import Arm, ArmRoundCount, Experiment, Round, SchedulerHeartbeat, utcnow
+from .diagnostics import traffic_report
+from .models import STATUSES, Arm, ArmRoundCount, Experiment, Round, SchedulerHeartbeat, utcnow
 
 bp = Blueprint("monitoring", __name__)
 
@@ -129,8 +130,6 @@ class ControllerCollector:
         self.app = app
 
     def collect(self) -> Iterator[Metric]:
-        from .diagnostics import traffic_report
-
         status = _gauge("pasto_experiment_status", "1 for the experiment's status, 0 for the others.",
                         "experiment", "status")
         round_index = _gauge("pasto_round_index", "Index of the round being served (0-based).", "experiment")
@@ -179,8 +178,7 @@ class ControllerCollector:
             # Rounds still open or waiting for their update (usually one or two per experiment), and
             # the latest applied one, whose summary holds the newest estimates.
             rounds = session.execute(
-                sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary,
-                          Round.applied_at)
+                sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
                 .join(Experiment, Experiment.id == Round.experiment_id)
                 .where(Round.index >= Experiment.applied_rounds - 1)
             ).all()
@@ -208,7 +206,7 @@ class ControllerCollector:
         for row in experiments:
             name, names = row.name, arm_names.get(row.id, [])
             own_rounds = by_experiment.get(row.id, {})
-            for candidate in ("running", "paused", "stopped"):
+            for candidate in STATUSES:
                 status.add_metric([name, candidate], float(candidate == row.status))
             round_index.add_metric([name], row.round_index)
             applied.add_metric([name], row.applied_rounds)
