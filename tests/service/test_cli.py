@@ -1,0 +1,100 @@
+"""`pasto db upgrade`, `pasto tokens create`, `pasto serve` (waitress) and `pasto worker` as processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+PASTO = [sys.executable, "-m", "pasto.cli"]
+
+
+def run(args, env, **kwargs):
+    return subprocess.run([*PASTO, *args], env=env, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(url: str, process: subprocess.Popen, deadline_seconds: float = 60) -> requests.Response:
+    deadline = time.monotonic() + deadline_seconds
+    while True:
+        assert process.poll() is None, process.communicate()
+        try:
+            return requests.get(url, timeout=5)
+        except requests.ConnectionError:
+            assert time.monotonic() < deadline, f"{url} did not come up"
+            time.sleep(0.2)
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def test_migrate_create_token_serve_and_work(tmp_path):
+    env = {**os.environ, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'cli.sqlite'}",
+           "PASTO_ADMIN_TOKEN": "cli-admin", "PASTO_SCHEDULER_INTERVAL": "0.2"}
+    port = free_port()
+
+    refused = subprocess.Popen([*PASTO, "serve", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    _, stderr = refused.communicate(timeout=120)
+    assert refused.returncode == 1
+    assert "pasto db upgrade" in stderr
+
+    upgraded = run(["db", "upgrade"], env)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "schema revision 0001" in upgraded.stdout
+
+    created = run(["tokens", "create", "--role", "ingest", "--name", "recommender"], env)
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip()
+    assert len(token) >= 32 and "\n" not in token
+
+    server = subprocess.Popen([*PASTO, "serve", "--port", str(port), "--no-scheduler"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        base = f"http://127.0.0.1:{port}"
+        health = wait_for(f"{base}/healthz", server).json()
+        assert health["database"]["reachable"] and health["scheduler"]["alive"] is False
+        body = {"name": "cli", "arms": [{"name": "a"}, {"name": "b"}], "metrics": ["x"],
+                "objective": {"primary": "x"}, "round_seconds": 1}
+        response = requests.post(f"{base}/api/v1/experiments", json=body,
+                                 headers={"Authorization": "Bearer cli-admin"}, timeout=10)
+        assert response.status_code == 201
+        assign = requests.post(f"{base}/api/v1/experiments/cli/assign", json={"unit": "u"},
+                               headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert assign.status_code == 200 and assign.json()["round"] == 0
+        forbidden = requests.post(f"{base}/api/v1/experiments/cli/stop",
+                                  headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert forbidden.status_code == 403
+
+        worker = subprocess.Popen([*PASTO, "worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        deadline = time.monotonic() + 60
+        while requests.get(f"{base}/api/v1/experiments/cli", headers={"Authorization": f"Bearer {token}"},
+                           timeout=10).json()["round"]["index"] < 2:
+            assert worker.poll() is None, worker.communicate()
+            assert time.monotonic() < deadline, "the worker did not close rounds"
+            time.sleep(0.2)
+        assert requests.get(f"{base}/healthz", timeout=10).json()["scheduler"]["alive"] is True
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
+    assert server.returncode == 0
+    assert worker.returncode == 0
