@@ -324,10 +324,15 @@ class Client:
 
     # -- rounds and diagnostics --------------------------------------------------------------------
 
-    def close_round(self, name: str) -> dict:
-        """``POST .../rounds`` (admin): close the current round now, run the update, return the new
-        round."""
-        return self.request("POST", self._experiment_path(name, "/rounds"))
+    def close_round(self, name: str, round_index: int | None = None) -> dict:
+        """``POST .../rounds`` (admin): close the current round now and run the pending updates.
+
+        With ``round_index``, only if that is still the current round (409 otherwise), so two
+        callers cannot close two rounds by accident. Returns ``{"closed_round", "applied", "round":
+        {"index", "started_at", "ends_at"}, "probabilities", "deployed"}``: the new round.
+        """
+        body = None if round_index is None else {"round": round_index}
+        return self.request("POST", self._experiment_path(name, "/rounds"), json=body)
 
     def rounds(self, name: str) -> list[dict]:
         """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,

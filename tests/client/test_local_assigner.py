@@ -1,0 +1,225 @@
+"""LocalAssigner: exactly the server's assignment, refreshed on time, resilient, thread-safe."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from pasto.client import Assignment, LocalAssigner
+from pasto.hashing import bucket, choose_arm, cumulative_probabilities
+
+N_ARMS = 12
+ARMS = [
+    {"name": f"setting-{k:02d}", "params": {"w_watch": round(1 - k / N_ARMS, 3), "w_like": k / N_ARMS}}
+    for k in range(N_ARMS)
+]
+# watch_time falls and like_rate rises with k; the like_rate guardrail rules out the first arms.
+MEANS = {arm["name"]: (2.0 - 1.5 * k / N_ARMS, 0.2 + 0.6 * k / N_ARMS) for k, arm in enumerate(ARMS)}
+UNITS = (
+    [f"user-{i}" for i in range(600)]
+    + [str(uuid.UUID(int=i, version=4)) for i in range(300)]
+    + [f"ユーザー{i}" for i in range(100)]
+    + [f"{i}🙂" for i in range(50)]
+    + ["x" * n for n in range(1, 51)]
+)
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def observe_assigned(client, name, units, assignments, rng):
+    observations = [
+        {
+            "id": str(uuid.uuid4()),
+            "unit": unit,
+            "round": a.round,
+            "arm": a.arm,
+            "values": {
+                "watch_time": MEANS[a.arm][0] + rng.normal(0, 0.3),
+                "like_rate": MEANS[a.arm][1] + rng.normal(0, 0.1),
+            },
+        }
+        for unit, a in zip(units, assignments)
+    ]
+    client.observe(name, observations)
+
+
+def guarded_experiment(create_experiment, **overrides) -> str:
+    return create_experiment(
+        arms=ARMS,
+        objective={
+            "primary": "watch_time",
+            "guardrails": [{"metric": "like_rate", "threshold": 0.6, "penalty": 5.0}],
+        },
+        **overrides,
+    )
+
+
+def test_local_assignment_is_exactly_the_servers(admin, create_experiment):
+    """Golden test: per call and in batch, every unit, over rounds whose mixtures move away from
+    uniform, then paused, then stopped (deployed mixture)."""
+    name = guarded_experiment(create_experiment)
+    rng = np.random.default_rng(1)
+    mixtures = []
+    with LocalAssigner(admin, name, ttl=3600) as assigner:
+        for round_index in range(8):
+            assigner.refresh()
+            assert assigner.round_index == round_index
+            served = admin.assign_many(name, UNITS)
+            assert [assigner.assign(unit) for unit in UNITS] == served
+            assert assigner.assign_many(UNITS) == served
+            assert {a.round for a in served} == {round_index}
+            mixtures.append(np.array(assigner.mixture))
+            observe_assigned(admin, name, UNITS, served, rng)
+            admin.close_round(name)
+        # The comparison covered non-uniform mixtures, not only the uniform first round.
+        assert np.abs(mixtures[-1] - 1 / N_ARMS).max() > 0.02
+
+        admin.pause(name)
+        assigner.refresh()
+        assert assigner.status == "paused"
+        assert [assigner.assign(unit) for unit in UNITS] == admin.assign_many(name, UNITS)
+
+        admin.stop(name)
+        assigner.refresh()
+        experiment = admin.get_experiment(name)
+        assert assigner.status == "stopped"
+        assert list(assigner.mixture) == experiment["deployed"]
+        served = admin.assign_many(name, UNITS)
+        assert [assigner.assign(unit) for unit in UNITS] == served
+        assert assigner.assign_many(UNITS) == served
+        assert {a.probability for a in served} <= set(experiment["deployed"])
+
+
+def test_assignments_are_immutable_and_shared_per_arm(admin, create_experiment):
+    name = guarded_experiment(create_experiment)
+    with LocalAssigner(admin, name) as assigner:
+        first = assigner.assign("user-1")
+        assert assigner.assign("user-1") is first
+        with pytest.raises(TypeError):
+            first.params["w_watch"] = 3.0  # type: ignore[index]
+        with pytest.raises(AttributeError):
+            first.arm = "other"  # type: ignore[misc]
+        with pytest.raises(TypeError, match="must be a string"):
+            assigner.assign(17)  # type: ignore[arg-type]
+        assert assigner.arms == tuple(arm["name"] for arm in ARMS)
+
+
+def test_refreshes_after_the_ttl(admin, create_experiment):
+    name = guarded_experiment(create_experiment)
+    with LocalAssigner(admin, name, ttl=0.2) as assigner:
+        admin.close_round(name)
+        assert wait_until(lambda: assigner.round_index == 1)
+        assert [assigner.assign(u) for u in UNITS[:200]] == admin.assign_many(name, UNITS[:200])
+
+
+def test_refreshes_when_the_round_ends(scheduled_server):
+    """With an hour-long TTL, only the round's ends_at can trigger the refreshes seen here."""
+    with scheduled_server.client() as admin:
+        name = "ends-" + uuid.uuid4().hex[:8]
+        admin.create_experiment(
+            name=name, arms=ARMS, metrics=["watch_time", "like_rate"],
+            objective={"primary": "watch_time"}, round_seconds=1, seed=7,
+        )
+        with LocalAssigner(admin, name, ttl=3600, round_poll=0.05) as assigner:
+            assert wait_until(lambda: assigner.round_index >= 3, timeout=20)
+            # Compare with the server while both are in the same round.
+            for _ in range(20):
+                local = [assigner.assign(u) for u in UNITS[:300]]
+                served = admin.assign_many(name, UNITS[:300])
+                if served[0].round == local[0].round:
+                    break
+            assert local == served
+
+
+def test_keeps_serving_while_the_server_is_down(fresh_server, caplog):
+    with fresh_server.client(timeout=2) as admin:
+        name = "down-" + uuid.uuid4().hex[:8]
+        admin.create_experiment(
+            name=name, arms=ARMS, metrics=["watch_time", "like_rate"],
+            objective={"primary": "watch_time"}, round_seconds=3600, seed=3,
+        )
+        before = admin.assign_many(name, UNITS[:100])
+        caplog.set_level(logging.WARNING, logger="pasto.client")
+        with LocalAssigner(admin, name, ttl=0.1, round_poll=0.05) as assigner:
+            fresh_server.stop()
+            assert wait_until(lambda: "Could not refresh" in caplog.text)
+            assert [assigner.assign(u) for u in UNITS[:100]] == before
+
+            fresh_server.start()
+            admin.close_round(name)
+            assert wait_until(lambda: assigner.round_index == 1, timeout=20)
+            assert [assigner.assign(u) for u in UNITS[:100]] == admin.assign_many(name, UNITS[:100])
+
+
+def test_concurrent_assignment_during_refreshes_is_consistent(admin, create_experiment):
+    """Threads assign while rounds change under them: every answer must be the exact assignment
+    of its unit in the round it reports (no mix of two snapshots)."""
+    name = guarded_experiment(create_experiment)
+    rng = np.random.default_rng(2)
+    samples: list[tuple[str, Assignment]] = []
+    stop = threading.Event()
+
+    def worker(offset: int) -> None:
+        local: list[tuple[str, Assignment]] = []
+        i = 0
+        while not stop.is_set() and i < 200_000:
+            unit = f"user-{offset}-{i}"
+            local.append((unit, assigner.assign(unit)))
+            i += 1
+        samples.extend(local)
+
+    with LocalAssigner(admin, name, ttl=0.05) as assigner:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+        for thread in threads:
+            thread.start()
+        for _ in range(4):
+            served = admin.assign_many(name, UNITS[:300])
+            observe_assigned(admin, name, UNITS[:300], served, rng)
+            admin.close_round(name)
+            current = admin.get_experiment(name)["round"]["index"]
+            wait_until(lambda: assigner.round_index == current)
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+    rounds = {r["index"]: r["probabilities"] for r in admin.rounds(name)}
+    cumulative = {index: cumulative_probabilities(p) for index, p in rounds.items()}
+    assert len({a.round for _, a in samples}) >= 2
+    for unit, a in samples[::50]:
+        k = choose_arm(cumulative[a.round], bucket(12345, unit, a.round))
+        assert a.arm == ARMS[k]["name"]
+        assert a.probability == rounds[a.round][k]
+
+
+def test_offline_assigner_from_an_experiment_document(admin, create_experiment):
+    name = guarded_experiment(create_experiment)
+    document = admin.get_experiment(name)
+    offline = LocalAssigner(None, name, experiment=document)
+    assert [offline.assign(u) for u in UNITS[:100]] == admin.assign_many(name, UNITS[:100])
+    offline.refresh()  # no client: nothing to fetch
+    offline.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"ttl": 0}, "TTL"), ({"round_poll": -1}, "round_poll"), ({"client": None}, "Give a client")],
+)
+def test_invalid_arguments(kwargs, message):
+    arguments = {"client": None, "experiment_name": "x", "experiment": {}}
+    arguments.update(kwargs)
+    if "client" in kwargs and kwargs["client"] is None:
+        arguments.pop("experiment")
+    with pytest.raises(ValueError, match=message):
+        LocalAssigner(**arguments)

@@ -1,0 +1,189 @@
+"""ObservationBuffer against the real server: batching, interval flushes, retries, idempotency,
+rejections and overflow, and nothing ever lost silently."""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+
+import pytest
+
+from pasto.client import BufferOverflowError, Client, LocalAssigner, ObservationBuffer, PastoAPIError
+
+
+def counted(client: Client, name: str, round_index: int = 0) -> int:
+    """Observations the server has recorded for ``round_index``."""
+    return sum(next(r for r in client.rounds(name) if r["index"] == round_index)["counts"])
+
+
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def add_assigned(buffer: ObservationBuffer, assigner: LocalAssigner, n: int, true_means, prefix="u"):
+    for i in range(n):
+        unit = f"{prefix}-{i}"
+        a = assigner.assign(unit)
+        watch, like = true_means[a.arm]
+        buffer.add(unit, a.round, {"watch_time": watch, "like_rate": like}, arm=a.arm)
+
+
+def test_batches_are_sent_and_counted_once(admin, create_experiment, true_means):
+    name = create_experiment()
+    with LocalAssigner(admin, name) as assigner, ObservationBuffer(admin, name, max_batch=1000) as buffer:
+        add_assigned(buffer, assigner, 2500, true_means)
+    assert buffer.pending == 0
+    assert (buffer.accepted, buffer.duplicates, buffer.rejected) == (2500, 0, 0)
+    assert counted(admin, name) == 2500
+
+
+def test_flush_interval_sends_without_an_explicit_flush(admin, create_experiment, true_means):
+    name = create_experiment()
+    buffer = ObservationBuffer(admin, name, max_batch=10_000, flush_interval=0.1)
+    with LocalAssigner(admin, name) as assigner:
+        add_assigned(buffer, assigner, 3, true_means)
+    assert wait_until(lambda: buffer.accepted == 3)
+    assert counted(admin, name) == 3
+    buffer.close()
+
+
+def test_flush_waits_for_everything_added(admin, create_experiment, true_means):
+    name = create_experiment()
+    with ObservationBuffer(admin, name, max_batch=100, flush_interval=60) as buffer:
+        with LocalAssigner(admin, name) as assigner:
+            add_assigned(buffer, assigner, 250, true_means)
+        buffer.flush(timeout=30)
+        assert buffer.accepted == 250 and buffer.pending == 0
+        assert counted(admin, name) == 250
+
+
+def test_5xx_is_retried(server, proxy, create_experiment, true_means, caplog):
+    name = create_experiment()
+    caplog.set_level(logging.WARNING, logger="pasto.client")
+    with Client(proxy.url, server.admin_token) as through_proxy:
+        with LocalAssigner(through_proxy, name) as assigner:
+            proxy.script[:] = ["503", "503"]
+            buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01)
+            add_assigned(buffer, assigner, 10, true_means)
+            buffer.close(timeout=30)
+    assert buffer.retries == 2 and buffer.accepted == 10
+    assert "retrying" in caplog.text
+    with server.client() as admin:
+        assert counted(admin, name) == 10
+
+
+def test_a_lost_response_is_retried_without_double_counting(server, proxy, create_experiment, true_means):
+    """The server commits the batch but the answer is lost: the retry carries the same ids."""
+    name = create_experiment()
+    with Client(proxy.url, server.admin_token) as through_proxy:
+        with LocalAssigner(through_proxy, name) as assigner:
+            proxy.script[:] = ["lose"]
+            buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01)
+            add_assigned(buffer, assigner, 20, true_means)
+            buffer.close(timeout=30)
+    assert [line.split()[-1] for line in proxy.seen if "observations" in line] == ["lose", "forward"]
+    assert (buffer.accepted, buffer.duplicates, buffer.retries) == (0, 20, 1)
+    with server.client() as admin:
+        assert counted(admin, name) == 20
+
+
+def test_invalid_observations_are_isolated_and_reported(admin, create_experiment, true_means):
+    """A 422 is not retried; bisection keeps the valid neighbours of a bad observation."""
+    name = create_experiment()
+    rejected: list[tuple[PastoAPIError, list[dict]]] = []
+    buffer = ObservationBuffer(admin, name, max_batch=16, flush_interval=60,
+                               on_error=lambda error, batch: rejected.append((error, batch)))
+    with LocalAssigner(admin, name) as assigner:
+        add_assigned(buffer, assigner, 7, true_means, prefix="before")
+        bad_id = buffer.add("bad-unit", 0, {"no_such_metric": 1.0})
+        add_assigned(buffer, assigner, 8, true_means, prefix="after")
+    buffer.close(timeout=30)
+    assert buffer.accepted == 15 and buffer.rejected == 1 and buffer.retries == 0
+    assert len(rejected) == 1
+    error, batch = rejected[0]
+    assert error.status == 422 and [o["id"] for o in batch] == [bad_id]
+    assert counted(admin, name) == 15
+
+
+def test_rejections_raise_without_an_on_error_callback(admin, create_experiment):
+    name = create_experiment()
+    buffer = ObservationBuffer(admin, name)
+    buffer.add("u", 0, {"no_such_metric": 1.0})
+    with pytest.raises(PastoAPIError) as raised:
+        buffer.flush(timeout=30)
+    assert raised.value.status == 422
+    buffer.close()
+
+
+def test_stopped_experiment_rejects_with_409(admin, create_experiment):
+    name = create_experiment()
+    admin.stop(name)
+    buffer = ObservationBuffer(admin, name)
+    buffer.add("u", 0, {"watch_time": 1.0})
+    with pytest.raises(PastoAPIError) as raised:
+        buffer.close(timeout=30)
+    assert raised.value.status == 409
+
+
+def test_unreachable_server_overflow_and_close_timeout():
+    client = Client(f"http://127.0.0.1:{closed_port()}", "token", timeout=1)
+    buffer = ObservationBuffer(client, "x", max_batch=2, max_queue=5, initial_backoff=0.01,
+                               max_backoff=0.05)
+    ids = [buffer.add(f"u{i}", 0, {"m": float(i)}) for i in range(5)]
+    with pytest.raises(BufferOverflowError, match="5 pending observations"):
+        buffer.add("one-too-many", 0, {"m": 1.0})
+    assert wait_until(lambda: buffer.retries >= 2)
+    with pytest.raises(TimeoutError) as timed_out:
+        buffer.close(timeout=0.3)
+    assert sorted(o["id"] for o in timed_out.value.unsent) == sorted(ids)
+    assert buffer.accepted == 0
+
+
+def test_on_overflow_receives_the_observation():
+    client = Client(f"http://127.0.0.1:{closed_port()}", "token", timeout=1)
+    overflowed: list[dict] = []
+    buffer = ObservationBuffer(client, "x", max_batch=1, max_queue=1, initial_backoff=0.01,
+                               max_backoff=0.05, on_overflow=overflowed.append)
+    buffer.add("kept", 0, {"m": 1.0})
+    returned_id = buffer.add("overflowing", 0, {"m": 2.0}, arm="a")
+    assert [(o["unit"], o["id"], o["arm"]) for o in overflowed] == [("overflowing", returned_id, "a")]
+    with pytest.raises(TimeoutError):
+        buffer.close(timeout=0.2)
+
+
+@pytest.mark.parametrize("values", [{}, {"m": math.nan}, {"m": math.inf}, {"m": "1"}, {"m": True}])
+def test_values_are_checked_when_added(admin, values):
+    with ObservationBuffer(admin, "x") as buffer, pytest.raises(ValueError, match="finite numbers"):
+        buffer.add("u", 0, values)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"max_batch": 0}, "max_batch"), ({"max_batch": 10_001}, "max_batch"),
+     ({"max_queue": 10}, "max_queue"), ({"flush_interval": 0}, "flush_interval"),
+     ({"initial_backoff": 5, "max_backoff": 1}, "backoff")],
+)
+def test_invalid_arguments(admin, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ObservationBuffer(admin, "x", **kwargs)
+
+
+def test_adding_after_close_is_an_error(admin):
+    buffer = ObservationBuffer(admin, "x")
+    buffer.close()
+    buffer.close()  # idempotent
+    with pytest.raises(Exception, match="closed"):
+        buffer.add("u", 0, {"m": 1.0})
