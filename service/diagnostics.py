@@ -26,7 +26,7 @@ def diagnostics(name: str):
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
     with get_db().read() as session:
         algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
-        pooled = pooled_statistics(session, snapshot.id, n_metrics, n_arms)(snapshot.round_index)
+        pooled = pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
         summaries = session.execute(
             sa.select(Round.index, Round.summary).where(Round.experiment_id == snapshot.id).order_by(Round.index)
         ).all()

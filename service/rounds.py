@@ -157,12 +157,11 @@ def _advance_in(session, experiment_id: int, now: datetime, manual: bool,
     state = ControllerState.from_dict(experiment.state)
     if due:
         algorithm, objective = algorithm_and_objective(session, experiment_id, config)
-        pooled_until = pooled_statistics(session, experiment_id, objective.n_metrics, state.n_arms)
         for index in due:
             round_row = rounds[index]
-            round_statistics = _round_statistics(session, experiment_id, index, objective.n_metrics, state.n_arms)
+            round_statistics, pooled = update_statistics(session, experiment_id, index, objective.n_metrics,
+                                                         state.n_arms)
             propensities = np.asarray(round_row.probabilities, dtype=np.float64)
-            pooled = pooled_until(index)
             state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
             round_row.applied_at = now
             round_row.deployed = state.deployed.tolist()
@@ -206,40 +205,53 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
 
 
 def _statistics_from_rows(rows, n_metrics: int, n_arms: int) -> Statistics:
+    """(metric_index, arm_index, count, sum, sum_of_squares) rows -> M x K :class:`Statistics`."""
     counts = np.zeros((n_metrics, n_arms))
     sums = np.zeros((n_metrics, n_arms))
     sums_of_squares = np.zeros((n_metrics, n_arms))
-    for row in rows:
-        counts[row.metric_index, row.arm_index] = row.count
-        sums[row.metric_index, row.arm_index] = row.sum
-        sums_of_squares[row.metric_index, row.arm_index] = row.sum_of_squares
+    if rows:
+        metric, arm, count, total, total_of_squares = (list(column) for column in zip(*rows))
+        counts[metric, arm] = count
+        sums[metric, arm] = total
+        sums_of_squares[metric, arm] = total_of_squares
     return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
 
 
-def _round_statistics(session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int) -> Statistics:
+def update_statistics(session, experiment_id: int, round_index: int, n_metrics: int,
+                      n_arms: int) -> tuple[Statistics, Statistics]:
+    """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``.
+
+    One aggregate query (conditional sums) so the M x K cells travel from the database once.
+    """
+    table = RoundStatistic.__table__
+    in_round = table.c.round_index == round_index
+
+    def round_sum(column):
+        return sa.func.sum(sa.case((in_round, column), else_=0))
+
+    rows = session.execute(
+        sa.select(table.c.metric_index, table.c.arm_index,
+                  round_sum(table.c.count), round_sum(table.c.sum), round_sum(table.c.sum_of_squares),
+                  sa.func.sum(table.c.count), sa.func.sum(table.c.sum), sa.func.sum(table.c.sum_of_squares))
+        .where(table.c.experiment_id == experiment_id, table.c.round_index <= round_index)
+        .group_by(table.c.metric_index, table.c.arm_index)
+    ).all()
+    round_rows = [(row[0], row[1], row[2], row[3], row[4]) for row in rows]
+    pooled_rows = [(row[0], row[1], row[5], row[6], row[7]) for row in rows]
+    return (_statistics_from_rows(round_rows, n_metrics, n_arms),
+            _statistics_from_rows(pooled_rows, n_metrics, n_arms))
+
+
+def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
+    """Statistics summed over rounds <= ``last_round``, aggregated by the database."""
     table = RoundStatistic.__table__
     rows = session.execute(
-        sa.select(table.c.metric_index, table.c.arm_index, table.c.count, table.c.sum, table.c.sum_of_squares)
-        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index)
+        sa.select(table.c.metric_index, table.c.arm_index, sa.func.sum(table.c.count),
+                  sa.func.sum(table.c.sum), sa.func.sum(table.c.sum_of_squares))
+        .where(table.c.experiment_id == experiment_id, table.c.round_index <= last_round)
+        .group_by(table.c.metric_index, table.c.arm_index)
     ).all()
     return _statistics_from_rows(rows, n_metrics, n_arms)
-
-
-def pooled_statistics(session, experiment_id: int, n_metrics: int, n_arms: int):
-    """``pooled_until(r)``: statistics summed over rounds <= r, aggregated by the database."""
-    table = RoundStatistic.__table__
-
-    def pooled_until(round_index: int) -> Statistics:
-        aggregated = session.execute(
-            sa.select(table.c.metric_index, table.c.arm_index,
-                      sa.func.sum(table.c.count).label("count"), sa.func.sum(table.c.sum).label("sum"),
-                      sa.func.sum(table.c.sum_of_squares).label("sum_of_squares"))
-            .where(table.c.experiment_id == experiment_id, table.c.round_index <= round_index)
-            .group_by(table.c.metric_index, table.c.arm_index)
-        ).all()
-        return _statistics_from_rows(aggregated, n_metrics, n_arms)
-
-    return pooled_until
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
