@@ -100,3 +100,42 @@ def test_observations_for_an_earlier_round_use_that_rounds_assignment(api, app, 
     batch = [{"id": item["unit"], "unit": item["unit"], "round": 0, "arm": item["arm"], "values": {"x": 0.5}}
              for item in round_zero]
     assert api("POST", OBSERVATIONS, role="ingest", json={"observations": batch}).get_json()["accepted"] == 40
+
+
+def test_concurrent_writers_with_resent_ids_count_each_observation_once(backend_api, setup_a):
+    """Four threads post overlapping batches (every id is sent by two writers) at the same time."""
+    import threading
+
+    api = backend_api
+    app = api.client.application
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    rng = np.random.default_rng(11)
+    observations = [{"id": f"obs-{i}", "unit": f"user-{i}", "round": 0,
+                     "values": {"x": float(rng.normal()), "y": float(rng.normal())}} for i in range(800)]
+    chunks = [observations[i:i + 100] for i in range(0, 800, 100)]
+    plans = [chunks[0:4] + chunks[4:6], chunks[2:6], chunks[6:8] + chunks[0:2], chunks[6:8]]
+    barrier = threading.Barrier(len(plans))
+    accepted, errors = [], []
+
+    def writer(plan):
+        client = app.test_client()
+        headers = {"Authorization": f"Bearer {api.tokens['ingest']}"}
+        barrier.wait()
+        for chunk in plan:
+            response = client.post(OBSERVATIONS, json={"observations": chunk}, headers=headers)
+            if response.status_code != 202:
+                errors.append(response.get_data(as_text=True))
+            else:
+                accepted.append(response.get_json()["accepted"])
+
+    threads = [threading.Thread(target=writer, args=(plan,)) for plan in plans]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert sum(accepted) == 800
+    stored = statistics_in_db(app)
+    assert sum(count for (_, _, metric), (count, _, _) in stored.items() if metric == 0) == 800
+    total_x = sum(total for (_, _, metric), (_, total, _) in stored.items() if metric == 0)
+    assert np.isclose(total_x, sum(item["values"]["x"] for item in observations), rtol=1e-12, atol=1e-9)
