@@ -58,6 +58,7 @@ ESTIMATORS = ("ips", "pooled", "control_variate")
 STEP_SCHEDULES = ("constant", "per_arm", "horizon", "doubling", "adagrad")
 EXPLORATION_SCHEDULES = ("paper", "sqrt", "constant")
 DEPLOY_RULES = ("average", "stage", "last")
+SOLVE_OBJECTIVES = ("plug_in", "expected")
 GUARDRAIL_WEIGHT_RULES = ("fixed", "dual_ascent")
 
 # Before a solve, log weights are lifted to at least (max - this): an arm written off under an
@@ -106,6 +107,10 @@ class AlgorithmConfig:
         0: plain Algorithm 1. n > 0: every n rounds, after the EG step, run ``solve_steps``
         mirror-ascent steps on max_p f(V p) warm-started from the weights.
     solve_steps : int
+    solve_objective : {"plug_in", "expected"}
+        What the solve maximises: f(V p), or the expected objective E f(mu p) with
+        mu ~ N(V, se^2) (:func:`pasto.optimum.expected_objective`), which hedges against
+        guardrail estimates that are too optimistic.
     guardrail_weights : {"fixed", "dual_ascent"}
         Fixed penalties lambda, or lambda_{t+1} = max(0, lambda_t + dual_step (c - y_t)) with y_t the
         estimated guardrail metrics of the exploitation mixture.
@@ -126,6 +131,7 @@ class AlgorithmConfig:
     deploy: str = "last"
     solve_every: int = 5
     solve_steps: int = 100
+    solve_objective: str = "plug_in"
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
 
@@ -135,6 +141,7 @@ class AlgorithmConfig:
             ("step_schedule", STEP_SCHEDULES),
             ("exploration", EXPLORATION_SCHEDULES),
             ("deploy", DEPLOY_RULES),
+            ("solve_objective", SOLVE_OBJECTIVES),
             ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
         ):
             value = getattr(self, name)
@@ -212,11 +219,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         deploy="average",
         solve_every=0,
         solve_steps=0,
+        solve_objective="plug_in",
         guardrail_weights="fixed",
     ),
-    # Estimate-then-solve: pooled means, the concave problem re-solved on the estimate every few
-    # rounds, exploration max(0.05, 1/sqrt(t)) plus a 20% share directed at plausible arms,
-    # deploy the exploitation mixture.
+    # Estimate-then-solve: pooled means, the expected objective under the estimate's uncertainty
+    # re-solved every few rounds, exploration max(0.05, 1/sqrt(t)) plus a 20% share directed at
+    # plausible arms, deploy the exploitation mixture.
     "default": dict(
         estimator="pooled",
         discount=1.0,
@@ -230,6 +238,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         deploy="last",
         solve_every=5,
         solve_steps=100,
+        solve_objective="expected",
         guardrail_weights="fixed",
     ),
 }
@@ -622,7 +631,10 @@ def _advance(
 
     if config.solve_every and t % config.solve_every == 0 and config.solve_steps > 0:
         lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - _SOLVE_LOG_WEIGHT_FLOOR)
-        log_weights = mirror_ascent(objective, means, thresholds, lifted, config.solve_steps, penalties)
+        errors = current.standard_errors if config.solve_objective == "expected" else None
+        log_weights = mirror_ascent(
+            objective, means, thresholds, lifted, config.solve_steps, penalties, standard_errors=errors
+        )
     # Arms far below the best keep a finite log weight (their mass, < e^-700, is zero anyway).
     log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
     exploitation = _exploitation(log_weights)

@@ -5,20 +5,22 @@ per-problem adaptive step and monotone acceptance) that the algorithm's solve-pe
 uses. :func:`best_mixture` is exact: mirror ascent finds the support, then SLSQP solves the
 problem restricted to a small working set of arms, and columns violating the optimality
 condition (``g_k <= p . g`` for every arm, g = mu^T grad f(mu p)) are added until none remains.
-The optimum of f(mu p) has at most G + 2 arms in its support (f depends on mu p only through the
-primary combination and the G guarded rows), so the restricted problems stay small even at
-K = 10,000.
+Some optimum of f(mu p) uses at most G + 2 arms (f depends on mu p only through the primary
+combination and the G guarded rows, a point in R^(G+1); Caratheodory), so the restricted problems
+stay small even at K = 10,000.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from scipy.optimize import minimize
+from scipy.special import ndtr
 
 from pasto.objectives import Objective
 
 __all__ = [
     "mirror_ascent",
+    "expected_objective",
     "best_mixture",
     "best_single",
     "regret",
@@ -69,6 +71,7 @@ def mirror_ascent(
     log_weights: np.ndarray | None = None,
     steps: int = 200,
     penalties: np.ndarray | None = None,
+    standard_errors: np.ndarray | None = None,
 ) -> np.ndarray:
     """Maximise f(mu p) over the simplex by exponentiated gradient, for a batch of problems.
 
@@ -87,6 +90,9 @@ def mirror_ascent(
         Number of iterations (each costs two evaluations of f and its gradient).
     penalties : ndarray, shape (..., G), optional
         Guardrail penalties replacing the objective's.
+    standard_errors : ndarray, shape (..., M, K), optional
+        When given, maximise the expected objective E f(mu p) with mu ~ N(means, se^2)
+        independently per entry (see :func:`expected_objective`) instead of f(means p).
 
     Returns
     -------
@@ -99,9 +105,18 @@ def mirror_ascent(
         log_weights = np.zeros(means.shape[:-2] + means.shape[-1:])
     # Metrics of absurd scale overflow f and its gradient; such problems simply stop moving
     # (non-finite candidates are rejected) instead of producing nan probabilities.
+    if standard_errors is None:
+        def evaluate(p):
+            return _evaluate(objective, means, thresholds, p, penalties)
+    else:
+        variances = _guardrail_variances(objective, standard_errors)
+
+        def evaluate(p):
+            return expected_objective(objective, means, variances, thresholds, p, penalties)
+
     with np.errstate(over="ignore", invalid="ignore"):
         current, p = _normalise(np.asarray(log_weights, dtype=float))
-        value, gradient = _evaluate(objective, means, thresholds, p, penalties)
+        value, gradient = evaluate(p)
         gradient = np.nan_to_num(gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
         spread = np.ptp(gradient, axis=-1)
         curvature = smoothness(objective, means, penalties)
@@ -109,7 +124,7 @@ def mirror_ascent(
         step = 1.0 / np.maximum(np.maximum(curvature, spread), 1e-12)
         for _ in range(steps):
             candidate, p = _normalise(current + _bounded_move(step, gradient))
-            candidate_value, candidate_gradient = _evaluate(objective, means, thresholds, p, penalties)
+            candidate_value, candidate_gradient = evaluate(p)
             accept = (candidate_value >= value) & np.all(np.isfinite(candidate), axis=-1)
             current = np.where(accept[..., None], candidate, current)
             value = np.where(accept, candidate_value, value)
@@ -117,6 +132,72 @@ def mirror_ascent(
             gradient = np.where(accept[..., None], candidate_gradient, gradient)
             step = np.where(accept, np.minimum(step * 2.0, 1e12), step * 0.5)
     return current
+
+
+def _guardrail_variances(objective: Objective, standard_errors: np.ndarray) -> np.ndarray:
+    """se^2 of the guarded rows, (..., G, K); an undefined se counts as the row's largest defined one."""
+    errors = np.asarray(standard_errors, dtype=float)[..., objective.guardrail_rows, :]
+    defined = np.isfinite(errors)
+    largest = np.max(np.where(defined, errors, 0.0), axis=-1, keepdims=True)
+    return np.where(defined, errors, largest) ** 2
+
+
+def expected_objective(
+    objective: Objective,
+    means: np.ndarray,
+    variances: np.ndarray,
+    thresholds: np.ndarray,
+    probabilities: np.ndarray,
+    penalties: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """E f(mu p) and its gradient in p when mu ~ N(means, variances) entrywise, independently.
+
+    The primary part is linear, so only the penalties change: for guardrail j,
+    Y_j = mu[g_j] . p ~ N(m_j, s_j^2) with s_j^2 = sum_k p_k^2 var[j, k], and with d = m_j - c_j
+
+        E min(0, Y_j - c_j)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s),
+
+    whose derivatives are 2 (d Phi(-d/s) - s phi(d/s)) in d and 2 s Phi(-d/s) in s. The result is
+    concave in p (a convex function, nondecreasing in s, of an affine d and a norm s). Deciding on
+    E f rather than f(V p) hedges against guardrail estimates that are too optimistic.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (..., M, K)
+    variances : ndarray, shape (..., G, K)
+        Variances of the guarded rows' entries.
+    thresholds : ndarray, shape (..., G)
+    probabilities : ndarray, shape (..., K)
+    penalties : ndarray, shape (..., G), optional
+
+    Returns
+    -------
+    (ndarray, ndarray)
+        Values (...) and gradients (..., K).
+    """
+    lam = objective.penalties if penalties is None else np.asarray(penalties, dtype=float)
+    p = probabilities
+    x = (means @ p[..., None])[..., 0]
+    rows = means[..., objective.guardrail_rows, :]
+    d = x[..., objective.guardrail_rows] - thresholds
+    s = np.sqrt(np.sum(p[..., None, :] ** 2 * variances, axis=-1))
+    uncertain = s > 1e-300
+    safe_s = np.where(uncertain, s, 1.0)
+    z = d / safe_s
+    tail = ndtr(-z)
+    density = np.exp(-0.5 * z**2) / np.sqrt(2.0 * np.pi)
+    shortfall = np.minimum(d, 0.0)
+    penalty = np.where(uncertain, (d**2 + s**2) * tail - d * s * density, shortfall**2)
+    by_d = np.where(uncertain, 2.0 * (d * tail - s * density), 2.0 * shortfall)
+    by_s = np.where(uncertain, 2.0 * s * tail, 0.0)
+    value = x @ objective.primary_weights - np.sum(lam * penalty, axis=-1)
+    gradient = (objective.primary_weights[..., None, :] @ means)[..., 0, :]
+    gradient = gradient - np.sum(
+        (lam * by_d)[..., None] * rows + (lam * by_s / safe_s)[..., None] * p[..., None, :] * variances,
+        axis=-2,
+    )
+    return value, gradient
 
 
 def _bounded_move(step: np.ndarray, gradient: np.ndarray) -> np.ndarray:

@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from pasto.objectives import Objective
-from pasto.optimum import best_mixture, best_single, mirror_ascent, per_round_regret, regret
+from pasto.optimum import (
+    best_mixture,
+    best_single,
+    expected_objective,
+    mirror_ascent,
+    per_round_regret,
+    regret,
+)
 
 OBJECTIVE_A = Objective.from_spec(
     ["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]}
@@ -91,3 +98,42 @@ def test_mirror_ascent_is_monotone_and_batched():
     assert np.all(np.diff(np.array(values), axis=0) >= -1e-12)
     _, optimum = best_mixture(OBJECTIVE_B, means)
     assert np.all(optimum - values[-1] < 1e-3)
+
+
+def test_expected_objective_gradient_and_monte_carlo_value():
+    rng = np.random.default_rng(10)
+    means = rng.uniform(-1, 1, size=(3, 6))
+    errors = rng.uniform(0.0, 0.3, size=(3, 6))
+    p = rng.dirichlet(np.ones(6))
+    variances = errors[OBJECTIVE_B.guardrail_rows] ** 2
+    thresholds = OBJECTIVE_B.thresholds(means)
+    value, gradient = expected_objective(OBJECTIVE_B, means, variances, thresholds, p)
+    h = 1e-6
+    numeric = [
+        (expected_objective(OBJECTIVE_B, means, variances, thresholds, p + h * e)[0]
+         - expected_objective(OBJECTIVE_B, means, variances, thresholds, p - h * e)[0]) / (2 * h)
+        for e in np.eye(6)
+    ]
+    np.testing.assert_allclose(gradient, numeric, atol=1e-6)
+    draws = means + errors * rng.standard_normal((200_000, 3, 6))
+    sampled = OBJECTIVE_B.mixture_value(draws, p, thresholds)
+    assert abs(sampled.mean() - value) < 4 * sampled.std() / np.sqrt(len(sampled))
+
+
+def test_expected_objective_without_uncertainty_is_the_plug_in_value():
+    rng = np.random.default_rng(11)
+    means = rng.uniform(-1, 1, size=(4, 3, 5))
+    p = rng.dirichlet(np.ones(5), size=4)
+    thresholds = OBJECTIVE_B.thresholds(means)
+    value, _ = expected_objective(OBJECTIVE_B, means, np.zeros((4, 2, 5)), thresholds, p)
+    np.testing.assert_allclose(value, OBJECTIVE_B.mixture_value(means, p, thresholds))
+
+
+def test_hedged_solution_keeps_a_safety_margin_on_an_uncertain_guardrail():
+    means = np.array([[2.0, 0.0], [-2.0, 2.0]])
+    thresholds = OBJECTIVE_A.thresholds(means)
+    plug_in = np.exp(mirror_ascent(OBJECTIVE_A, means, thresholds, steps=300))
+    errors = np.full((2, 2), 0.3)
+    hedged = np.exp(mirror_ascent(OBJECTIVE_A, means, thresholds, steps=300, standard_errors=errors))
+    np.testing.assert_allclose(plug_in, [0.5125, 0.4875], atol=1e-4)
+    assert hedged[0] < plug_in[0] - 0.01  # less of the arm that breaks the guardrail

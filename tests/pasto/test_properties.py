@@ -26,7 +26,7 @@ configs = st.one_of(
     st.just(AlgorithmConfig.from_preset("paper")),
     st.just(AlgorithmConfig.from_preset("default")),
     st.builds(
-        lambda estimator, schedule, exploration, deploy, solve_every, discount, directed, dual: (
+        lambda estimator, schedule, exploration, deploy, solve_every, discount, directed, dual, hedge: (
             AlgorithmConfig.from_preset(
                 "default",
                 estimator=estimator,
@@ -42,6 +42,7 @@ configs = st.one_of(
                 discount=discount,
                 directed_share=directed,
                 guardrail_weights=dual,
+                solve_objective=hedge,
             )
         ),
         st.sampled_from(["ips", "pooled", "control_variate"]),
@@ -52,6 +53,7 @@ configs = st.one_of(
         st.sampled_from([1.0, 0.8]),
         st.sampled_from([0.0, 0.3]),
         st.sampled_from(["fixed", "dual_ascent"]),
+        st.sampled_from(["plug_in", "expected"]),
     ),
 )
 
