@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 _EXTENSION = "pasto.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+_INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,30 @@ class Database:
         if self.dialect == "sqlite":
             return sqlite.insert(table)
         raise RuntimeError(f"Unsupported database dialect {self.dialect!r}: use SQLite or PostgreSQL.")
+
+    def insert_new(self, connection: sa.Connection, table: sa.Table, columns: tuple[str, ...],
+                   rows: list[tuple], returning: tuple[str, ...]) -> list[tuple]:
+        """``INSERT ... ON CONFLICT (primary key) DO NOTHING RETURNING ...`` of many rows; returns the
+        ``returning`` columns of the rows that were new.
+
+        Multi-row VALUES statements in chunks, written as plain SQL: on the ingestion path this is
+        several times faster than going through SQLAlchemy's per-row parameter processing. Values must
+        be plain ``int``/``str``/``float``.
+        """
+        placeholder = "%s" if self.engine.dialect.paramstyle in ("format", "pyformat") else "?"
+        preparer = self.engine.dialect.identifier_preparer
+        key = ", ".join(preparer.quote(column.name) for column in table.primary_key.columns)
+        head = (f"INSERT INTO {preparer.format_table(table)} ({', '.join(preparer.quote(c) for c in columns)}) "
+                "VALUES ")
+        tail = f" ON CONFLICT ({key}) DO NOTHING RETURNING {', '.join(preparer.quote(c) for c in returning)}"
+        row_sql = "(" + ", ".join([placeholder] * len(columns)) + ")"
+        inserted: list[tuple] = []
+        for start in range(0, len(rows), _INSERT_CHUNK):
+            chunk = rows[start:start + _INSERT_CHUNK]
+            sql = head + ", ".join([row_sql] * len(chunk)) + tail
+            parameters = tuple(value for row in chunk for value in row)
+            inserted.extend(tuple(row) for row in connection.exec_driver_sql(sql, parameters))
+        return inserted
 
     @contextmanager
     def read(self) -> Iterator[Session]:

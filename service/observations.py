@@ -117,18 +117,14 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
         ).one()
         if row.status == "stopped":
             raise _stopped(snapshot.name)
-        insert_ids = (
-            database.insert(ids)
-            .on_conflict_do_nothing(index_elements=["experiment_id", "client_id"])
-            .returning(ids.c.client_id)
-        )
         # Sorted ids: concurrent batches sharing ids wait on each other in one order, never in a cycle.
-        inserted = connection.execute(insert_ids, [
-            {"experiment_id": experiment_id, "client_id": client_id,
-             "round_index": batch[position].round, "arm_index": arms[position]}
-            for client_id, position in sorted(first_of_id.items())
-        ]).scalars().all()
-        new_positions = sorted(first_of_id[client_id] for client_id in inserted)
+        inserted = database.insert_new(
+            connection, ids, ("experiment_id", "client_id", "round_index", "arm_index"),
+            [(experiment_id, client_id, batch[position].round, arms[position])
+             for client_id, position in sorted(first_of_id.items())],
+            returning=("client_id",),
+        )
+        new_positions = sorted(first_of_id[client_id] for (client_id,) in inserted)
         arm_counts: Counter[int] = Counter()
         if new_positions:
             _add_statistics(connection, database, snapshot, batch, arms, new_positions)
@@ -188,18 +184,11 @@ def _add_counts(connection, database: Database, experiment_id: int, batch, arms:
         if observation.round < applied_rounds:
             late[key] += 1
         unit_arm.setdefault((observation.round, observation.unit), key[1])
-    units = RoundUnit.__table__
-    insert_units = (
-        database.insert(units)
-        .on_conflict_do_nothing(index_elements=["experiment_id", "round_index", "unit"])
-        .returning(units.c.round_index, units.c.arm_index)
-    )
-    new_units = Counter(
-        (round_index, arm) for round_index, arm in connection.execute(insert_units, [
-            {"experiment_id": experiment_id, "round_index": round_index, "unit": unit, "arm_index": arm}
-            for (round_index, unit), arm in sorted(unit_arm.items())
-        ])
-    )
+    new_units = Counter(database.insert_new(
+        connection, RoundUnit.__table__, ("experiment_id", "round_index", "unit", "arm_index"),
+        [(experiment_id, round_index, unit, arm) for (round_index, unit), arm in sorted(unit_arm.items())],
+        returning=("round_index", "arm_index"),
+    ))
     table = ArmRoundCount.__table__
     insert = database.insert(table)
     upsert = insert.on_conflict_do_update(

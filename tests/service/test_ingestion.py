@@ -139,3 +139,16 @@ def test_concurrent_writers_with_resent_ids_count_each_observation_once(backend_
     assert sum(count for (_, _, metric), (count, _, _) in stored.items() if metric == 0) == 800
     total_x = sum(total for (_, _, metric), (_, total, _) in stored.items() if metric == 0)
     assert np.isclose(total_x, sum(item["values"]["x"] for item in observations), rtol=1e-12, atol=1e-9)
+
+
+def test_unicode_and_sql_like_ids_are_plain_data(backend_api, setup_a):
+    api = backend_api
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    strange = ["ünïcødé-🙂", "x'); DROP TABLE observation_ids; --", "%s %(name)s ?", "\\", "\"quoted\"", "a" * 256]
+    batch = [{"id": text, "unit": text, "round": 0, "values": {"x": 1.0}} for text in strange]
+    assert api("POST", OBSERVATIONS, role="ingest", json={"observations": batch}).get_json() == {
+        "accepted": len(strange), "duplicates": 0}
+    assert api("POST", OBSERVATIONS, role="ingest", json={"observations": batch}).get_json() == {
+        "accepted": 0, "duplicates": len(strange)}
+    rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
+    assert sum(rounds[0]["units"]) == len(strange)
