@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
+from service.rounds import close_due_rounds
 from service.scheduler import heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,7 @@ def test_event_counters_count_what_the_api_did(api, setup_a):
     assert value(samples, "pasto_round_updates_total", experiment=name) == 3
     assert value(samples, "pasto_round_update_duration_seconds_count", experiment=name) == 3
     # Manual closes are not scheduler lag.
-    assert sum(by_label(samples.get("pasto_round_close_lag_seconds_count", []), "experiment").values()) == 0
+    assert by_label(samples.get("pasto_round_close_lag_seconds_count", []), "experiment").get(name, 0) == 0
 
     def requests_to(snapshot, route, method, status):
         return sum(sample.value for sample in snapshot.get("pasto_http_requests_total", [])
@@ -155,6 +156,15 @@ def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
     with database.read() as session:
         updated = session.execute(sa.select(Experiment.updated_at).where(Experiment.name == "late")).scalar_one()
     assert value(samples, "pasto_last_update_timestamp_seconds", experiment="late") == updated.timestamp()
+
+    # The scheduler's job catches up: the lag is recorded once in the histogram and the gauge drops to 0.
+    (advance,) = close_due_rounds(app)
+    assert advance.experiment == "late"
+    samples = scrape(api)
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment="late") == 0
+    assert value(samples, "pasto_round_close_lag_seconds_count", experiment="late") == 1
+    assert value(samples, "pasto_round_close_lag_seconds_sum", experiment="late") >= 90
+    assert value(samples, "pasto_round_updates_total", experiment="late") == 1
 
 
 # One process of a multi-process deployment: assigns units, then optionally serves one scrape.
