@@ -21,6 +21,7 @@ scheduler and an admin, can never apply the same round twice, and a crash leaves
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from .auth import require_role
 from .cache import get_cache
 from .db import Database, get_db
 from .errors import ApiError, invalid
+from .experiments import iso
 from .models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic, utcnow
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,7 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
                 return None
     except _LostRace:
         return None
-    result = RoundAdvance(**{**result.__dict__, "duration_seconds": time.perf_counter() - started})
+    result = dataclasses.replace(result, duration_seconds=time.perf_counter() - started)
     if result.closed_round is not None or result.applied:
         events.round_closed.send(result.experiment, round_index=result.closed_round, applied=result.applied,
                                  duration_seconds=result.duration_seconds, lag_seconds=result.lag_seconds)
@@ -326,17 +328,11 @@ def close_current_round(name: str):
     return jsonify({
         "closed_round": advance.closed_round,
         "applied": list(advance.applied),
-        "round": {"index": fresh.round_index, "started_at": _iso(fresh.round_started_at),
-                  "ends_at": _iso(fresh.round_ends_at)},
+        "round": {"index": fresh.round_index, "started_at": iso(fresh.round_started_at),
+                  "ends_at": iso(fresh.round_ends_at)},
         "probabilities": fresh.probabilities.tolist(),
         "deployed": fresh.deployed.tolist(),
     })
-
-
-def _iso(moment):
-    from .experiments import iso
-
-    return iso(moment)
 
 
 @bp.get("/<name>/rounds")
@@ -380,10 +376,10 @@ def list_rounds(name: str):
         best_single = summary.get("best_single")
         entries.append({
             "index": round_row.index,
-            "started_at": _iso(round_row.started_at),
-            "ends_at": _iso(round_row.ends_at),
-            "closed_at": _iso(round_row.closed_at),
-            "applied_at": _iso(round_row.applied_at),
+            "started_at": iso(round_row.started_at),
+            "ends_at": iso(round_row.ends_at),
+            "closed_at": iso(round_row.closed_at),
+            "applied_at": iso(round_row.applied_at),
             "probabilities": round_row.probabilities,
             "deployed": round_row.deployed,
             "counts": observation_counts[position].tolist(),

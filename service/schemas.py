@@ -18,6 +18,11 @@ from .errors import ApiError, validation_error
 MAX_BATCH = 10_000
 MAX_ARMS = 10_000
 MAX_SEED = 2**63 - 1
+#: Largest magnitude of a metric value, threshold, weight or penalty: sums of squares of many values
+#: must stay finite in float64.
+MAX_MAGNITUDE = 1e100
+#: Longest round or settle time (about 31 years): datetimes must stay representable.
+MAX_SECONDS = 1e9
 
 
 def _storable(text: str) -> str:
@@ -52,6 +57,8 @@ Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(
 ShortName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_storable)]
 MetricName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
 ExperimentName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
+Number = Annotated[FiniteFloat, Field(ge=-MAX_MAGNITUDE, le=MAX_MAGNITUDE)]
+Seconds = Annotated[FiniteFloat, Field(le=MAX_SECONDS)]
 
 
 class _Strict(BaseModel):
@@ -65,13 +72,13 @@ class ArmSpec(_Strict):
 
 class GuardrailSpec(_Strict):
     metric: MetricName
-    threshold: FiniteFloat
-    penalty: Annotated[FiniteFloat, Field(ge=0)]
+    threshold: Number
+    penalty: Annotated[Number, Field(ge=0)]
     relative_to: ShortName | None = None
 
 
 class ObjectiveSpec(_Strict):
-    primary: MetricName | dict[MetricName, FiniteFloat]
+    primary: MetricName | dict[MetricName, Number]
     guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
 
 
@@ -87,8 +94,8 @@ class ExperimentCreate(_Strict):
     arms: Annotated[list[ArmSpec], Field(min_length=2, max_length=MAX_ARMS)]
     metrics: Annotated[list[MetricName], Field(min_length=1, max_length=64)]
     objective: ObjectiveSpec
-    round_seconds: Annotated[FiniteFloat, Field(ge=1)]
-    settle_seconds: Annotated[FiniteFloat, Field(ge=0)] = 0.0
+    round_seconds: Annotated[Seconds, Field(ge=1)]
+    settle_seconds: Annotated[Seconds, Field(ge=0)] = 0.0
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
 
@@ -112,7 +119,7 @@ class Observation(_Strict):
     unit: Identifier
     round: Annotated[int, Field(ge=0, le=2**31 - 1)]
     arm: ShortName | None = None
-    values: Annotated[dict[MetricName, FiniteFloat], Field(min_length=1, max_length=64)]
+    values: Annotated[dict[MetricName, Number], Field(min_length=1, max_length=64)]
 
 
 class ObservationBatch(_Strict):
