@@ -1,0 +1,391 @@
+"""``pasto demo``: the whole system on one machine, with synthetic traffic.
+
+1. Migrates the database (SQLite in the instance folder unless ``PASTO_DATABASE_URL`` says otherwise)
+   and makes sure an admin and a read token exist (kept in ``demo-tokens.json`` in the instance
+   folder, readable by the owner only, so a second run reuses them).
+2. Starts ``pasto serve`` (waitress and the round scheduler) as a child process.
+3. Creates the demo experiment, or resumes it: a recommender with 20 ranking blends (weights on
+   watch time, likes and shares), watch time as the primary metric and two guardrails, like rate
+   (absolute) and share rate (relative to the production blend). The true means are built so that
+   a mixture of two blends strictly beats every single blend; this is checked with
+   :func:`pasto.optimum.best_mixture` / :func:`pasto.optimum.best_single` at startup.
+4. Generates traffic through :mod:`pasto.client` exactly as a recommender would: a
+   :class:`~pasto.client.LocalAssigner` picks each session's blend locally and an
+   :class:`~pasto.client.ObservationBuffer` reports the session's metrics over the HTTP API.
+
+Ctrl-C (or SIGTERM) stops the traffic, flushes the buffer, then stops the server and its scheduler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import webbrowser
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pasto.client import Client, LocalAssigner, ObservationBuffer, PastoAPIError, PastoConnectionError
+from pasto.objectives import Objective
+from pasto.optimum import best_mixture, best_single
+
+log = logging.getLogger("pasto.demo")
+
+EXPERIMENT = "demo-ranking"
+METRICS = ("watch_time", "like_rate", "share_rate")
+ITEMS_PER_SESSION = 20
+N_BLENDS = 20
+PRODUCTION_BLEND = 10
+TOKENS_FILE = "demo-tokens.json"
+
+
+# ------------------------------------------------------------------------------------ scenario
+@dataclass(frozen=True)
+class Scenario:
+    """The demo's ground truth: arms, objective and the true per-session means.
+
+    Blend k puts weight t_k on watch time and 1 - t_k on likes and shares (70/30). Compromise
+    blends dilute both effects (the means are convex in t), so no single blend is good at watch
+    time and likes at once, while randomising between an engagement blend and a social blend is:
+    the situation where a mixture strictly beats every single setting.
+    """
+
+    arms: tuple[dict, ...]
+    objective_spec: dict
+    means: np.ndarray  # (M, K) true mean of each metric per arm, rows in METRICS order
+
+    @property
+    def arm_names(self) -> list[str]:
+        return [arm["name"] for arm in self.arms]
+
+    def objective(self) -> Objective:
+        return Objective.from_spec(list(METRICS), self.objective_spec, arm_names=self.arm_names)
+
+
+def build_scenario() -> Scenario:
+    t = np.linspace(0.0, 1.0, N_BLENDS)
+    arms = tuple(
+        {"name": f"blend-{k:02d}",
+         "params": {"w_watch": round(float(t[k]), 4), "w_like": round(0.7 * (1 - float(t[k])), 4),
+                    "w_share": round(0.3 * (1 - float(t[k])), 4)}}
+        for k in range(N_BLENDS)
+    )
+    means = np.stack([
+        4.0 + 2.0 * t**2,               # watch_time: minutes per session
+        0.03 + 0.07 * (1 - t) ** 2,     # like_rate: share of the session's items liked
+        0.010 + 0.006 * (1 - t) ** 2,   # share_rate: share of the session's items shared
+    ])
+    objective_spec = {
+        "primary": "watch_time",
+        "guardrails": [
+            # A like-rate shortfall of 0.01 costs 2 minutes of watch time.
+            {"metric": "like_rate", "threshold": 0.06, "penalty": 20000.0},
+            # At most 5% fewer shares than the production blend.
+            {"metric": "share_rate", "threshold": -0.05, "penalty": 50000.0,
+             "relative_to": arms[PRODUCTION_BLEND]["name"]},
+        ],
+    }
+    return Scenario(arms=arms, objective_spec=objective_spec, means=means)
+
+
+def check_scenario(scenario: Scenario) -> tuple[np.ndarray, float, int, float]:
+    """Solve the true problem; raise unless the best mixture strictly beats every single blend."""
+    objective = scenario.objective()
+    mixture, mixture_value = best_mixture(objective, scenario.means)
+    single, single_value = best_single(objective, scenario.means)
+    if not mixture_value > single_value + 1e-6:
+        raise RuntimeError(
+            f"The demo scenario is broken: the best mixture ({mixture_value:.4f}) does not beat the "
+            f"best single blend ({single_value:.4f})."
+        )
+    return mixture, float(mixture_value), int(single), float(single_value)
+
+
+def simulate_session(scenario: Scenario, arm_index: int, rng: np.random.Generator) -> dict[str, float]:
+    """One session's metrics on blend ``arm_index``: gamma watch time (coefficient of variation
+    0.5), binomial likes and shares over the session's items."""
+    watch, like, share = scenario.means[:, arm_index]
+    return {
+        "watch_time": float(rng.gamma(4.0, watch / 4.0)),
+        "like_rate": float(rng.binomial(ITEMS_PER_SESSION, like)) / ITEMS_PER_SESSION,
+        "share_rate": float(rng.binomial(ITEMS_PER_SESSION, share)) / ITEMS_PER_SESSION,
+    }
+
+
+# ------------------------------------------------------------------------------------ setup
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pasto demo",
+        description="Start the controller with a live demo experiment and synthetic traffic.",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="stop after this many rounds have closed (default: run until Ctrl-C)")
+    parser.add_argument("--round-seconds", type=float, default=5.0,
+                        help="round length of a newly created demo experiment (default 5)")
+    parser.add_argument("--sessions-per-second", type=float, default=600.0,
+                        help="synthetic traffic rate (default 600, i.e. 3,000 sessions per 5 s round)")
+    parser.add_argument("--instance", type=Path, default=None,
+                        help="folder for the SQLite database, tokens and server log "
+                             "(default: the service's instance folder)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traffic")
+    parser.add_argument("--headless", action="store_true",
+                        help="no browser and no interaction: plain log lines (for scripts and tests)")
+    return parser
+
+
+def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be from 1 to 65535, got {args.port}.")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}.")
+    if not args.round_seconds >= 1:
+        parser.error(f"--round-seconds must be at least 1 (the API's minimum), got {args.round_seconds}.")
+    if not args.sessions_per_second > 0:
+        parser.error(f"--sessions-per-second must be positive, got {args.sessions_per_second}.")
+
+
+def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
+    """Migrate the database and ensure the demo's tokens; returns (database URL, instance folder,
+    admin token, read token)."""
+    import migrations
+    from . import create_app
+    from .db import get_db
+
+    overrides: dict = {"PASTO_CHECK_SCHEMA": False}
+    if instance is not None and not os.environ.get("PASTO_DATABASE_URL"):
+        overrides["PASTO_DATABASE_URL"] = f"sqlite:///{instance.resolve() / 'pasto.sqlite'}"
+    app = create_app(overrides)
+    folder = (instance or Path(app.instance_path)).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    engine = get_db(app).engine
+    url = engine.url.render_as_string(hide_password=False)
+    migrations.upgrade(url)
+    admin_token, read_token = _ensure_tokens(app, folder / TOKENS_FILE)
+    engine.dispose()
+    return url, folder, admin_token, read_token
+
+
+def _ensure_tokens(app, path: Path) -> tuple[str, str]:
+    """Reuse the tokens saved by a previous run when the database still knows them."""
+    import sqlalchemy as sa
+
+    from .auth import create_token, hash_token
+    from .db import get_db
+    from .models import Token
+
+    database = get_db(app)
+    saved: dict[str, str] = {}
+    if path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+    tokens: dict[str, str] = {}
+    with database.write() as session:
+        for role in ("admin", "read"):
+            token = saved.get(role)
+            known = token is not None and session.execute(
+                sa.select(Token.role).where(Token.token_hash == hash_token(token))
+            ).scalar_one_or_none() == role
+            tokens[role] = token if known else create_token(session, role, f"pasto demo ({role})")
+    if tokens != saved:
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)
+        path.write_text(json.dumps(tokens, indent=2) + "\n")
+    return tokens["admin"], tokens["read"]
+
+
+class ServerProcess:
+    """``pasto serve`` with its scheduler, in its own session so that a terminal's Ctrl-C reaches
+    only the demo, which stops the server after flushing the traffic it already produced."""
+
+    def __init__(self, database_url: str, port: int, log_path: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        # Rounds close within a quarter second of their end unless the environment says otherwise.
+        env = {"PASTO_SCHEDULER_INTERVAL": "0.25", **os.environ, "PASTO_DATABASE_URL": database_url}
+        with open(log_path, "ab") as log_file:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "pasto.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+                env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def wait_until_ready(self, client: Client, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pasto serve exited with status {self.process.returncode}:\n"
+                                   f"{self._log_tail()}")
+            try:
+                client.health()
+                return
+            except PastoAPIError:
+                return  # it answers (an unhealthy /healthz is still an answer)
+            except PastoConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pasto serve did not answer within {timeout:.0f} s:\n{self._log_tail()}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            return "(no server log)"
+
+
+def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) -> str:
+    """Create the demo experiment, resume it if paused, or start a new one if it was stopped."""
+    name = EXPERIMENT
+    for attempt in range(1, 1000):
+        try:
+            experiment = client.get_experiment(name)
+        except PastoAPIError as error:
+            if error.status != 404:
+                raise
+            client.create_experiment(
+                name=name, arms=scenario.arms, metrics=METRICS, objective=scenario.objective_spec,
+                round_seconds=round_seconds, algorithm={"preset": "default"},
+            )
+            log.info("Created experiment %r (%d blends, %.0f s rounds).", name, len(scenario.arms), round_seconds)
+            return name
+        if experiment["status"] == "stopped":
+            name = f"{EXPERIMENT}-{attempt + 1}"
+            continue
+        if [arm["name"] for arm in experiment["arms"]] != scenario.arm_names:
+            raise RuntimeError(f"An experiment named {name!r} exists but is not the demo's; "
+                               "use another --instance folder or database.")
+        if experiment["status"] == "paused":
+            client.resume(name)
+        if experiment["round_seconds"] != round_seconds:
+            log.info("Resuming %r with its own %.0f s rounds.", name, experiment["round_seconds"])
+        log.info("Resuming experiment %r at round %d.", name, experiment["round"]["index"])
+        return name
+    raise RuntimeError("Too many stopped demo experiments; use a fresh --instance folder.")
+
+
+# ------------------------------------------------------------------------------------ traffic
+class _Stop(Exception):
+    """SIGTERM arrived: leave the traffic loop and clean up like Ctrl-C."""
+
+
+def _raise_stop(*_: object) -> None:
+    raise _Stop()
+
+
+@dataclass
+class TrafficStats:
+    sessions: int = 0
+
+
+def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Namespace,
+                stats: TrafficStats) -> None:
+    """Send synthetic sessions until ``args.rounds`` rounds have closed or the demo is interrupted
+    (the buffer is flushed either way); ``stats`` counts the sessions reported."""
+    rng = np.random.default_rng(args.seed)
+    arm_index = {arm_name: k for k, arm_name in enumerate(scenario.arm_names)}
+    objective = scenario.objective()
+    thresholds = objective.thresholds(scenario.means)
+    _, single_value = best_single(objective, scenario.means)
+    tick = 0.05
+    per_tick = args.sessions_per_second * tick
+    carry = 0.0
+    with LocalAssigner(client, name, ttl=30.0, round_poll=0.1) as assigner, \
+            ObservationBuffer(client, name, max_batch=2000, flush_interval=0.5, max_queue=200_000) as buffer:
+        first_round = assigner.round_index
+        shown_round = first_round
+        next_tick = time.monotonic()
+        while args.rounds is None or assigner.round_index < first_round + args.rounds:
+            carry += per_tick
+            batch, carry = int(carry), carry - int(carry)
+            for _ in range(batch):
+                unit = f"user-{int(rng.integers(10**9))}"
+                assignment = assigner.assign(unit)
+                values = simulate_session(scenario, arm_index[assignment.arm], rng)
+                buffer.add(unit, assignment.round, values, arm=assignment.arm)
+            stats.sessions += batch
+            if assigner.round_index != shown_round:
+                shown_round = assigner.round_index
+                _report_round(client, name, shown_round, objective, scenario, thresholds, args.headless,
+                              single_value)
+            next_tick += tick
+            time.sleep(max(0.0, next_tick - time.monotonic()))
+        log.info("Flushing %d pending observations.", buffer.pending)
+
+
+def _report_round(client: Client, name: str, round_index: int, objective: Objective, scenario: Scenario,
+                  thresholds: np.ndarray, headless: bool, single_value: float) -> None:
+    """One line per round: the deployed mixture's true value against the best single blend."""
+    try:
+        experiment = client.get_experiment(name)
+    except (PastoAPIError, PastoConnectionError) as error:
+        log.warning("Could not read the experiment: %s", error)
+        return
+    deployed = np.asarray(experiment["deployed"])
+    true_value = float(objective.mixture_value(scenario.means, deployed, thresholds))
+    top = np.argsort(deployed)[::-1][:2]
+    mix = ", ".join(f"{scenario.arm_names[k]} {deployed[k]:.2f}" for k in top)
+    line = (f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
+            f"(best single blend {single_value:.3f})")
+    print(line if headless else f"\r{line}", end="\n" if headless else "", flush=True)
+
+
+# ------------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _validate(args, parser)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("alembic", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+    scenario = build_scenario()
+    mixture, mixture_value, single, single_value = check_scenario(scenario)
+    support = ", ".join(f"{scenario.arm_names[k]} {mixture[k]:.2f}" for k in np.flatnonzero(mixture > 0.01))
+    print(f"Demo scenario: best single blend {scenario.arm_names[single]} scores {single_value:.3f}; "
+          f"the best mixture [{support}] scores {mixture_value:.3f} (+{mixture_value - single_value:.3f}).",
+          flush=True)
+
+    database_url, folder, admin_token, read_token = prepare_database(args.instance)
+    server = ServerProcess(database_url, args.port, folder / "demo-server.log")
+    previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+    stats = TrafficStats()
+    try:
+        with Client(server.url, admin_token) as client:
+            server.wait_until_ready(client)
+            name = ensure_experiment(client, scenario, args.round_seconds)
+            dashboard = f"{server.url}/"
+            print(f"Dashboard: {dashboard}  (read token: {read_token})\n"
+                  f"Experiment page: {server.url}/experiments/{name}\n"
+                  f"Server log: {server.log_path}\nPress Ctrl-C to stop.", flush=True)
+            if not args.headless:
+                webbrowser.open(dashboard)
+            run_traffic(client, name, scenario, args, stats)
+    except (KeyboardInterrupt, _Stop):
+        print("\nStopping...", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        server.stop()
+    print(f"Stopped after {stats.sessions:,} sessions; run `pasto demo` again to resume.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
