@@ -3,7 +3,7 @@
 Datetimes are stored as naive UTC (service.models.UTCDateTime converts).
 
 Revision ID: 0001
-Revises: 
+Revises:
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import sqlalchemy as sa
 import pytest
+import sqlalchemy as sa
 
 from service.auth import hash_token
 from service.db import get_db
 from service.models import Token
-
 
 ROLES = ("read", "ingest", "admin")
 ADMIN_TOKEN = "bootstrap-admin-token-for-tests"  # conftest.ADMIN_TOKEN

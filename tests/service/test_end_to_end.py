@@ -144,7 +144,7 @@ def test_restart_mid_experiment_loses_nothing(backend_url, app_factory, admin_to
     try:
         create_setup_a(base_url, admin_token, round_seconds=3600)
         traffic = Traffic(base_url, admin_token, seed=3)
-        for expected_round in range(12):
+        for _ in range(12):
             traffic.send(units_per_round=100)
             assert traffic.session.post(f"{traffic.base}/rounds", timeout=30).status_code == 200
         traffic.send(units_per_round=100)  # the open round has data too

@@ -58,7 +58,8 @@ def test_wrong_method_is_a_json_405(api, created):
     ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"),
 ])
 def test_unknown_experiment_is_404(api, method, suffix):
-    body = {"unit": "u"} if suffix == "/assign" else {"observations": [observation()]} if suffix == "/observations" else None
+    bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]}}
+    body = bodies.get(suffix)
     error = error_of(api(method, f"/api/v1/experiments/nope{suffix}", json=body), 404)
     assert "nope" in error["message"]
 
@@ -241,7 +242,8 @@ def test_invalid_observation_envelope_is_422(api, created, body, location):
 
 def test_observation_batch_over_the_limit_is_422(api, created):
     batch = [observation(id=f"o{i}", unit=f"u{i}") for i in range(10_001)]
-    assert error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)["details"][0]["location"] == "observations"
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)
+    assert error["details"][0]["location"] == "observations"
 
 
 def test_stopped_experiment_refuses_observations_with_409(api, app, created):

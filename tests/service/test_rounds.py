@@ -81,7 +81,8 @@ def test_two_schedulers_close_each_round_once(backend_api, setup_a, monkeypatch)
     for step in range(1, 6):
         now = start + timedelta(seconds=2 * step)
         barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=lambda: (barrier.wait(), close_due_rounds(app, now))) for _ in range(2)]
+        threads = [threading.Thread(target=lambda b=barrier, t=now: (b.wait(), close_due_rounds(app, t)))
+                   for _ in range(2)]
         for thread in threads:
             thread.start()
         for thread in threads:
