@@ -200,3 +200,18 @@ def test_get_rounds_reports_every_round(api, setup_a):
     assert diagnostics["regret"]["cumulative"] == pytest.approx(sum(diagnostics["regret"]["per_round"]))
     assert diagnostics["guardrails"][0]["metric"] == "y"
     assert set(diagnostics["srm"]) >= {"statistic", "p_value", "ok"}
+
+
+@pytest.mark.parametrize("algorithm", [{"preset": "paper"}, {"preset": "default", "solve_every": 1},
+                                       {"preset": "default", "estimator": "control_variate"}])
+def test_presets_and_overrides_run_through_the_service(api, setup_a, algorithm):
+    created = api("POST", "/api/v1/experiments", json=setup_a(algorithm=algorithm))
+    assert created.status_code == 201, created.get_json()
+    assert created.get_json()["algorithm"]["preset"] == algorithm["preset"]
+    for index in range(4):
+        observe(api, index, f"r{index}-")
+        closed = api("POST", f"{EXPERIMENT}/rounds")
+        assert closed.status_code == 200, closed.get_json()
+        probabilities = closed.get_json()["probabilities"]
+        assert abs(sum(probabilities) - 1) < 1e-12 and min(probabilities) > 0
+    assert api("GET", f"{EXPERIMENT}/diagnostics", role="read").status_code == 200
