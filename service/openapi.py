@@ -43,6 +43,15 @@ _NAME_PARAMETER = {
     "schema": {"type": "string", "pattern": "^[a-z0-9_-]{1,64}$"},
 }
 
+_SINCE_PARAMETER = {
+    "name": "since", "in": "query", "required": False, "description": "First round index to return (default 0).",
+    "schema": {"type": "integer", "minimum": 0},
+}
+_LIMIT_PARAMETER = {
+    "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default all).",
+    "schema": {"type": "integer", "minimum": 1},
+}
+
 _RESPONSE_SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object", "required": ["error"],
@@ -224,8 +233,9 @@ def _paths() -> dict[str, Any]:
             {"202": _json(_ref("IngestResult"), "Stored; duplicates were counted before and are ignored.")},
             ("409",), body=_ref("ObservationBatch"))},
         "/api/v1/experiments/{name}/rounds": {
-            "get": _operation("Every round, oldest first.", "read",
-                              {"200": _json(_ref("RoundList"), "The rounds.")}),
+            "get": {**_operation("Every round, oldest first (optionally a page: since, limit).", "read",
+                                 {"200": _json(_ref("RoundList"), "The rounds.")}, ("422",)),
+                    "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER]},
             "post": _operation(
                 "Close the current round now and run the update (optionally only if it is round {round}).",
                 "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409",),

@@ -335,43 +335,62 @@ def close_current_round(name: str):
     })
 
 
+def _query_integer(name: str, default: int | None, minimum: int) -> int | None:
+    text = request.args.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or int(text) < minimum:
+        raise invalid(name, f"Must be an integer >= {minimum}, got {text!r}.")
+    return int(text)
+
+
 @bp.get("/<name>/rounds")
 @require_role("read")
 def list_rounds(name: str):
+    """Every round oldest first; ``?since=<index>`` and ``?limit=<n>`` page through long histories."""
+    since = _query_integer("since", 0, 0)
+    limit = _query_integer("limit", None, 1)
     snapshot = get_cache().get(name)
+    last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
     with get_db().read() as session:
         round_rows = session.execute(
-            sa.select(Round).where(Round.experiment_id == snapshot.id).order_by(Round.index)
+            sa.select(Round).where(Round.experiment_id == snapshot.id, Round.index >= since, Round.index <= last)
+            .order_by(Round.index)
         ).scalars().all()
         statistics = session.execute(
             sa.select(RoundStatistic.round_index, RoundStatistic.metric_index, RoundStatistic.arm_index,
                       RoundStatistic.count, RoundStatistic.sum)
-            .where(RoundStatistic.experiment_id == snapshot.id)
+            .where(RoundStatistic.experiment_id == snapshot.id, RoundStatistic.round_index >= since,
+                   RoundStatistic.round_index <= last)
         ).all()
         counts = session.execute(
             sa.select(ArmRoundCount.round_index, ArmRoundCount.arm_index, ArmRoundCount.observations,
                       ArmRoundCount.units, ArmRoundCount.late_observations)
-            .where(ArmRoundCount.experiment_id == snapshot.id)
+            .where(ArmRoundCount.experiment_id == snapshot.id, ArmRoundCount.round_index >= since,
+                   ArmRoundCount.round_index <= last)
         ).all()
-    n_rounds, n_arms, n_metrics = len(round_rows), snapshot.n_arms, len(snapshot.metrics)
+    n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
     metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
     metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
-    for row in statistics:
-        if row.round_index < n_rounds:
-            metric_counts[row.round_index, row.metric_index, row.arm_index] = row.count
-            metric_sums[row.round_index, row.metric_index, row.arm_index] = row.sum
+    if statistics:
+        round_index, metric, arm, count, total = (list(column) for column in zip(*statistics))
+        offset = np.asarray(round_index) - since
+        metric_counts[offset, metric, arm] = count
+        metric_sums[offset, metric, arm] = total
     observation_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
     unit_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
     late_counts = np.zeros(n_rounds, dtype=np.int64)
-    for row in counts:
-        if row.round_index < n_rounds:
-            observation_counts[row.round_index, row.arm_index] = row.observations
-            unit_counts[row.round_index, row.arm_index] = row.units
-            late_counts[row.round_index] += row.late_observations
+    if counts:
+        round_index, arm, observations, units, late = (list(column) for column in zip(*counts))
+        offset = np.asarray(round_index) - since
+        observation_counts[offset, arm] = observations
+        unit_counts[offset, arm] = units
+        np.add.at(late_counts, offset, late)
     with np.errstate(invalid="ignore", divide="ignore"):
-        means = metric_sums / metric_counts
+        means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
     entries = []
-    for position, round_row in enumerate(round_rows):
+    for round_row in round_rows:
+        position = round_row.index - since
         summary = round_row.summary or {}
         best_single = summary.get("best_single")
         entries.append({

@@ -215,3 +215,20 @@ def test_presets_and_overrides_run_through_the_service(api, setup_a, algorithm):
         probabilities = closed.get_json()["probabilities"]
         assert abs(sum(probabilities) - 1) < 1e-12 and min(probabilities) > 0
     assert api("GET", f"{EXPERIMENT}/diagnostics", role="read").status_code == 200
+
+
+def test_rounds_can_be_read_page_by_page(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    for index in range(5):
+        observe(api, index, f"r{index}-", n=10)
+        assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
+    everything = api("GET", f"{EXPERIMENT}/rounds", role="read").get_json()["rounds"]
+    assert [entry["index"] for entry in everything] == [0, 1, 2, 3, 4, 5]
+    page = api("GET", f"{EXPERIMENT}/rounds?since=2&limit=2", role="read").get_json()["rounds"]
+    assert page == everything[2:4]
+    assert api("GET", f"{EXPERIMENT}/rounds?since=4", role="read").get_json()["rounds"] == everything[4:]
+    assert api("GET", f"{EXPERIMENT}/rounds?since=99", role="read").get_json()["rounds"] == []
+    for query, location in (("since=-1", "since"), ("limit=0", "limit"), ("since=x", "since")):
+        response = api("GET", f"{EXPERIMENT}/rounds?{query}", role="read")
+        assert response.status_code == 422
+        assert response.get_json()["error"]["details"][0]["location"] == location
