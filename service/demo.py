@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -348,6 +349,11 @@ def _report_round(client: Client, name: str, round_index: int, objective: Object
 
 
 # ------------------------------------------------------------------------------------ main
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -356,18 +362,22 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
-    scenario = build_scenario()
-    mixture, mixture_value, single, single_value = check_scenario(scenario)
-    support = ", ".join(f"{scenario.arm_names[k]} {mixture[k]:.2f}" for k in np.flatnonzero(mixture > 0.01))
-    print(f"Demo scenario: best single blend {scenario.arm_names[single]} scores {single_value:.3f}; "
-          f"the best mixture [{support}] scores {mixture_value:.3f} (+{mixture_value - single_value:.3f}).",
-          flush=True)
-
+    if _port_in_use(args.port):
+        print(f"pasto demo: error: port {args.port} on 127.0.0.1 is already in use (another `pasto demo` "
+              "or server?); choose another with --port.", file=sys.stderr)
+        return 1
     database_url, folder, admin_token, read_token = prepare_database(args.instance)
     server = ServerProcess(database_url, args.port, folder / "demo-server.log")
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)
     stats = TrafficStats()
     try:
+        # Solved while the server boots.
+        scenario = build_scenario()
+        mixture, mixture_value, single, single_value = check_scenario(scenario)
+        support = ", ".join(f"{scenario.arm_names[k]} {mixture[k]:.2f}" for k in np.flatnonzero(mixture > 0.01))
+        print(f"Demo scenario: best single blend {scenario.arm_names[single]} scores {single_value:.3f}; "
+              f"the best mixture [{support}] scores {mixture_value:.3f} "
+              f"(+{mixture_value - single_value:.3f}).", flush=True)
         with Client(server.url, admin_token) as client:
             server.wait_until_ready(client)
             name = ensure_experiment(client, scenario, args.round_seconds)
@@ -380,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
             run_traffic(client, name, scenario, args, stats)
     except (KeyboardInterrupt, _Stop):
         print("\nStopping...", flush=True)
+    except (RuntimeError, PastoAPIError, PastoConnectionError) as error:
+        print(f"pasto demo: error: {error}", file=sys.stderr, flush=True)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous_term)
         server.stop()

@@ -40,7 +40,7 @@ def test_the_scenario_rewards_mixing():
 
 def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     port = free_port()
-    first = subprocess.run(demo_command(tmp_path, port, rounds=6), capture_output=True, text=True, timeout=120)
+    first = subprocess.run(demo_command(tmp_path, port, rounds=4), capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stdout + first.stderr
     assert f"Dashboard: http://127.0.0.1:{port}/" in first.stdout
     assert "read token:" in first.stdout
