@@ -138,7 +138,7 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: the service's instance folder)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traffic")
     parser.add_argument("--headless", action="store_true",
-                        help="no browser and no interaction: plain log lines (for scripts and tests)")
+                        help="never open a browser; one plain line per round (for scripts and tests)")
     return parser
 
 
@@ -349,6 +349,13 @@ def _report_round(client: Client, name: str, round_index: int, objective: Object
 
 
 # ------------------------------------------------------------------------------------ main
+def _has_graphical_browser() -> bool:
+    # Without a display, webbrowser may pick a console browser (lynx, w3m) and take the terminal.
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )
+
+
 def _port_in_use(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -385,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Dashboard: {dashboard}  (read token: {read_token})\n"
                   f"Experiment page: {server.url}/experiments/{name}\n"
                   f"Server log: {server.log_path}\nPress Ctrl-C to stop.", flush=True)
-            if not args.headless:
+            if not args.headless and _has_graphical_browser():
                 webbrowser.open(dashboard)
             run_traffic(client, name, scenario, args, stats)
     except (KeyboardInterrupt, _Stop):
