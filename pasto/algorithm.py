@@ -427,8 +427,8 @@ def initial_state(
     batch_shape : tuple of int
         Leading batch dimensions (independent runs).
     objective : Objective, optional
-        Supplies the initial guardrail penalties (needed for dual ascent; otherwise the update
-        uses the objective's penalties and this only sets the recorded weights).
+        Supplies the initial guardrail weights lambda_0; without it the first update takes them
+        from the objective it is given.
     """
     if isinstance(n_arms, bool) or not isinstance(n_arms, (int, np.integer)) or n_arms < 1:
         raise ValueError(f"The number of arms must be a positive integer, got {n_arms!r}.")
@@ -608,7 +608,13 @@ def _advance(
     means = current.means
     thresholds = objective.thresholds(means)
     dual = config.guardrail_weights == "dual_ascent"
-    penalties = state.guardrail_weights if dual else None
+    guardrail_weights = state.guardrail_weights
+    if guardrail_weights.shape[-1:] != objective.penalties.shape:
+        # A state made without the objective starts from the objective's penalties.
+        guardrail_weights = np.broadcast_to(
+            objective.penalties, state.batch_shape + objective.penalties.shape
+        ).copy()
+    penalties = guardrail_weights if dual else None
 
     # Eq. 7 at the probabilities served in the closing round.
     x = np.einsum("...mk,...k->...m", means, served)
@@ -639,7 +645,6 @@ def _advance(
     log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
     exploitation = _exploitation(log_weights)
 
-    guardrail_weights = state.guardrail_weights
     if dual:
         y = np.einsum("...mk,...k->...m", means, exploitation)[..., objective.guardrail_rows]
         raised = guardrail_weights + config.dual_step * (thresholds - y)

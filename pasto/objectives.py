@@ -235,6 +235,11 @@ class Objective:
         return self._guardrail_rows
 
     @property
+    def guardrail_selector(self) -> np.ndarray:
+        """(G, M) one-hot matrix mapping guardrails to their metric rows."""
+        return self._guardrail_selector
+
+    @property
     def penalties(self) -> np.ndarray:
         """(G,) penalty weights lambda_j."""
         return self._penalties

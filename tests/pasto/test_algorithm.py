@@ -178,3 +178,72 @@ def test_default_preset_learns_setup_a_mixture():
         state = update(config, OBJECTIVE_A, state, round_stats, pooled)
     f = OBJECTIVE_A.mixture_value(MU_A, state.deployed)
     assert f.mean() > 0.98
+
+
+def test_dual_ascent_raises_weight_of_violated_guardrail_without_objective_at_start():
+    config = AlgorithmConfig.from_preset("default", guardrail_weights="dual_ascent", dual_step=2.0)
+    state = initial_state(config, 2, 2)  # as the service and simulator call it
+    assert state.guardrail_weights.shape == (0,)
+    means = np.array([[2.0, 0.0], [-2.0, -1.0]])  # no mixture meets y >= 0
+    stats = Statistics(np.full((2, 2), 5.0), 5.0 * means, 5.0 * means**2)
+    state = update(config, OBJECTIVE_A, state, stats, stats)
+    assert state.guardrail_weights.shape == (1,)
+    assert state.guardrail_weights[0] > 5.0
+
+
+def _stats_from_means(means: np.ndarray, count: float) -> Statistics:
+    counts = np.full(means.shape, float(count))
+    return Statistics(counts, count * means, count * means**2 + counts)  # unit within-arm variance
+
+
+def test_directed_exploration_favours_plausible_arms_only():
+    config = AlgorithmConfig.from_preset("default", exploration="constant", exploration_scale=0.1)
+    # Arm 2 is far worse on every metric and well measured; arm 3 is unmeasured.
+    means = np.array([[2.0, 0.0, -5.0, 0.0], [-2.0, 2.0, -5.0, 0.0]])
+    pooled = _stats_from_means(means, 1000.0)
+    pooled = Statistics(pooled.counts * [1, 1, 1, 0], pooled.sums * [1, 1, 1, 0],
+                        pooled.sums_of_squares * [1, 1, 1, 0])
+    state = initial_state(config, 4, 2)
+    for _ in range(5):
+        state = update(config, OBJECTIVE_A, state, Statistics.zeros(2, 4), pooled)
+    floor = 0.1 / 4
+    assert state.probabilities[2] == pytest.approx(floor, rel=1e-6)
+    assert state.probabilities[3] > floor + 0.9 * 0.2 / 3 * 0.99
+
+
+def test_stage_deploy_averages_the_current_stage():
+    config = AlgorithmConfig.from_preset("paper", deploy="stage", stage_length=2)
+    state = initial_state(config, 2, 2)
+    served = []
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        served.append(state.probabilities)
+        arm = int(rng.integers(2))
+        stats = _one_query_round(arm, MU_A[:, arm] + rng.normal(size=2))
+        state = update(config, OBJECTIVE_A, state, stats, stats)
+    # Stages of length 2, 4: rounds 1-2, 3-6; after round 5 the stage holds rounds 3, 4, 5.
+    np.testing.assert_allclose(state.deployed, np.mean(served[2:5], axis=0))
+
+
+@pytest.mark.parametrize("estimator", ["ips", "control_variate", "pooled"])
+def test_estimators_inside_the_update_converge_to_the_means(estimator):
+    config = AlgorithmConfig.from_preset("default", estimator=estimator)
+    rng = np.random.default_rng(1)
+    state = initial_state(config, 2, 2)
+    pooled = Statistics.zeros(2, 2)
+    for _ in range(150):
+        arms = (rng.random(20) >= state.probabilities[0]).astype(int)
+        stats = Statistics.from_observations(arms, MU_A.T[arms] + rng.normal(size=(20, 2)), 2)
+        pooled = pooled + stats
+        state = update(config, OBJECTIVE_A, state, stats, pooled)
+    result = estimate(config, state, pooled)
+    assert np.all(np.abs(result.means - MU_A) < 5 * result.standard_errors + 0.02)
+
+
+def test_late_observations_use_the_propensities_they_were_sampled_with():
+    config = AlgorithmConfig.from_preset("paper")
+    state = initial_state(config, 2, 2)
+    stats = _one_query_round(0, np.array([1.0, 1.0]))
+    late = update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([0.25, 0.75]))
+    # U_1[:, 0] = 1 / 0.25 and V_1 = U_1 / 2 (Algorithm 1 with U_0 = 0).
+    np.testing.assert_allclose(estimate(config, late, stats).means, [[2.0, 0.0], [2.0, 0.0]])

@@ -137,3 +137,13 @@ def test_hedged_solution_keeps_a_safety_margin_on_an_uncertain_guardrail():
     hedged = np.exp(mirror_ascent(OBJECTIVE_A, means, thresholds, steps=300, standard_errors=errors))
     np.testing.assert_allclose(plug_in, [0.5125, 0.4875], atol=1e-4)
     assert hedged[0] < plug_in[0] - 0.01  # less of the arm that breaks the guardrail
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_mixture_matches_brute_force_k2(seed):
+    rng = np.random.default_rng(100 + seed)
+    means = rng.uniform(-2, 2, size=(2, 2))
+    grid = _simplex_grid(2, 20_000)
+    brute = OBJECTIVE_A.mixture_value(means, grid).max()
+    _, value = best_mixture(OBJECTIVE_A, means)
+    assert brute - 1e-12 <= value < brute + 1e-6
