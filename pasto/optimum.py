@@ -129,18 +129,20 @@ def mirror_ascent(
         for _ in range(steps):
             # Frank-Wolfe gap max_k g_k - p . g bounds f* - f(p) for concave f: stop when every
             # problem is solved to the tolerance.
+            # Solved problems are frozen, so a problem's iterates do not depend on its batch.
             gap = np.max(gradient, axis=-1) - np.sum(p * gradient, axis=-1)
-            if np.all(gap <= tolerance * (1.0 + np.abs(value))):
+            active = ~(gap <= tolerance * (1.0 + np.abs(value)))
+            if not np.any(active):
                 break
             candidate, candidate_p = _normalise(current + _bounded_move(step, gradient))
             candidate_value, candidate_gradient = evaluate(candidate_p)
-            accept = (candidate_value >= value) & np.all(np.isfinite(candidate), axis=-1)
+            accept = active & (candidate_value >= value) & np.all(np.isfinite(candidate), axis=-1)
             current = np.where(accept[..., None], candidate, current)
             p = np.where(accept[..., None], candidate_p, p)
             value = np.where(accept, candidate_value, value)
             candidate_gradient = np.nan_to_num(candidate_gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
             gradient = np.where(accept[..., None], candidate_gradient, gradient)
-            step = np.where(accept, np.minimum(step * 2.0, 1e12), step * 0.5)
+            step = np.where(accept, np.minimum(step * 2.0, 1e12), np.where(active, step * 0.5, step))
     return current
 
 
