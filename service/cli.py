@@ -121,6 +121,10 @@ def _worker(app: Flask) -> int:
     return 0
 
 
+def _exit_on_signal(signum, _frame) -> None:
+    raise SystemExit(0)
+
+
 def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> int:
     from waitress import create_server
 
@@ -130,13 +134,13 @@ def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> i
     background = start_scheduler(app) if scheduler else None
     print(f"pasto: serving on http://{host}:{server.effective_port}"
           f"{'' if background else ' (no scheduler: run `pasto worker`)'}", flush=True)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: server.close())
+    # waitress's run() turns SystemExit/KeyboardInterrupt into an orderly shutdown of its threads
+    # (closing the listening socket alone would wait for idle keep-alive connections to time out).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()
-    except OSError:
-        pass  # the listening socket was closed by the signal handler
     finally:
+        server.close()
         if background is not None:
             background.shutdown(wait=True)
     return 0
