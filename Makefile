@@ -30,6 +30,7 @@ test: install-test
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/convergence.py
+	$(BIN)/python bench/client.py --write-docs
 
 clean:
 	rm -rf $(VENV) instance .pytest_cache test-output
