@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from pasto.client import Client, PastoAPIError, PastoConnectionError
 from service.demo import EXPERIMENT, build_scenario, check_scenario
