@@ -82,17 +82,17 @@ def test_manual_rounds_reach_the_optimum(app, serve, admin_token):
     base_url = serve(app)
     create_setup_a(base_url, admin_token, round_seconds=3600)
     traffic = Traffic(base_url, admin_token, seed=1)
-    for expected_round in range(120):
+    for expected_round in range(100):
         assert traffic.send(units_per_round=200) == expected_round
         response = traffic.session.post(f"{traffic.base}/rounds", json={"round": expected_round}, timeout=30)
         assert response.status_code == 200, response.text
     experiment = traffic.experiment()
-    assert experiment["round"]["index"] == 120
+    assert experiment["round"]["index"] == 100
     deployed = np.array(experiment["deployed"])
     assert np.abs(deployed - P_STAR).max() < 0.05, deployed
 
     rounds = traffic.session.get(f"{traffic.base}/rounds", timeout=30).json()["rounds"]
-    assert len(rounds) == 121
+    assert len(rounds) == 101
     assert sum(sum(entry["counts"]) for entry in rounds) == traffic.sent
     diagnostics = traffic.session.get(f"{traffic.base}/diagnostics", timeout=30).json()
     assert diagnostics["best_single"]["value"] < diagnostics["best_mixture"]["value"]
