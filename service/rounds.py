@@ -12,7 +12,9 @@ With ``settle_seconds = 0`` (the default) the update runs when the round closes,
 transaction, so round r + 1 is served the mixture learned from round r. With a settle time, round
 r + 1 is served the newest mixture whose update has run, and round r's update applies from the
 first round that starts after it. A manual close (``POST .../rounds``) closes the current round
-and runs every pending update at once, ignoring the settle time.
+and runs every pending update at once, ignoring the settle time. A round closes when the scheduler
+next runs after ``ends_at`` and the next round starts then: a scheduler that was down for a while
+produces one long round, not a burst of empty catch-up rounds.
 
 Every close is one transaction holding the experiment row lock, with a compare-and-set
 (``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
@@ -34,6 +36,7 @@ from flask import Blueprint, Flask, jsonify, request
 
 from pasto import optimum
 from pasto.algorithm import AlgorithmConfig, ControllerState, estimate, update
+from pasto.diagnostics import guardrail_report
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 
@@ -264,7 +267,7 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
     thresholds = objective.thresholds(means)
     served_value = float(objective.mixture_value(means, propensities, thresholds))
     deployed_value = float(objective.mixture_value(means, state.deployed, thresholds))
-    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
+    _, best_value = optimum.best_mixture(objective, means, thresholds)
     best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
     return {
         "objective": finite(served_value),
@@ -277,28 +280,27 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
 
 
 def _guardrails(objective: Objective, current, probabilities: np.ndarray) -> list[dict[str, Any]]:
-    from pasto.diagnostics import guardrail_report
-
     return [json_safe(item) for item in guardrail_report(objective, current, probabilities)]
 
 
 def finite(value: float) -> float | None:
+    """``value`` as a float, or None when it is not finite (JSON has no NaN or infinity)."""
     value = float(value)
     return value if np.isfinite(value) else None
 
 
 def json_safe(value: Any) -> Any:
+    """Nested dicts/lists/arrays of numpy scalars -> plain JSON values, non-finite floats -> None."""
     if isinstance(value, dict):
         return {key: json_safe(item) for key, item in value.items()}
     if isinstance(value, (list, tuple, np.ndarray)):
         return [json_safe(item) for item in value]
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    if isinstance(value, (float, np.floating, int, np.integer)):
-        number = float(value)
-        if isinstance(value, (int, np.integer)):
-            return int(value)
-        return number if np.isfinite(number) else None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return finite(value)
     return value
 
 
