@@ -18,6 +18,7 @@ it never imports Flask or SQLAlchemy, so a recommender can use it without the se
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import math
@@ -52,6 +53,8 @@ logger = logging.getLogger("pasto.client")
 _monotonic = time.monotonic
 
 API_PREFIX = "/api/v1"
+#: Seconds an ObservationBuffer that was never closed may spend sending its queue at exit.
+EXIT_FLUSH_SECONDS = 10.0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -679,6 +682,8 @@ class ObservationBuffer:
             target=self._run, name=f"pasto-observations-{experiment_name}", daemon=True
         )
         self._thread.start()
+        # A daemon thread dies with the interpreter: send what is queued if close() was forgotten.
+        atexit.register(self._close_at_exit)
 
     # -- producer side -----------------------------------------------------------------------------
 
@@ -778,6 +783,7 @@ class ObservationBuffer:
         PastoAPIError
             The first rejection not handled by ``on_error``.
         """
+        atexit.unregister(self._close_at_exit)
         with self._condition:
             if self._closed:
                 return
@@ -797,6 +803,18 @@ class ObservationBuffer:
                 error.unsent = unsent  # type: ignore[attr-defined]
                 raise error
             self._raise_pending_error()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close(timeout=EXIT_FLUSH_SECONDS)
+        except TimeoutError as error:
+            logger.error(
+                "Exiting with %d observations of %r unsent (ObservationBuffer.close() was not "
+                "called and the server did not take them within %s s).",
+                len(error.unsent), self.experiment_name, EXIT_FLUSH_SECONDS,  # type: ignore[attr-defined]
+            )
+        except PastoError as error:
+            logger.error("Observations of %r were rejected at exit: %s", self.experiment_name, error)
 
     def __enter__(self) -> ObservationBuffer:
         return self

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -187,3 +189,18 @@ def test_adding_after_close_is_an_error(admin):
     buffer.close()  # idempotent
     with pytest.raises(Exception, match="closed"):
         buffer.add("u", 0, {"m": 1.0})
+
+
+def test_a_forgotten_close_still_sends_at_exit(server, admin, create_experiment):
+    name = create_experiment()
+    script = (
+        "import sys\n"
+        "from pasto.client import Client, ObservationBuffer\n"
+        "client = Client(sys.argv[1], sys.argv[2])\n"
+        "buffer = ObservationBuffer(client, sys.argv[3], flush_interval=60)\n"
+        "for i in range(50):\n"
+        "    buffer.add(f'u{i}', 0, {'watch_time': 1.0})\n"
+    )
+    subprocess.run([sys.executable, "-c", script, server.url, server.admin_token, name],
+                   check=True, timeout=60)
+    assert counted(admin, name) == 50
