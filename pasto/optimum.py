@@ -140,7 +140,8 @@ def mirror_ascent(
             current = np.where(accept[..., None], candidate, current)
             p = np.where(accept[..., None], candidate_p, p)
             value = np.where(accept, candidate_value, value)
-            candidate_gradient = np.nan_to_num(candidate_gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
+            if not np.all(np.isfinite(candidate_gradient)):
+                candidate_gradient = np.nan_to_num(candidate_gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
             gradient = np.where(accept[..., None], candidate_gradient, gradient)
             step = np.where(accept, np.minimum(step * 2.0, 1e12), np.where(active, step * 0.5, step))
     return current

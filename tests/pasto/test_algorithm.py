@@ -247,3 +247,27 @@ def test_late_observations_use_the_propensities_they_were_sampled_with():
     late = update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([0.25, 0.75]))
     # U_1[:, 0] = 1 / 0.25 and V_1 = U_1 / 2 (Algorithm 1 with U_0 = 0).
     np.testing.assert_allclose(estimate(config, late, stats).means, [[2.0, 0.0], [2.0, 0.0]])
+
+
+def test_relative_guardrail_is_learned_against_the_control_arm():
+    # "like" must stay within 2% of the control arm's; the treatment arm gains x but loses likes.
+    objective = Objective.from_spec(
+        ["x", "like"],
+        {"primary": "x", "guardrails": [
+            {"metric": "like", "threshold": -0.02, "penalty": 1000.0, "relative_to": "control"}]},
+        arm_names=["control", "treatment"],
+    )
+    means = np.array([[1.0, 1.1], [0.50, 0.45]])
+    config = AlgorithmConfig.from_preset("default")
+    rng = np.random.default_rng(3)
+    state = initial_state(config, 2, 2, (8,))
+    pooled = Statistics.zeros(2, 2, (8,))
+    for _ in range(100):
+        arms = (rng.random((8, 50)) >= state.probabilities[:, :1]).astype(int)
+        values = means.T[arms] + 0.05 * rng.normal(size=(8, 50, 2))
+        stats = Statistics.from_observations(arms, values, 2)
+        pooled = pooled + stats
+        state = update(config, objective, state, stats, pooled)
+    # Likes of the mixture: 0.5 - 0.05 q >= 0.49 -> q <= 0.2 (the penalty allows a sliver more).
+    treatment_share = state.deployed[:, 1]
+    assert np.all(np.abs(treatment_share - 0.2) < 0.05)
