@@ -9,6 +9,8 @@ import uuid
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pasto.client import Assignment, LocalAssigner
 from pasto.hashing import bucket, choose_arm, cumulative_probabilities
@@ -223,3 +225,33 @@ def test_invalid_arguments(kwargs, message):
         arguments.pop("experiment")
     with pytest.raises(ValueError, match=message):
         LocalAssigner(**arguments)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seed=st.integers(0, 2**63 - 1),
+    round_index=st.integers(0, 2**31 - 1),
+    weights=st.lists(st.floats(0, 1e6, allow_nan=False, allow_infinity=False), min_size=1, max_size=30)
+    .filter(lambda w: sum(w) > 0),
+    units=st.lists(st.text(min_size=1, max_size=40), min_size=1, max_size=30),
+    status=st.sampled_from(["running", "paused", "stopped"]),
+)
+def test_assign_is_the_shared_core_choice(seed, round_index, weights, units, status):
+    """Per call and in batch, an offline assigner answers choose_arm(bucket(...)) for any mixture,
+    including zero-probability arms and unnormalised weights."""
+    arms = [{"name": f"arm-{k}", "params": {"k": k}} for k in range(len(weights))]
+    other = [1.0] * len(weights)
+    document = {
+        "status": status, "seed": seed, "arms": arms,
+        "round": {"index": round_index, "started_at": None, "ends_at": None},
+        "probabilities": other if status == "stopped" else weights,
+        "deployed": weights if status == "stopped" else other,
+    }
+    assigner = LocalAssigner(None, "x", experiment=document)
+    cumulative = cumulative_probabilities(weights)
+    expected = [choose_arm(cumulative, bucket(seed, unit, round_index)) for unit in units]
+    assert [int(a.arm.removeprefix("arm-")) for a in map(assigner.assign, units)] == expected
+    assert [int(a.arm.removeprefix("arm-")) for a in assigner.assign_many(units)] == expected
+    assert all(weights[k] > 0 for k in expected)
+    assert all(a.round == round_index and a.probability == weights[k]
+               for a, k in zip(map(assigner.assign, units), expected))
