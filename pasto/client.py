@@ -383,6 +383,7 @@ class _Snapshot:
     hash_unit: Callable[[str], float]    # hasher.__call__ bound once: cheaper to call than hasher
     assignments: tuple[Assignment, ...]  # (K,) one immutable answer per arm for this round
     refresh_at: float                   # time.monotonic() after which the snapshot is refreshed
+    overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
 
 
 def _parse_timestamp(value: str | None) -> datetime | None:
@@ -418,9 +419,10 @@ class LocalAssigner:
     ttl : float
         Maximum age in seconds of the served mixture before it is fetched again.
     round_poll : float
-        Seconds between fetches once a round is due to end but the server has not yet opened the
-        next one (the scheduler closes rounds shortly after ``ends_at``), and the first retry delay
-        after a failed fetch.
+        Seconds before fetching again once a round is past its ``ends_at`` but the server has not
+        yet opened the next one (the scheduler closes rounds shortly after ``ends_at``; the delay
+        doubles, up to ``ttl``, while the round stays open), and the first retry delay after a
+        failed fetch.
     experiment : dict, optional
         An experiment document as returned by :meth:`Client.get_experiment` (e.g. cached on disk) to
         start from instead of fetching, so a process can start while the server is unreachable.
@@ -569,17 +571,23 @@ class LocalAssigner:
             )
             for arm, p in zip(arms, mixture)
         )
+        seed = int(experiment["seed"])
+        same_round = previous is not None and previous.seed == seed and previous.round_index == round_index
         delay = self.ttl
+        overdue_poll = 0.0
         ends_at = _parse_timestamp(round_info.get("ends_at"))
         if status == "running" and ends_at is not None:
             remaining = (ends_at - datetime.now(timezone.utc)).total_seconds()
-            # A round past its end that is still open is about to be closed by the scheduler.
-            delay = min(delay, remaining if remaining > 0 else self.round_poll)
-        seed = int(experiment["seed"])
-        if previous is not None and previous.seed == seed and previous.round_index == round_index:
-            hasher = previous.hasher
-        else:
-            hasher = PrefixHasher(seed, round_index)
+            if remaining > 0:
+                delay = min(delay, remaining)
+            else:
+                # A round past its end is normally closed by the scheduler within a second; poll
+                # for it, backing off in case no scheduler runs (rounds closed by hand).
+                overdue_poll = self.round_poll
+                if same_round and previous.overdue_poll > 0:
+                    overdue_poll = min(self.ttl, 2 * previous.overdue_poll)
+                delay = min(delay, overdue_poll)
+        hasher = previous.hasher if same_round else PrefixHasher(seed, round_index)
         return _Snapshot(
             round_index=round_index,
             status=status,
@@ -590,6 +598,7 @@ class LocalAssigner:
             hash_unit=hasher.__call__,
             assignments=assignments,
             refresh_at=fetched_at + delay,
+            overdue_poll=overdue_poll,
         )
 
 

@@ -255,3 +255,21 @@ def test_assign_is_the_shared_core_choice(seed, round_index, weights, units, sta
     assert all(weights[k] > 0 for k in expected)
     assert all(a.round == round_index and a.probability == weights[k]
                for a, k in zip(map(assigner.assign, units), expected))
+
+
+def test_polling_an_overdue_round_backs_off(admin, create_experiment):
+    """Without a scheduler a round past its end stays open: the poll delay doubles up to the TTL."""
+    name = guarded_experiment(create_experiment, round_seconds=1)
+    with LocalAssigner(admin, name, ttl=0.5, round_poll=0.1) as assigner:
+        assert wait_until(lambda: assigner._snapshot.overdue_poll > 0, timeout=10)
+        assigner.close()  # refresh by hand from here on
+        delays = []
+        for _ in range(5):
+            assigner.refresh()
+            delays.append(assigner._snapshot.overdue_poll)
+        assert delays[-3:] == [0.5, 0.5, 0.5]
+        assert all(later == min(0.5, 2 * earlier) for earlier, later in zip(delays, delays[1:]))
+        admin.close_round(name)
+        assigner.refresh()
+        # A new round starts the back-off afresh (it may itself be overdue on a slow machine).
+        assert assigner.round_index == 1 and assigner._snapshot.overdue_poll in (0.0, 0.1)
