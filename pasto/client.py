@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import requests
 
@@ -337,10 +337,13 @@ class Client:
         body = None if round_index is None else {"round": round_index}
         return self.request("POST", self._experiment_path(name, "/rounds"), json=body)
 
-    def rounds(self, name: str) -> list[dict]:
+    def rounds(self, name: str, since: int | None = None, limit: int | None = None) -> list[dict]:
         """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,
-        estimated objective and regret)."""
-        return self.request("GET", self._experiment_path(name, "/rounds"))["rounds"]
+        estimated objective and regret); ``since`` (first round index) and ``limit`` page through
+        long histories."""
+        query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
+        path = self._experiment_path(name, "/rounds") + (f"?{query}" if query else "")
+        return self.request("GET", path)["rounds"]
 
     def diagnostics(self, name: str) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,

@@ -63,6 +63,8 @@ def test_every_route_round_trips(server, admin, create_experiment, true_means):
     assert admin.close_round(name, round_index=1)["round"]["index"] == 2
     rounds = admin.rounds(name)
     assert [r["index"] for r in rounds] == [0, 1, 2]
+    assert [r["index"] for r in admin.rounds(name, since=1)] == [1, 2]
+    assert [r["index"] for r in admin.rounds(name, since=0, limit=2)] == [0, 1]
     assert sum(rounds[0]["counts"]) == 3
     diagnostics = admin.diagnostics(name)
     assert {"objective", "best_mixture", "best_single", "guardrails", "srm"} <= set(diagnostics)
