@@ -27,10 +27,12 @@ def healthz():
     database = get_db()
     try:
         current = migrations.current_revision(database.engine)
-        with database.read() as session:
-            last_beat = session.execute(
-                sa.select(SchedulerHeartbeat.beat_at).order_by(SchedulerHeartbeat.beat_at.desc()).limit(1)
-            ).scalar_one_or_none()
+        last_beat = None
+        if current == head:
+            with database.read() as session:
+                last_beat = session.execute(
+                    sa.select(SchedulerHeartbeat.beat_at).order_by(SchedulerHeartbeat.beat_at.desc()).limit(1)
+                ).scalar_one_or_none()
     except sa.exc.SQLAlchemyError as error:
         response = jsonify({
             "status": "unavailable",

@@ -81,3 +81,13 @@ def test_sqlite_runs_in_wal_mode(app):
     with get_db(app).engine.connect() as connection:
         assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() > 0
+
+
+def test_healthz_reports_an_unmigrated_database(sqlite_url):
+    app = create_app({"PASTO_DATABASE_URL": sqlite_url, "PASTO_CHECK_SCHEMA": False})
+    response = app.test_client().get("/healthz")
+    assert response.status_code == 503
+    body = response.get_json()
+    assert body["status"] == "unavailable"
+    assert body["database"]["reachable"] is True
+    assert body["schema"] == {"current": None, "head": migrations.head_revision()}
