@@ -1,0 +1,50 @@
+"""bench/client.py: it measures every row, and rewrites only its own section of benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_client", ROOT / "bench" / "client.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measure_reports_every_row(bench):
+    pytest.importorskip("growthbook")
+    units = [f"user-{i}" for i in range(300)]
+    results = bench.measure(units, n_arms=5, batch_size=100, repeats=1)
+    assert set(results) == {
+        "hash only (PrefixHasher)",
+        "pasto LocalAssigner.assign",
+        "pasto LocalAssigner.assign_many (batches of 100)",
+        "growthbook hash+choose (gbhash v1 + chooseVariation)",
+        "growthbook GrowthBook.run()",
+    }
+    assert all(value > 0 for value in results.values())
+
+
+def test_write_section_replaces_only_the_client_section(bench, tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## Convergence\n\nfigures A\n\n## Client\n\nold\n\n## Serving\n\nfigures B\n")
+    bench.write_section("## Client\n\nnew table\n", path)
+    assert path.read_text() == (
+        "# Benchmarks\n\n## Convergence\n\nfigures A\n\n## Client\n\nnew table\n\n## Serving\n\nfigures B\n"
+    )
+    bench.write_section("## Client\n\nnewer\n", path)
+    assert "newer" in path.read_text() and "new table" not in path.read_text()
+
+
+def test_write_section_appends_when_missing(bench, tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## Convergence\n\nfigures A\n")
+    bench.write_section("## Client\n\ntable\n", path)
+    assert path.read_text() == "# Benchmarks\n\n## Convergence\n\nfigures A\n\n## Client\n\ntable\n"
