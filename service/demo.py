@@ -134,8 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sessions-per-second", type=float, default=600.0,
                         help="synthetic traffic rate (default 600, i.e. 3,000 sessions per 5 s round)")
     parser.add_argument("--instance", type=Path, default=None,
-                        help="folder for the SQLite database, tokens and server log "
-                             "(default: the service's instance folder)")
+                        help="folder for the SQLite database (unless PASTO_DATABASE_URL is set), "
+                             "the demo's tokens and the server log (default: the service's "
+                             "instance folder)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic traffic")
     parser.add_argument("--headless", action="store_true",
                         help="never open a browser; one plain line per round (for scripts and tests)")
