@@ -68,6 +68,18 @@ class RoundAdvance:
     deployed: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _PendingSummary:
+    """What :func:`round_summary` needs for one applied round, computed after the lock is released."""
+
+    round_index: int
+    algorithm: AlgorithmConfig
+    objective: Objective
+    state: ControllerState
+    pooled: Statistics
+    propensities: np.ndarray
+
+
 class _LostRace(Exception):
     """The compare-and-set found the experiment changed: another process closed the round."""
 
@@ -116,22 +128,28 @@ def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = N
 def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
              expected_round_index: int | None = None) -> RoundAdvance | None:
     started = time.perf_counter()
+    summaries: list[_PendingSummary] = []
     try:
         with database.write() as session:
-            result = _advance_in(session, experiment_id, now, manual, expected_round_index)
+            result = _advance_in(session, experiment_id, now, manual, expected_round_index, summaries)
             if result is None:
                 return None
     except _LostRace:
         return None
     result = dataclasses.replace(result, duration_seconds=time.perf_counter() - started)
+    try:
+        _store_summaries(database, experiment_id, summaries)
+    except Exception:  # the round is closed and applied; only its report is missing
+        log.exception("Summarising rounds %s of experiment %s failed",
+                      [pending.round_index for pending in summaries], experiment_id)
     if result.closed_round is not None or result.applied:
         events.round_closed.send(result.experiment, round_index=result.closed_round, applied=result.applied,
                                  duration_seconds=result.duration_seconds, lag_seconds=result.lag_seconds)
     return result
 
 
-def _advance_in(session, experiment_id: int, now: datetime, manual: bool,
-                expected_round_index: int | None) -> RoundAdvance | None:
+def _advance_in(session, experiment_id: int, now: datetime, manual: bool, expected_round_index: int | None,
+                summaries: list[_PendingSummary]) -> RoundAdvance | None:
     experiment = session.execute(
         sa.select(_experiments).where(_experiments.c.id == experiment_id).with_for_update()
     ).one_or_none()
@@ -170,7 +188,7 @@ def _advance_in(session, experiment_id: int, now: datetime, manual: bool,
             state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
             round_row.applied_at = now
             round_row.deployed = state.deployed.tolist()
-            round_row.summary = round_summary(algorithm, objective, state, pooled, propensities)
+            summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
     new_round_index = current_index + 1 if closing else current_index
     new_applied = experiment.applied_rounds + len(due)
     changed = session.execute(
@@ -196,6 +214,31 @@ def _advance_in(session, experiment_id: int, now: datetime, manual: bool,
         experiment=experiment.name, closed_round=current_index if closing else None, applied=tuple(due),
         round_index=new_round_index, duration_seconds=0.0, lag_seconds=lag, deployed=state.deployed.tolist(),
     )
+
+
+def _store_summaries(database: Database, experiment_id: int, summaries: list[_PendingSummary]) -> None:
+    """Compute and store the reporting summaries of applied rounds, outside the close transaction.
+
+    The exact optimum behind the regret estimate is the slowest part of a close at large K; doing it
+    after the experiment row is unlocked keeps ingestion and assignment refreshes from waiting on it.
+    A crash in between only leaves those rounds without a summary (reported as null).
+    """
+    if not summaries:
+        return
+    computed = [
+        (pending.round_index, round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled,
+                                            pending.propensities))
+        for pending in summaries
+    ]
+    rounds = Round.__table__
+    with database.write() as session:
+        for round_index, summary in computed:
+            session.execute(
+                sa.update(rounds)
+                .where(rounds.c.experiment_id == experiment_id, rounds.c.index == round_index,
+                       rounds.c.summary.is_(None))
+                .values(summary=summary)
+            )
 
 
 def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any]) -> tuple[AlgorithmConfig, Objective]:
