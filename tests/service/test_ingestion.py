@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import sqlalchemy as sa
 
 from pasto.hashing import bucket, choose_arm, cumulative_probabilities
@@ -152,3 +153,44 @@ def test_unicode_and_sql_like_ids_are_plain_data(backend_api, setup_a):
         "accepted": 0, "duplicates": len(strange)}
     rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
     assert sum(rounds[0]["units"]) == len(strange)
+
+
+def test_any_split_and_order_of_resent_batches_counts_each_id_once(api, app, setup_a):
+    """Property: however observations are duplicated, split into batches and reordered, the stored
+    statistics are those of the distinct ids."""
+    import itertools
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    names = (f"prop-{i}" for i in itertools.count())
+    values_of = {f"id-{i}": float(i % 7) - 3.0 for i in range(30)}
+
+    @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(sends=st.lists(st.sampled_from(sorted(values_of)), min_size=1, max_size=60),
+           cuts=st.lists(st.integers(1, 20), min_size=1, max_size=8))
+    def check(sends, cuts):
+        name = next(names)
+        assert api("POST", "/api/v1/experiments", json=setup_a(name=name)).status_code == 201
+        observations = [{"id": i, "unit": f"unit-{i}", "round": 0, "values": {"x": values_of[i]}} for i in sends]
+        accepted = duplicates = 0
+        start = 0
+        for cut in itertools.cycle(cuts):
+            if start >= len(observations):
+                break
+            batch = observations[start:start + cut]
+            start += cut
+            body = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+                       json={"observations": batch}).get_json()
+            accepted += body["accepted"]
+            duplicates += body["duplicates"]
+        distinct = set(sends)
+        assert accepted == len(distinct) and duplicates == len(sends) - len(distinct)
+        rounds = api("GET", f"/api/v1/experiments/{name}/rounds", role="read").get_json()["rounds"]
+        assert sum(rounds[0]["counts"]) == len(distinct)
+        means = [m for m in rounds[0]["means"]["x"] if m is not None]
+        counts = rounds[0]["counts"]
+        total = sum(mean * count for mean, count in zip(means, [c for c in counts if c]))
+        assert total == pytest.approx(sum(values_of[i] for i in distinct), abs=1e-9)
+
+    check()
