@@ -875,15 +875,19 @@ class ObservationBuffer:
             try:
                 result = self.client.observe(self.experiment_name, batch)
             except PastoConnectionError as error:
-                reason: PastoError = error
+                reason: Exception = error
             except PastoAPIError as error:
                 if not error.retryable:
                     self._reject(batch, error)
                     return
                 reason = error
+            except Exception as error:  # a bug must not kill the sender thread and strand the queue
+                logger.exception("Unexpected error while sending observations of %r.", self.experiment_name)
+                reason = error
             else:
-                self.accepted += int(result.get("accepted", 0))
-                self.duplicates += int(result.get("duplicates", 0))
+                if isinstance(result, Mapping):
+                    self.accepted += int(result.get("accepted", 0))
+                    self.duplicates += int(result.get("duplicates", 0))
                 return
             self.retries += 1
             delay = backoff * (0.5 + random.random())
