@@ -41,7 +41,9 @@ def _normalise(log_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     shifted = log_weights - np.max(log_weights, axis=-1, keepdims=True)
     exponentials = np.exp(shifted)
     total = np.sum(exponentials, axis=-1, keepdims=True)
-    return np.maximum(shifted - np.log(total), -_LOG_WEIGHT_SPAN), exponentials / total
+    shifted -= np.log(total)
+    exponentials /= total
+    return shifted, exponentials
 
 
 def smoothness(objective: Objective, means: np.ndarray, penalties: np.ndarray | None = None) -> np.ndarray:
@@ -144,7 +146,7 @@ def mirror_ascent(
                 candidate_gradient = np.nan_to_num(candidate_gradient, nan=0.0, posinf=_LARGEST, neginf=-_LARGEST)
             gradient = np.where(accept[..., None], candidate_gradient, gradient)
             step = np.where(accept, np.minimum(step * 2.0, 1e12), np.where(active, step * 0.5, step))
-    return current
+    return np.maximum(current, -_LOG_WEIGHT_SPAN)
 
 
 def _guardrail_variances(objective: Objective, standard_errors: np.ndarray) -> np.ndarray:
