@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pasto.algorithm import AlgorithmConfig, exploration_rate, initial_state, update
-from pasto.estimators import Statistics
+from pasto.estimators import Statistics, pooled_estimate
 from pasto.objectives import Objective
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -161,3 +161,17 @@ def test_objective_is_concave(x1, x2, share, penalty):
     mixed = objective.value(share * x1 + (1 - share) * x2, thresholds)
     chord = share * objective.value(x1, thresholds) + (1 - share) * objective.value(x2, thresholds)
     assert mixed >= chord - 1e-9 * (1 + abs(chord))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.floats(-1e6, 1e6)), min_size=1, max_size=30),
+)
+def test_pooled_means_lie_within_the_observed_range(observations):
+    arms = np.array([arm for arm, _ in observations])
+    values = np.array([[value] for _, value in observations])
+    estimate = pooled_estimate(Statistics.from_observations(arms, values, 4))
+    low, high = values.min(), values.max()
+    span = 1e-9 * (1 + abs(low) + abs(high))
+    assert np.all((estimate.means >= low - span) & (estimate.means <= high + span))
+    assert np.all(np.isnan(estimate.standard_errors) | (estimate.standard_errors >= 0))
