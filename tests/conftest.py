@@ -2,21 +2,20 @@
 
 PostgreSQL: ``PASTO_TEST_POSTGRES_URL`` (a server URL such as
 ``postgresql+psycopg://user@127.0.0.1:5432/postgres``) is used when set; otherwise, when Debian's
-``postgresql`` package is installed, a private cluster is created in a temporary folder, listening on
-loopback only, and removed at the end of the session. Each test gets a fresh database.
+``postgresql`` package is installed, a private cluster (``tests/pgcluster.py``) is created in a temporary
+folder, listening on loopback only, and removed at the end of the session. Each test gets a fresh database.
 """
 
 from __future__ import annotations
 
-import glob
+import importlib.util
 import os
 import shutil
-import socket
 import subprocess
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -43,54 +42,19 @@ def pytest_runtest_makereport(item, call):
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _load_pgcluster():
+    # Loaded by path: with --import-mode=importlib the tests folder is not on sys.path, and
+    # bench/serve.py loads the same file the same way.
+    spec = importlib.util.spec_from_file_location("pasto_tests_pgcluster", Path(__file__).with_name("pgcluster.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _postgres_bin_dir() -> str | None:
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
-    return os.path.dirname(candidates[-1]) if candidates else None
-
-
-class _Cluster:
-    """A private PostgreSQL cluster in a temporary folder (run as user ``postgres`` when we are root)."""
-
-    def __init__(self, bin_dir: str) -> None:
-        self.bin_dir = bin_dir
-        self.root = tempfile.mkdtemp(prefix="pasto-pg-")
-        self.data_dir = os.path.join(self.root, "data")
-        self.port = _free_port()
-        self.as_postgres = os.geteuid() == 0
-        if self.as_postgres:
-            shutil.chown(self.root, user="postgres", group="postgres")
-        self.user = "postgres" if self.as_postgres else os.environ.get("USER", "postgres")
-
-    def _run(self, *args: str) -> None:
-        command = list(args)
-        if self.as_postgres:
-            command = ["runuser", "-u", "postgres", "--", *command]
-        subprocess.run(command, check=True, capture_output=True, cwd=self.root)
-
-    def start(self) -> None:
-        self._run(os.path.join(self.bin_dir, "initdb"), "-D", self.data_dir, "-A", "trust",
-                  "-U", self.user, "-E", "UTF8", "--no-sync")
-        options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-                   f"-c unix_socket_directories={self.root} -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        self._run(os.path.join(self.bin_dir, "pg_ctl"), "-D", self.data_dir, "-o", options,
-                  "-l", os.path.join(self.root, "server.log"), "-w", "start")
-
-    def stop(self) -> None:
-        try:
-            self._run(os.path.join(self.bin_dir, "pg_ctl"), "-D", self.data_dir, "-m", "immediate", "stop")
-        finally:
-            shutil.rmtree(self.root, ignore_errors=True)
-
-    @property
-    def url(self) -> str:
-        return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/postgres"
+_pgcluster = _load_pgcluster()
+_free_port = _pgcluster.free_port
+_postgres_bin_dir = _pgcluster.postgres_bin_dir
+_Cluster = _pgcluster.Cluster
 
 
 @pytest.fixture(scope="session")
