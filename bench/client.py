@@ -196,10 +196,14 @@ def _cpu_name() -> str:
 
 
 def write_section(section: str, path: Path = DOCS) -> None:
-    """Replace the ``## Client`` section of ``path`` (up to the next ``## `` heading), or append it;
-    other sections are left as they are."""
+    """Replace the section of ``path`` that ``section`` heads (its first line, e.g. ``## Client``, up to
+    the next ``## `` heading), or append it; other sections are left as they are. bench/serve.py
+    writes its ``## Serving`` section with this function too."""
+    heading = section.split("\n", 1)[0]
+    if not heading.startswith("## "):
+        raise ValueError(f"A section must start with a '## ' heading, got {heading!r}.")
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Client\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
     else:
