@@ -318,12 +318,8 @@ def thompson_update(
 
     batch_shape = counts.shape[:-2]
     n_metrics, n_arms = counts.shape[-2:]
-    draws_shape = batch_shape + (config.draws, n_metrics, n_arms)
-    samples = means[..., None, :, :] + standard_errors[..., None, :, :] * rng.standard_normal(draws_shape)
     thresholds = objective.thresholds(means)  # (..., G)
-    thresholds_per_draw = thresholds[..., None, None, :]
-    scores = objective.value(np.swapaxes(samples, -1, -2), thresholds_per_draw)  # (..., draws, K)
-    winners = np.argmax(scores, axis=-1)
+    winners = _thompson_winners(objective, means, standard_errors, thresholds, config.draws, rng)
 
     unobserved = ~observed.all(axis=-2)  # (..., K): some metric never seen for the arm
     exploring = unobserved.any(axis=-1)
@@ -343,6 +339,67 @@ def thompson_update(
         (best[..., None] == np.arange(n_arms)).astype(float),
     )
     return ThompsonState(round_index=state.round_index + 1, probabilities=probabilities, deployed=deployed)
+
+
+# Posterior draws are made and scored in blocks of runs of about this many values, so that the
+# samples stay in cache; the generator fills blocks in the same order as one call would.
+_DRAW_BLOCK_VALUES = 1 << 16
+
+
+def _thompson_winners(objective, means, standard_errors, thresholds, draws, rng):
+    """Per run and draw, the arm whose sampled metric vector scores best; shape (..., draws).
+
+    The samples mu ~ N(means, se^2), (..., draws, M, K), are drawn with one standard normal per
+    entry in C order, block by block of runs (leading batch entries), which consumes the
+    generator exactly as a single call of the full shape would.
+    """
+    batch_shape = means.shape[:-2]
+    n_metrics, n_arms = means.shape[-2:]
+    flat_means = means.reshape((-1, n_metrics, n_arms))
+    flat_errors = standard_errors.reshape((-1, n_metrics, n_arms))
+    runs = flat_means.shape[0]
+    flat_thresholds = np.broadcast_to(thresholds, batch_shape + thresholds.shape[-1:]).reshape(
+        (runs, thresholds.shape[-1])
+    )
+    winners = np.empty((runs, draws), dtype=np.intp)
+    block = max(1, _DRAW_BLOCK_VALUES // (draws * n_metrics * n_arms))
+    for start in range(0, runs, block):
+        stop = min(runs, start + block)
+        samples = rng.standard_normal((stop - start, draws, n_metrics, n_arms))
+        samples *= flat_errors[start:stop, None, :, :]
+        samples += flat_means[start:stop, None, :, :]
+        scores = _arm_scores(objective, samples, flat_thresholds[start:stop, None, :])  # (b, draws, K)
+        winners[start:stop] = np.argmax(scores, axis=-1)
+    return winners.reshape(batch_shape + (draws,))
+
+
+def _arm_scores(objective: Objective, samples: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """f of each arm's own metric vector: ``objective.value`` of samples (..., M, K) along M.
+
+    Works on the contiguous (..., K) planes of each metric instead of transposing to (..., K, M),
+    with preallocated buffers: the primary part sum_i a_i x_i is accumulated metric by metric
+    (metrics with weight 0 add nothing) and the penalties lambda_j min(0, x_j - c_j)^2 are
+    subtracted guardrail by guardrail. ``thresholds`` has shape (..., G), broadcastable against
+    the leading dimensions of ``samples``. Returns (..., K).
+    """
+    plane_shape = samples.shape[:-2] + samples.shape[-1:]
+    primary = np.zeros(plane_shape)
+    term = np.empty(plane_shape)
+    for metric, weight in enumerate(objective.primary_weights):
+        if weight != 0.0:
+            np.multiply(samples[..., metric, :], weight, out=term)
+            primary += term
+    if len(objective.guardrail_rows) == 0:
+        return primary
+    penalty = np.zeros(plane_shape)
+    for j, (row, lam) in enumerate(zip(objective.guardrail_rows, objective.penalties)):
+        np.subtract(samples[..., row, :], thresholds[..., j, None], out=term)
+        np.minimum(term, 0.0, out=term)
+        np.square(term, out=term)
+        term *= lam
+        penalty += term
+    primary -= penalty
+    return primary
 
 
 # --------------------------------------------------------------------------- oracle

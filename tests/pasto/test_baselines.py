@@ -178,3 +178,23 @@ def test_best_single_arm_is_vectorised_and_agrees_with_the_optimum_module():
         assert arm == arms[run] and value == pytest.approx(values[run])
     arm, value = best_single_arm(PAPER_A, np.array([[2.0, 0.0], [-2.0, 2.0]]))
     assert int(arm) == 1 and float(value) == 0.0
+
+
+def test_thompson_scores_each_sampled_arm_like_the_objective():
+    from pasto.baselines import _arm_scores
+
+    objective = Objective.from_spec(
+        ["a", "b", "y", "z"],
+        {
+            "primary": {"a": 1.0, "b": -0.5},
+            "guardrails": [
+                {"metric": "y", "threshold": 0.2, "penalty": 5.0},
+                {"metric": "z", "threshold": -0.1, "penalty": 2.0},
+            ],
+        },
+    )
+    rng = np.random.default_rng(4)
+    samples = rng.normal(size=(3, 5, 4, 6))  # (runs, draws, M, K)
+    thresholds = rng.normal(size=(3, 2))
+    expected = objective.value(np.swapaxes(samples, -1, -2), thresholds[:, None, None, :])
+    np.testing.assert_allclose(_arm_scores(objective, samples, thresholds[:, None, :]), expected, rtol=1e-13, atol=1e-13)
