@@ -48,6 +48,7 @@ __all__ = [
     "PRESETS",
     "initial_state",
     "update",
+    "deployed_mixture",
     "estimate",
     "exploration_rate",
     "step_size",
@@ -528,6 +529,35 @@ def _plausible_arms(
     return plausible / plausible.sum(axis=-1, keepdims=True)
 
 
+def _deployed(
+    rule: str,
+    round_index: int,
+    probability_sum: np.ndarray,
+    stage_probability_sum: np.ndarray,
+    exploitation: np.ndarray,
+) -> np.ndarray:
+    if rule == "average":
+        return probability_sum / round_index
+    if rule == "stage":
+        return stage_probability_sum / stage_probability_sum.sum(axis=-1, keepdims=True)
+    return exploitation
+
+
+def deployed_mixture(state: ControllerState, rule: str) -> np.ndarray:
+    """The mixture the deploy rule ``rule`` recommends in ``state`` (after at least one round).
+
+    The deploy rule does not feed back into what is served, so one trajectory can be scored under
+    every rule: ``deployed_mixture(state, config.deploy)`` equals ``state.deployed``.
+    """
+    if rule not in DEPLOY_RULES:
+        raise ValueError(f"Unknown deploy rule {rule!r}; the rules are {list(DEPLOY_RULES)}.")
+    if state.round_index < 1:
+        return state.deployed
+    return _deployed(
+        rule, state.round_index, state.probability_sum, state.stage_probability_sum, _exploitation(state.log_weights)
+    )
+
+
 def update(
     config: AlgorithmConfig,
     objective: Objective,
@@ -663,12 +693,7 @@ def _advance(
         stage_probability_sum = served.copy()
     else:
         stage_probability_sum = state.stage_probability_sum + served
-    if config.deploy == "average":
-        deployed = probability_sum / t
-    elif config.deploy == "stage":
-        deployed = stage_probability_sum / stage_probability_sum.sum(axis=-1, keepdims=True)
-    else:
-        deployed = exploitation
+    deployed = _deployed(config.deploy, t, probability_sum, stage_probability_sum, exploitation)
     return ControllerState(
         round_index=t,
         probabilities=probabilities,

@@ -28,7 +28,7 @@ import dataclasses
 import json
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,6 +274,7 @@ def simulate(
     *,
     references: References | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    deploy_rules: Sequence[str] = (),
 ) -> SimulationResult:
     """Run ``scenario.runs`` independent runs of ``policy`` for ``scenario.rounds`` rounds at once.
 
@@ -288,6 +289,11 @@ def simulate(
     progress : callable, optional
         Called as ``progress("optimum", runs_solved, runs)`` while the per-run optima are solved
         (drawn means only) and ``progress("rounds", rounds_done, rounds)`` after every round.
+    deploy_rules : sequence of str, optional
+        PASTO presets only: also score the mixtures that these deploy rules (``average``,
+        ``stage``, ``last``) would recommend along the same run. The deploy rule does not change
+        what is served, so this equals running the policy with ``deploy`` overridden, at the
+        cost of scoring one more mixture per round. Reported under ``summary["deploy_rules"]``.
 
     Returns
     -------
@@ -305,6 +311,15 @@ def simulate(
             f"The references have shape {references.best_single.shape} but the scenario needs {expected} "
             "(regimes, runs); compute them with reference_values for the same scenario."
         )
+    deploy_rules = tuple(deploy_rules)
+    if deploy_rules:
+        from pasto import algorithm
+
+        if not isinstance(policy.config, algorithm.AlgorithmConfig):
+            raise ValueError(f"deploy_rules applies to the PASTO presets, not to {policy.name!r}.")
+        for rule in deploy_rules:
+            if rule not in algorithm.DEPLOY_RULES:
+                raise ValueError(f"Unknown deploy rule {rule!r}; the rules are {list(algorithm.DEPLOY_RULES)}.")
     thresholds = [objective.thresholds(means) for means in regimes]
     drift_round = scenario.drift.at_round if scenario.drift is not None else rounds + 1
 
@@ -316,6 +331,7 @@ def simulate(
     in_flight: deque[tuple[Statistics, np.ndarray]] = deque()
 
     deployed_values = np.empty((rounds, runs))
+    rule_values = {rule: np.empty((rounds, runs)) for rule in deploy_rules}
     regret = np.zeros(runs)
     checkpoint_regret = {}
     checkpoints = set(scenario.checkpoints)
@@ -335,6 +351,10 @@ def simulate(
 
         regret += references.best_mixture[regime] - _mixture_values(objective, means, thresholds[regime], served)
         deployed_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], state.deployed)
+        for rule, values_by_round in rule_values.items():
+            values_by_round[round_number - 1] = _mixture_values(
+                objective, means, thresholds[regime], algorithm.deployed_mixture(state, rule)
+            )
         if round_number in checkpoints:
             checkpoint_regret[round_number] = regret.mean()
         if progress is not None:
@@ -344,22 +364,26 @@ def simulate(
     single = references.best_single[regime_by_round]
     gap = references.best_mixture[regime_by_round] - single
     included = gap >= GAP_TOLERANCE
-    relative_gains = np.where(included, (deployed_values - single) / np.where(included, gap, 1.0), np.nan)
 
-    rows = []
-    for checkpoint in scenario.checkpoints:
-        index = checkpoint - 1
-        mask = included[index]
-        gains = _summary(relative_gains[index][mask])
-        gains["excluded"] = int(runs - mask.sum())
-        rows.append(
-            {
-                "round": checkpoint,
-                "objective": _summary(deployed_values[index]),
-                "relative_gain": gains,
-                "cumulative_regret": {"mean": float(checkpoint_regret[checkpoint])},
-            }
-        )
+    def checkpoint_rows(values: np.ndarray) -> tuple[list[dict[str, Any]], np.ndarray]:
+        gains_by_round = np.where(included, (values - single) / np.where(included, gap, 1.0), np.nan)
+        rows = []
+        for checkpoint in scenario.checkpoints:
+            index = checkpoint - 1
+            mask = included[index]
+            gains = _summary(gains_by_round[index][mask])
+            gains["excluded"] = int(runs - mask.sum())
+            rows.append(
+                {
+                    "round": checkpoint,
+                    "objective": _summary(values[index]),
+                    "relative_gain": gains,
+                    "cumulative_regret": {"mean": float(checkpoint_regret[checkpoint])},
+                }
+            )
+        return rows, gains_by_round
+
+    rows, relative_gains = checkpoint_rows(deployed_values)
     summary: dict[str, Any] = {
         "scenario": scenario.name,
         "algorithm": policy.name,
@@ -370,6 +394,8 @@ def simulate(
         "noise": {"kind": scenario.noise.kind, "std": list(scenario.noise.std)},
         "checkpoints": rows,
     }
+    if deploy_rules:
+        summary["deploy_rules"] = {rule: checkpoint_rows(values)[0] for rule, values in rule_values.items()}
     for regime, means in enumerate(regimes):
         if means.ndim == 2 and (regime == 0 or drift_round <= rounds):
             suffix = "" if regime == 0 else "_after_drift"
