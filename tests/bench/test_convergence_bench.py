@@ -1,0 +1,60 @@
+"""bench/convergence.py: a tiny pass reports every row, and only its own section of benchmarks.md changes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_convergence", ROOT / "bench" / "convergence.py")
+    module = importlib.util.module_from_spec(spec)
+    # Registered so that the worker pool can pickle the module's functions by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_write_section_replaces_only_the_convergence_section(bench, tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## Client\n\nfigures A\n\n## Convergence\n\nold\n\n## Serving\n\nfigures B\n")
+    bench.write_section("## Convergence\n\nnew table\n", path)
+    assert path.read_text() == (
+        "# Benchmarks\n\n## Client\n\nfigures A\n\n## Convergence\n\nnew table\n\n## Serving\n\nfigures B\n"
+    )
+    path.write_text("# Benchmarks\n\n## Client\n\nfigures A\n")
+    bench.write_section("## Convergence\n\nnew table\n", path)
+    assert path.read_text() == "# Benchmarks\n\n## Client\n\nfigures A\n\n## Convergence\n\nnew table\n"
+
+
+def test_a_tiny_pass_reports_every_row_and_the_paper_reference(bench, tmp_path, monkeypatch, capsys):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Serving\n\nkeep me\n")
+    monkeypatch.setattr(bench, "DOCS", docs)
+    monkeypatch.setattr(bench, "SIGMAS", (0.1,))
+    monkeypatch.setattr(bench, "ABLATION_SETUPS", ("A", "B sigma=0.1"))
+    json_path = tmp_path / "results.json"
+    code = bench.main([
+        "--runs", "3", "--rounds-a", "100", "--rounds-b", "20", "--workers", "1", "--paper-seeds", "2",
+        "--skip-throughput", "--json", str(json_path),
+    ])
+    assert code == 0
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\n## Serving\n\nkeep me\n\n## Convergence\n")
+    rows = [f"| {name} |" for name in bench.MAIN_ALGORITHMS]
+    rows += [f"| default {name} |" for name, _ in bench.ABLATIONS]
+    rows += [f"| default deploy={rule} |" for rule in bench.DEPLOY_ABLATIONS]
+    section = text.split("## Convergence", 1)[1]
+    setup_a = section.split("### Setup A", 1)[1].split("### Setup B", 1)[0]
+    for row in rows:
+        assert row in setup_a, row
+    assert "| paper, A, mean f at 100 = 0.59 +- 0.02 (ALGORITHM.md) |" in section
+    assert "| 100 | 0.59 |" in section  # the paper-against-reference table, with the extra seeds
+    assert "2 more seeds" in section
