@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/convergence.py
 	$(BIN)/python bench/client.py --write-docs
+	$(BIN)/python bench/serve.py --write-docs
 
 clean:
 	rm -rf $(VENV) instance .pytest_cache test-output

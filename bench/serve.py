@@ -1,0 +1,937 @@
+"""Serving benchmark: assignment and ingestion over HTTP, and the round update, each beside its baseline.
+
+Everything runs on this machine over loopback, in bounded loops (a request cap and a time cap per
+pass). Per database backend (SQLite always; PostgreSQL when a server is available):
+
+- ``assign``: requests/s and p50/p99 latency of ``POST /api/v1/experiments/<name>/assign`` with one
+  unit and with a batch of units, against a bare Flask endpoint served by the same server (same
+  waitress process, same threads) that parses the same JSON body and returns a response of the same
+  shape without pasto's work (no token check, no validation, no experiment cache, no hashing, no
+  metrics hooks). The load comes from separate client processes (keep-alive ``http.client``
+  connections, closed loop); the bare and the real passes alternate (A/B, then B/A) and each keeps
+  its best pass.
+- ``ingest``: observations/s of ``POST .../observations`` in batches of 1,000 over HTTP against a raw
+  ``executemany`` INSERT of the same 1,000 observations per transaction into a plain table of the
+  same database (same engine settings, hence the same durability), alternating and best-of-N too.
+- ``update``: ``pasto.algorithm.update`` alone, and the service's full round close
+  (``service.rounds.close_round`` on a populated database: the statistics query, the update, the
+  state write, the per-round summary) for K = 100, 1,000, 10,000 arms and M = 5 metrics, with the
+  ``default`` and ``paper`` presets; and the time a worker takes to reload its cached experiment
+  after the close.
+- optionally (``--gunicorn 1,2``) single-unit assignment under gunicorn with that many gthread
+  workers, each against the bare endpoint under the same gunicorn, for the worker-scaling claim.
+
+On SQLite the server also counts the SQL statements it runs (``sqlite3`` trace callback) during the
+assign passes: the assignment path must write nothing.
+
+Run: ``python bench/serve.py`` (``--write-docs`` replaces the "## Serving" section of
+docs/benchmarks.md; ``--quick`` is a seconds-long smoke run). PostgreSQL: ``PASTO_BENCH_POSTGRES_URL``
+(a server's maintenance database URL) or, when Debian's ``postgresql`` is installed, a private
+loopback cluster started for the run (``tests/pgcluster.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import importlib.util
+import json
+import multiprocessing
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from array import array
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "benchmarks.md"
+ADMIN_TOKEN = "bench-serve-admin-token"
+EXPERIMENT = "serving"
+METRICS = ("watch_time", "likes", "skips", "shares", "latency")  # M = 5
+OBJECTIVE = {
+    "primary": {"watch_time": 1.0, "likes": 0.5},
+    "guardrails": [
+        {"metric": "skips", "threshold": -0.2, "penalty": 5.0},
+        {"metric": "latency", "threshold": -0.5, "penalty": 5.0},
+    ],
+}
+RAW_TABLE = "bench_raw_observations"
+UNIT_POPULATION = 1_000_000
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------- workload
+def arm_params(position: int, n_arms: int) -> dict[str, float]:
+    return {"w_watch": 1.0, "w_like": round(position / n_arms, 6), "w_skip": 0.25}
+
+
+def experiment_body(name: str, n_arms: int, preset: str = "default") -> dict[str, Any]:
+    return {
+        "name": name,
+        "arms": [{"name": f"setting-{k}", "params": arm_params(k, n_arms)} for k in range(n_arms)],
+        "metrics": list(METRICS),
+        "objective": OBJECTIVE,
+        "round_seconds": 86_400,
+        "algorithm": {"preset": preset},
+        "seed": 20260101,
+    }
+
+
+def observation_batch(tag: str, index: int, size: int, round_index: int) -> list[dict[str, Any]]:
+    """Observation ``index`` of pass ``tag``: unique ids, units drawn from a large population, all
+    five metrics (the same rows go to the HTTP endpoint and to the raw INSERT)."""
+    rng = random.Random(f"{tag}:{index}")
+    return [
+        {"id": f"{tag}-{index}-{j}", "unit": f"user-{rng.randrange(UNIT_POPULATION)}", "round": round_index,
+         "values": {metric: round(rng.gauss(0.0, 1.0), 6) for metric in METRICS}}
+        for j in range(size)
+    ]
+
+
+def request_bodies(task: dict[str, Any]) -> list[bytes]:
+    kind, count, tag = task["kind"], task["count"], task["tag"]
+    if kind == "assign":
+        return [json.dumps({"unit": f"user-{tag}-{i}"}).encode() for i in range(count)]
+    if kind == "assign_batch":
+        size = task["batch_size"]
+        return [json.dumps({"units": [f"user-{tag}-{i}-{j}" for j in range(size)]}).encode() for i in range(count)]
+    if kind == "ingest":
+        return [json.dumps({"observations": observation_batch(tag, i, task["batch_size"], task["round"])}).encode()
+                for i in range(count)]
+    raise ValueError(f"Unknown request kind {kind!r}.")
+
+
+# ---------------------------------------------------------------------------------- load generator
+def _client_loop(connection) -> None:
+    """A client process: per task, build the bodies, connect, report ready, wait for the start
+    time, send the requests back to back on one keep-alive connection, report the timings."""
+    while True:
+        task = connection.recv()
+        if task is None:
+            return
+        try:
+            bodies = request_bodies(task)
+            client = http.client.HTTPConnection("127.0.0.1", task["port"], timeout=60)
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {task['token']}"}
+            connection.send("ready")
+            start_at = connection.recv()
+            time.sleep(max(0.0, start_at - time.monotonic()))
+            deadline = start_at + task["seconds"]
+            latencies = array("d")
+            errors = 0
+            end = time.monotonic()
+            for body in bodies:
+                started = time.monotonic()
+                client.request("POST", task["path"], body, headers)
+                response = client.getresponse()
+                response.read()
+                end = time.monotonic()
+                latencies.append(end - started)
+                if response.status != task["status"]:
+                    errors += 1
+                if end >= deadline:
+                    break
+            client.close()
+            connection.send({"count": len(latencies), "errors": errors, "end": end, "latencies": latencies.tobytes()})
+        except Exception as error:  # reported to the parent, which raises
+            connection.send({"error": f"{type(error).__name__}: {error}"})
+
+
+class LoadGenerator:
+    """``n`` client processes, forked before any database or server work (they only speak HTTP)."""
+
+    def __init__(self, n: int) -> None:
+        context = multiprocessing.get_context("fork")
+        self._pipes = []
+        self._processes = []
+        for _ in range(n):
+            parent, child = context.Pipe()
+            process = context.Process(target=_client_loop, args=(child,), daemon=True)
+            process.start()
+            child.close()
+            self._pipes.append(parent)
+            self._processes.append(process)
+
+    def run(self, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+        """Run one task per client (at most as many as there are clients), all starting together."""
+        pipes = self._pipes[:len(tasks)]
+        for pipe, task in zip(pipes, tasks):
+            pipe.send(task)
+        for pipe in pipes:
+            answer = pipe.recv()
+            if answer != "ready":
+                raise RuntimeError(f"A load-generator client failed: {answer['error']}")
+        start_at = time.monotonic() + 0.05
+        for pipe in pipes:
+            pipe.send(start_at)
+        results = [pipe.recv() for pipe in pipes]
+        for result in results:
+            if "error" in result:
+                raise RuntimeError(f"A load-generator client failed: {result['error']}")
+        latencies = np.concatenate([np.frombuffer(r["latencies"], dtype=np.float64) for r in results])
+        count = sum(r["count"] for r in results)
+        elapsed = max(r["end"] for r in results) - start_at
+        return {"count": count, "errors": sum(r["errors"] for r in results), "seconds": elapsed,
+                "rate": count / elapsed, **_percentiles(latencies)}
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            try:
+                pipe.send(None)
+            except OSError:
+                pass
+        for process in self._processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+
+
+def _percentiles(seconds: np.ndarray) -> dict[str, float]:
+    if seconds.size == 0:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan")}
+    p50, p99 = np.percentile(seconds, [50, 99])
+    return {"p50_ms": float(p50) * 1000, "p99_ms": float(p99) * 1000}
+
+
+# ---------------------------------------------------------------------------------- the server
+def _build_wsgi(config: dict[str, Any]):
+    """The pasto app with a bare Flask app mounted beside it at ``/bare`` (this benchmark only)."""
+    import sqlalchemy as sa
+    from flask import Flask, jsonify, request
+    from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+    from service import create_app
+    from service.db import get_db, make_engine
+
+    app = create_app({"PASTO_DATABASE_URL": config["url"], "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
+    statements: Counter[str] = Counter()
+    engine = get_db(app).engine
+    if config.get("trace") and engine.dialect.name == "sqlite":
+        @sa.event.listens_for(engine, "connect")
+        def _trace(dbapi_connection, _record):
+            dbapi_connection.set_trace_callback(
+                lambda sql: statements.update((sql.lstrip().split(None, 1)[0].upper(),)))
+
+        engine.dispose()  # every connection from now on is traced
+
+    bare = Flask("pasto_bench_bare")
+    bare.json.sort_keys = app.json.sort_keys
+    arm, params = "setting-0", arm_params(0, config["n_arms"])
+
+    @bare.post("/assign")
+    def bare_assign():
+        body = request.get_json()
+        if "units" in body:
+            return jsonify({"assignments": [
+                {"unit": unit, "arm": arm, "params": params, "round": 0, "probability": 1.0} for unit in body["units"]
+            ]})
+        return jsonify({"unit": body["unit"], "arm": arm, "params": params, "round": 0, "probability": 1.0})
+
+    raw_writer = make_engine(config["url"]).execution_options(pasto_write=True)
+    raw_sql = raw_insert_sql(raw_writer.dialect.paramstyle)
+
+    @bare.post("/observations")
+    def bare_observations():
+        # JSON in, the raw executemany INSERT of the baseline, JSON out: no validation, no aggregation.
+        observations = request.get_json()["observations"]
+        rows = raw_rows(observations, 0)
+        with raw_writer.begin() as connection:
+            connection.exec_driver_sql(raw_sql, rows)
+        response = jsonify({"accepted": len(rows), "duplicates": 0})
+        response.status_code = 202
+        return response
+
+    @bare.get("/ping")
+    def ping():
+        return "ok"
+
+    @bare.get("/statements")
+    def statement_counts():
+        return jsonify(dict(statements))
+
+    return DispatcherMiddleware(app, {"/bare": bare})
+
+
+def _server_main(config: dict[str, Any]) -> int:
+    """``python bench/serve.py _server '<json>'``: serve until SIGTERM."""
+    def stop(_signum, _frame):
+        raise SystemExit(0)
+
+    if config["server"] == "waitress":
+        from waitress import create_server
+
+        server = create_server(_build_wsgi(config), host="127.0.0.1", port=config["port"], threads=config["threads"])
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            server.run()
+        finally:
+            server.close()
+        return 0
+
+    import gunicorn.app.base
+
+    class Standalone(gunicorn.app.base.BaseApplication):
+        def load_config(self):
+            for key, value in {
+                "bind": f"127.0.0.1:{config['port']}", "workers": config["workers"], "worker_class": "gthread",
+                "threads": config["threads"], "graceful_timeout": 5, "loglevel": "warning",
+            }.items():
+                self.cfg.set(key, value)
+
+        def load(self):  # in each worker (no preload): its own app, engine and experiment cache
+            return _build_wsgi(config)
+
+    Standalone().run()
+    return 0
+
+
+class Server:
+    """A server process on a free loopback port: waitress (``threads``) or gunicorn (``workers``
+    gthread workers with ``threads`` each)."""
+
+    def __init__(self, url: str, n_arms: int, server: str = "waitress", threads: int = 8, workers: int = 1,
+                 trace: bool = False) -> None:
+        self.port = _pgcluster.free_port()
+        self.trace = trace
+        config = {"url": url, "n_arms": n_arms, "server": server, "threads": threads, "workers": workers,
+                  "port": self.port, "trace": trace}
+        self.log = tempfile.NamedTemporaryFile(prefix="pasto-bench-server-", suffix=".log", delete=False)
+        environment = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        self.process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_server", json.dumps(config)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, env=environment, cwd=ROOT)
+        self._wait_ready(workers)
+
+    def _wait_ready(self, workers: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        ready = 0
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"The benchmark server exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if self.get("/bare/ping") == "ok":
+                    ready += 1
+                    if ready >= 2 * workers:  # several answers: most workers have loaded the app
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("The benchmark server did not answer within a minute.")
+
+    def get(self, path: str) -> str:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            connection.request("GET", path)
+            return connection.getresponse().read().decode()
+        finally:
+            connection.close()
+
+    def post(self, path: str, body: dict, token: str) -> tuple[int, Any]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            connection.request("POST", path, json.dumps(body).encode(),
+                               {"Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+            response = connection.getresponse()
+            return response.status, json.loads(response.read() or b"null")
+        finally:
+            connection.close()
+
+    def statements(self) -> dict[str, int] | None:
+        """SQL statements the server has run so far, by first keyword (SQLite with ``trace`` only)."""
+        return json.loads(self.get("/bare/statements")) if self.trace else None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+# ---------------------------------------------------------------------------------- databases
+def prepare_database(url: str, experiments: list[tuple[str, int, str]]):
+    """Migrate ``url``, create the experiments ``(name, K, preset)`` through the API, return
+    (app, ingest token)."""
+    import migrations
+    from service import create_app
+    from service.auth import create_token
+    from service.db import get_db
+
+    migrations.upgrade(url)
+    app = create_app({"PASTO_DATABASE_URL": url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
+    client = app.test_client()
+    for name, n_arms, preset in experiments:
+        response = client.post("/api/v1/experiments", json=experiment_body(name, n_arms, preset),
+                               headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        if response.status_code != 201:
+            raise RuntimeError(f"Creating experiment {name!r} failed: {response.status_code} {response.get_data(True)}")
+    with get_db(app).write() as session:
+        token = create_token(session, "ingest", "bench-serve")
+    return app, token
+
+
+class Backend:
+    """One database for the run: a SQLite file in a temporary folder, or a fresh PostgreSQL database."""
+
+    def __init__(self, name: str, workdir: Path, postgres_server: str | None = None) -> None:
+        self.name = name
+        self._admin = None
+        if name == "sqlite":
+            self.server_url = None
+            self.url_base = f"sqlite:///{workdir}/"
+        else:
+            self.server_url = postgres_server
+        self.workdir = workdir
+
+    def new_database(self, label: str) -> str:
+        if self.name == "sqlite":
+            return f"sqlite:///{self.workdir / (label + '.sqlite')}"
+        import sqlalchemy as sa
+
+        if self._admin is None:
+            self._admin = sa.create_engine(self.server_url, isolation_level="AUTOCOMMIT")
+        database = f"pasto_bench_{label}_{uuid.uuid4().hex[:8]}"
+        with self._admin.connect() as connection:
+            connection.execute(sa.text(f'CREATE DATABASE "{database}"'))
+        return f"{self.server_url.rpartition('/')[0]}/{database}"
+
+    def close(self) -> None:
+        if self._admin is not None:
+            self._admin.dispose()
+
+
+# ---------------------------------------------------------------------------------- measurements
+def _best(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    best = max(passes, key=lambda p: p["rate"])
+    return {**best, "passes": len(passes), "errors": sum(p["errors"] for p in passes)}
+
+
+def measure_assign(server: Server, loadgen: LoadGenerator, token: str, args, kind: str) -> dict[str, dict]:
+    """Bare vs pasto assignment, alternating A/B then B/A, best pass of each."""
+    status = 200
+    paths = {"bare": "/bare/assign", "pasto": f"/api/v1/experiments/{EXPERIMENT}/assign"}
+    passes: dict[str, list] = {"bare": [], "pasto": []}
+    count = args.requests if kind == "assign" else max(1, args.requests // 5)
+
+    def tasks(side: str, tag: str, n: int, seconds: float) -> list[dict]:
+        return [{"kind": kind, "count": n, "tag": f"{tag}c{c}", "batch_size": args.batch_size, "port": server.port,
+                 "path": paths[side], "token": token, "seconds": seconds, "status": status}
+                for c in range(args.clients)]
+
+    for side in ("bare", "pasto"):  # warm-up: connections, caches, code paths
+        loadgen.run(tasks(side, f"warm-{kind}-{side}", max(5, count // 20), args.seconds / 5))
+    statements_before = server.statements()
+    for repeat in range(args.repeats):
+        order = ("bare", "pasto") if repeat % 2 == 0 else ("pasto", "bare")
+        for side in order:
+            passes[side].append(loadgen.run(tasks(side, f"{kind}-{side}-{repeat}", count, args.seconds)))
+    result = {side: _best(side_passes) for side, side_passes in passes.items()}
+    statements_after = server.statements()
+    if statements_before is not None and statements_after is not None:
+        delta = {key: statements_after.get(key, 0) - statements_before.get(key, 0) for key in statements_after}
+        requests = sum(p["count"] for p in passes["pasto"]) + sum(p["count"] for p in passes["bare"])
+        result["statements"] = {"requests": requests, **{k: v for k, v in delta.items() if v}}
+    return result
+
+
+def raw_insert_sql(paramstyle: str) -> str:
+    placeholder = "%s" if paramstyle in ("format", "pyformat") else "?"
+    columns = ["client_id", "experiment_id", "unit", "round_index"] + [f"v{m}" for m in range(len(METRICS))]
+    return f"INSERT INTO {RAW_TABLE} ({', '.join(columns)}) VALUES ({', '.join([placeholder] * len(columns))})"
+
+
+def raw_rows(observations: list[dict], experiment_id: int) -> list[tuple]:
+    """One plain row per observation: id, experiment, unit, round and its five values."""
+    return [(o["id"], experiment_id, o["unit"], o["round"], *(o["values"].get(m) for m in METRICS))
+            for o in observations]
+
+
+def raw_insert_pass(url: str, batches: list[list[dict]], experiment_id: int) -> dict[str, Any]:
+    """Insert each batch's rows with one executemany in one transaction; observations/s."""
+    from service.db import make_engine
+
+    engine = make_engine(url)
+    sql = raw_insert_sql(engine.dialect.paramstyle)
+    rows = [raw_rows(batch, experiment_id) for batch in batches]
+    writer = engine.execution_options(pasto_write=True)  # BEGIN IMMEDIATE on SQLite, like ingestion
+    with writer.begin() as connection:  # connect outside the timing (the server's pool is warm too)
+        connection.exec_driver_sql(f"SELECT COUNT(*) FROM {RAW_TABLE}")
+    latencies = []
+    for batch_rows in rows:
+        started = time.perf_counter()
+        with writer.begin() as connection:
+            connection.exec_driver_sql(sql, batch_rows)
+        latencies.append(time.perf_counter() - started)
+    engine.dispose()
+    total = sum(latencies)
+    observations = sum(len(batch) for batch in rows)
+    return {"count": len(rows), "errors": 0, "seconds": total, "rate": observations / total,
+            **_percentiles(np.asarray(latencies))}
+
+
+def create_raw_table(url: str) -> None:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    values = ", ".join(f"v{m} DOUBLE PRECISION" for m in range(len(METRICS)))
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            f"CREATE TABLE {RAW_TABLE} (client_id VARCHAR(256) PRIMARY KEY, experiment_id INTEGER NOT NULL, "
+            f"unit VARCHAR(256) NOT NULL, round_index INTEGER NOT NULL, {values})")
+    engine.dispose()
+
+
+def measure_ingest(server: Server, loadgen: LoadGenerator, url: str, token: str, experiment_id: int,
+                   args) -> dict[str, dict]:
+    """HTTP batches of ``args.observations`` vs raw executemany INSERT of the same rows, alternating."""
+    size = args.observations
+    path = f"/api/v1/experiments/{EXPERIMENT}/observations"
+    passes: dict[str, list] = {"raw INSERT": [], "bare": [], "pasto": []}
+
+    def http_pass(tag: str, n: int, target: str) -> dict:
+        result = loadgen.run([{"kind": "ingest", "count": n, "tag": tag, "batch_size": size, "round": 0,
+                               "port": server.port, "path": path if target == "pasto" else "/bare/observations",
+                               "token": token, "seconds": args.seconds * 2, "status": 202}])
+        return {**result, "rate": result["rate"] * size}
+
+    warm = http_pass("warm-pasto", 2, "pasto")
+    http_pass("warm-bare", 2, "bare")
+    raw_insert_pass(url, [observation_batch("warm-raw", i, size, 0) for i in range(2)], experiment_id)
+    for repeat in range(args.repeats):
+        order = ("raw INSERT", "bare", "pasto") if repeat % 2 == 0 else ("pasto", "bare", "raw INSERT")
+        for side in order:
+            tag = f"ingest-{side.split()[0]}-{repeat}"
+            if side == "raw INSERT":
+                batches = [observation_batch(tag, i, size, 0) for i in range(args.batches)]
+                passes[side].append(raw_insert_pass(url, batches, experiment_id))
+            else:
+                passes[side].append(http_pass(tag, args.batches, side))
+    result = {side: _best(side_passes) for side, side_passes in passes.items()}
+    answered = [warm] + passes["pasto"]
+    result["pasto"]["sent"] = sum(p["count"] - p["errors"] for p in answered) * size
+    return result
+
+
+def _count_observations(url: str, experiment_id: int) -> int:
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    with engine.connect() as connection:
+        total = connection.execute(sa.text("SELECT COUNT(*) FROM observation_ids WHERE experiment_id = :e"),
+                                   {"e": experiment_id}).scalar_one()
+    engine.dispose()
+    return int(total)
+
+
+def synthetic_statistics(rng: np.random.Generator, means: np.ndarray, per_cell: int):
+    from pasto.estimators import Statistics
+
+    counts = rng.poisson(per_cell, means.shape).astype(float)
+    noise = rng.normal(0.0, 1.0, means.shape)
+    sums = means * counts + noise * np.sqrt(counts)
+    sums_of_squares = sums**2 / np.maximum(counts, 1.0) + counts
+    return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
+
+
+def _is_solve_round(preset: str, round_number: int) -> bool:
+    from pasto.algorithm import AlgorithmConfig
+
+    config = AlgorithmConfig.from_preset(preset)
+    return bool(config.solve_every and round_number % config.solve_every == 0 and config.solve_steps > 0)
+
+
+def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """Milliseconds per ``pasto.algorithm.update`` call, rounds 1..``rounds`` on synthetic data."""
+    from pasto.algorithm import AlgorithmConfig, initial_state, update
+    from pasto.estimators import Statistics
+    from pasto.objectives import Objective
+
+    rng = np.random.default_rng(seed)
+    config = AlgorithmConfig.from_preset(preset)
+    objective = Objective.from_spec(list(METRICS), OBJECTIVE)
+    state = initial_state(config, n_arms, len(METRICS), objective=objective)
+    means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+    pooled = Statistics.zeros(len(METRICS), n_arms)
+    times = {}
+    for t in range(1, rounds + 1):
+        round_statistics = synthetic_statistics(rng, means, 3)
+        pooled = pooled + round_statistics
+        started = time.perf_counter()
+        state = update(config, objective, state, round_statistics, pooled)
+        times[t] = (time.perf_counter() - started) * 1000
+    return _split_rounds(times, preset)
+
+
+def _split_rounds(times: dict[int, float], preset: str) -> dict[str, Any]:
+    plain = [ms for t, ms in times.items() if not _is_solve_round(preset, t)]
+    solve = [ms for t, ms in times.items() if _is_solve_round(preset, t)]
+    return {"median_ms": statistics.median(plain) if plain else None,
+            "max_ms": max(plain) if plain else None,
+            "solve_ms": max(solve) if solve else None,
+            "rounds": len(times)}
+
+
+def close_experiment(n_arms: int, preset: str) -> str:
+    return f"close-{preset}-{n_arms}"
+
+
+def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """``close_round`` on a database holding the experiment's statistics: the close transaction
+    (lock, statistics query, update, state write, next round), the whole call (plus the per-round
+    summary written after the lock), and a worker's reload of the cached experiment afterwards."""
+    import sqlalchemy as sa
+
+    from service.cache import get_cache
+    from service.db import get_db
+    from service.models import Experiment, RoundStatistic
+    from service.rounds import close_round
+
+    name = close_experiment(n_arms, preset)
+    database = get_db(app)
+    with database.read() as session:
+        experiment_id = session.execute(sa.select(Experiment.id).where(Experiment.name == name)).scalar_one()
+    rng = np.random.default_rng(seed)
+    means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+    table = RoundStatistic.__table__
+    transaction, total, reload = {}, {}, {}
+    cache = get_cache(app)
+    for round_index in range(rounds):
+        statistics_ = synthetic_statistics(rng, means, 3)
+        rows = [
+            {"experiment_id": experiment_id, "round_index": round_index, "arm_index": k, "metric_index": m,
+             "count": int(statistics_.counts[m, k]), "sum": float(statistics_.sums[m, k]),
+             "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
+            for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0
+        ]
+        with database.write() as session:
+            session.execute(sa.insert(table), rows)
+        started = time.perf_counter()
+        advance = close_round(database, experiment_id, round_index)
+        total[round_index + 1] = (time.perf_counter() - started) * 1000
+        if advance is None or advance.applied != (round_index,):
+            raise RuntimeError(f"Closing round {round_index} of {name!r} did not apply its update: {advance}.")
+        transaction[round_index + 1] = advance.duration_seconds * 1000
+        started = time.perf_counter()
+        snapshot = cache.get(name, fresh=True)
+        reload[round_index + 1] = (time.perf_counter() - started) * 1000
+        if snapshot.round_index != round_index + 1:
+            raise RuntimeError("The cached experiment did not move to the new round.")
+    return {"transaction": _split_rounds(transaction, preset), "total": _split_rounds(total, preset),
+            "reload_ms": statistics.median(reload.values())}
+
+
+# ---------------------------------------------------------------------------------- one backend
+def run_backend(backend: Backend, loadgen: LoadGenerator, args) -> dict[str, Any]:
+    url = backend.new_database("serving")
+    app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
+    from service.cache import get_cache
+    from service.db import get_db
+
+    experiment_id = get_cache(app).get(EXPERIMENT).id
+    get_db(app).engine.dispose()
+    create_raw_table(url)
+    results: dict[str, Any] = {}
+    server = Server(url, args.arms, threads=args.threads, trace=backend.name == "sqlite")
+    try:
+        status, answer = server.post(f"/api/v1/experiments/{EXPERIMENT}/assign", {"unit": "probe"}, token)
+        if status != 200 or answer.get("round") != 0:
+            raise RuntimeError(f"The assign endpoint answered {status} {answer}.")
+        print(f"[{backend.name}] assign, single unit ...", flush=True)
+        results["assign"] = measure_assign(server, loadgen, token, args, "assign")
+        print(f"[{backend.name}] assign, batches of {args.batch_size} ...", flush=True)
+        results["assign_batch"] = measure_assign(server, loadgen, token, args, "assign_batch")
+        print(f"[{backend.name}] ingestion, batches of {args.observations} ...", flush=True)
+        results["ingest"] = measure_ingest(server, loadgen, url, token, experiment_id, args)
+    finally:
+        server.stop()
+    expected = results["ingest"]["pasto"]["sent"]
+    stored = _count_observations(url, experiment_id)
+    if stored != expected:
+        raise RuntimeError(f"{stored} observations stored, {expected} accepted: ingestion lost or duplicated some.")
+    results["ingest"]["pasto"]["stored"] = stored
+    cases = [(n_arms, preset) for n_arms in args.update_arms for preset in ("default", "paper")]
+    app, _ = prepare_database(backend.new_database("close"), [(close_experiment(*case), *case) for case in cases])
+    results["close"] = {}
+    for n_arms, preset in cases:
+        print(f"[{backend.name}] round close, K = {n_arms}, {preset} ...", flush=True)
+        results["close"][f"{n_arms}/{preset}"] = measure_round_close(app, n_arms, preset, args.update_rounds)
+    get_db(app).engine.dispose()
+    return results
+
+
+def run_gunicorn(backend: Backend, loadgen: LoadGenerator, args) -> dict[str, Any]:
+    url = backend.new_database("gunicorn")
+    app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
+    from service.db import get_db
+
+    get_db(app).engine.dispose()
+    results = {}
+    for workers in args.gunicorn:
+        print(f"[{backend.name}] gunicorn -w {workers}: assign, single unit ...", flush=True)
+        server = Server(url, args.arms, server="gunicorn", threads=args.gunicorn_threads, workers=workers)
+        try:
+            results[workers] = measure_assign(server, loadgen, token, args, "assign")
+        finally:
+            server.stop()
+    return results
+
+
+# ---------------------------------------------------------------------------------- report
+def _rate(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else (f"{value:.2f}" if value < 10 else f"{value:.1f}")
+
+
+def render(all_results: dict[str, Any], update_alone: dict[str, Any], command: str, args,
+           elapsed: float) -> str:
+    lines = [
+        "## Serving",
+        "",
+        "HTTP serving throughput and latency, each figure paired with its baseline in the same run, and the "
+        "cost of a round update. Measured with:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Machine: {platform.machine()}, {_client_bench._cpu_name()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {elapsed:.0f} s of wall "
+        f"time; load average {args.load_before:.1f} before and {os.getloadavg()[0]:.1f} after the run (other "
+        "work shares the machine: absolute figures move with it, the paired ratios much less).",
+        "",
+        f"Setup: waitress, one process, {args.threads} threads (as `pasto serve`); {args.clients} load-generator "
+        f"processes on the same machine, each a closed loop of requests on one keep-alive connection; every pass is "
+        f"capped at {args.requests:,} requests per client (a fifth of that for batches) and {args.seconds:g} s; "
+        f"bare and pasto passes alternate (A/B, B/A, ...) and each keeps its best of {args.repeats}. The experiment "
+        f"has K = {args.arms} arms and M = {len(METRICS)} metrics; the token is a stored `ingest` token (cached by the "
+        "service). Latencies are client-side, from sending the request to reading the whole response, in the best "
+        "pass.",
+        "",
+    ]
+    targets = []
+    for backend, results in all_results.items():
+        lines += [f"### {backend}", "",
+                  "| measurement | baseline | baseline rate | pasto rate | pasto / baseline | baseline p50 / p99 ms "
+                  "| pasto p50 / p99 ms |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for key, label, unit in (("assign", "assign, 1 unit", "req/s"),
+                                 ("assign_batch", f"assign, {args.batch_size} units", "req/s")):
+            r = results[key]
+            ratio = r["pasto"]["rate"] / r["bare"]["rate"]
+            lines.append(f"| {label} | bare Flask endpoint | {_rate(r['bare']['rate'])} {unit} | "
+                         f"{_rate(r['pasto']['rate'])} {unit} | {ratio:.2f} | {_ms(r['bare']['p50_ms'])} / "
+                         f"{_ms(r['bare']['p99_ms'])} | {_ms(r['pasto']['p50_ms'])} / {_ms(r['pasto']['p99_ms'])} |")
+            if key == "assign":
+                targets.append((f"{backend}: assign >= 70% of the bare endpoint", f"{ratio:.2f}", ratio >= 0.7))
+        r = results["ingest"]
+        for side, label in (("raw INSERT", "raw executemany INSERT (no HTTP)"),
+                            ("bare", "bare endpoint: HTTP + JSON + the same INSERT")):
+            ratio = r["pasto"]["rate"] / r[side]["rate"]
+            lines.append(f"| ingest, batches of {args.observations:,} | {label} | "
+                         f"{_rate(r[side]['rate'])} obs/s | {_rate(r['pasto']['rate'])} obs/s | {ratio:.2f} | "
+                         f"{_ms(r[side]['p50_ms'])} / {_ms(r[side]['p99_ms'])} | "
+                         f"{_ms(r['pasto']['p50_ms'])} / {_ms(r['pasto']['p99_ms'])} |")
+        ratio = r["pasto"]["rate"] / r["raw INSERT"]["rate"]
+        targets.append((f"{backend}: ingestion >= 50% of the raw INSERT", f"{ratio:.2f}", ratio >= 0.5))
+        batch = results["assign_batch"]["pasto"]
+        errors = sum(results[k][side]["errors"] for k in ("assign", "assign_batch") for side in ("bare", "pasto"))
+        errors += sum(results["ingest"][side]["errors"] for side in ("raw INSERT", "bare", "pasto"))
+        lines += ["", f"Batch assignment: {_rate(batch['rate'] * args.batch_size)} units/s. Non-2xx answers in all "
+                      f"passes: {errors}. Observations stored after the passes: {results['ingest']['pasto']['stored']:,} "
+                      "(every one sent, once)."]
+        statements = dict(results["assign"].get("statements") or {})
+        if statements:
+            requests = statements.pop("requests")
+            writes = sum(v for k, v in statements.items() if k not in ("SELECT",))
+            shown = ", ".join(f"{v:,} {k}" for k, v in sorted(statements.items())) or "none"
+            lines += ["", f"SQL statements the server ran during the single-unit assign passes ({requests:,} requests, "
+                          f"bare and pasto): {shown}; {writes} other than SELECT. The SELECTs are the per-process "
+                          "version checks (at most one per experiment every `PASTO_VERSION_CHECK_SECONDS` = 0.05 s) "
+                          "and the token lookup (at most one every 10 s)."]
+            targets.append((f"{backend}: no database write on the assignment path", f"{writes} writes", writes == 0))
+        if "gunicorn" in results:
+            lines += ["", f"gunicorn (gthread workers, {args.gunicorn_threads} threads each), assign 1 unit, same "
+                          "clients:", "",
+                      "| workers | bare req/s | pasto req/s | pasto / bare | pasto p50 / p99 ms |", "|---:|---:|---:|---:|---:|"]
+            for workers, g in results["gunicorn"].items():
+                lines.append(f"| {workers} | {_rate(g['bare']['rate'])} | {_rate(g['pasto']['rate'])} | "
+                             f"{g['pasto']['rate'] / g['bare']['rate']:.2f} | {_ms(g['pasto']['p50_ms'])} / "
+                             f"{_ms(g['pasto']['p99_ms'])} |")
+        lines.append("")
+    lines += [
+        f"### Round update vs K (M = {len(METRICS)})",
+        "",
+        f"Milliseconds. `update` alone: `pasto.algorithm.update` on synthetic statistics, rounds 1..{args.update_rounds}; "
+        "close: `service.rounds.close_round` on a database holding the experiment's per-round statistics "
+        "(transaction = lock, statistics query, update, state and next round written; whole call = the "
+        "transaction plus the per-round summary computed and written after the lock is released); reload = one "
+        "worker's refresh of its cached experiment after the version bump. `default` re-solves every 5th round "
+        "(column \"solve round\"); other rounds are the median (max in brackets).",
+        "",
+    ]
+    backends = list(all_results)
+    header = "| K | preset | update alone | update alone, solve round |"
+    rule = "|---:|---|---:|---:|"
+    for backend in backends:
+        header += f" {backend} close transaction | {backend} close, solve round | {backend} whole call (solve) | {backend} reload |"
+        rule += "---:|---:|---:|---:|"
+    lines += [header, rule]
+    slowest = 0.0
+    for n_arms in args.update_arms:
+        for preset in ("default", "paper"):
+            alone = update_alone[f"{n_arms}/{preset}"]
+            row = f"| {n_arms:,} | {preset} | {_ms(alone['median_ms'])} ({_ms(alone['max_ms'])}) | {_ms(alone['solve_ms'])} |"
+            slowest = max(slowest, alone["max_ms"] or 0.0, alone["solve_ms"] or 0.0)
+            for backend in backends:
+                close = all_results[backend]["close"][f"{n_arms}/{preset}"]
+                tx, whole = close["transaction"], close["total"]
+                whole_worst = max(whole["max_ms"] or 0.0, whole["solve_ms"] or 0.0)
+                row += (f" {_ms(tx['median_ms'])} ({_ms(tx['max_ms'])}) | {_ms(tx['solve_ms'])} | "
+                        f"{_ms(whole['median_ms'])} ({_ms(whole_worst)}) | {_ms(close['reload_ms'])} |")
+            lines.append(row)
+    largest = max(args.update_arms)
+    worst = max(max(update_alone[f"{largest}/{p}"]["max_ms"] or 0.0, update_alone[f"{largest}/{p}"]["solve_ms"] or 0.0)
+                for p in ("default", "paper"))
+    targets.append((f"one update at K = {largest:,}, M = 5 under 100 ms (worst round, either preset)",
+                    f"{worst:.1f} ms", worst < 100))
+    lines += ["", "### Targets (issue 5; benchmark figures, not tests)", "", "| target | measured | met |",
+              "|---|---:|:---:|"]
+    lines += [f"| {target} | {value} | {'yes' if ok else '**no**'} |" for target, value, ok in targets]
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------- main
+def _postgres_server(args):
+    """(URL of a PostgreSQL server, cluster to stop or None), or (None, None) when there is none."""
+    configured = os.environ.get("PASTO_BENCH_POSTGRES_URL")
+    if configured:
+        return configured, None
+    bin_dir = _pgcluster.postgres_bin_dir()
+    if bin_dir is None:
+        return None, None
+    cluster = _pgcluster.Cluster(bin_dir)
+    try:
+        cluster.start()
+    except (subprocess.CalledProcessError, OSError) as error:
+        print(f"Could not start a private PostgreSQL cluster ({error}); skipping PostgreSQL.", file=sys.stderr)
+        return None, None
+    return cluster.url, cluster
+
+
+def _parse_list(text: str) -> list[int]:
+    return [int(item) for item in text.split(",") if item.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backends", default="sqlite,postgres",
+                        help="comma-separated: sqlite, postgres (skipped when no server can be had)")
+    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--threads", type=int, default=8, help="waitress threads (pasto serve's default)")
+    parser.add_argument("--requests", type=int, default=20_000, help="request cap per client and pass")
+    parser.add_argument("--seconds", type=float, default=3.0, help="time cap per pass")
+    parser.add_argument("--repeats", type=int, default=3, help="passes per side; the best one counts")
+    parser.add_argument("--arms", type=int, default=100, help="K of the served experiment")
+    parser.add_argument("--batch-size", type=int, default=100, help="units per batch assignment")
+    parser.add_argument("--observations", type=int, default=1000, help="observations per ingestion batch")
+    parser.add_argument("--batches", type=int, default=20, help="ingestion batches per pass")
+    parser.add_argument("--update-arms", type=_parse_list, default=[100, 1000, 10_000])
+    parser.add_argument("--update-rounds", type=int, default=6, help="round closes per K and preset")
+    parser.add_argument("--gunicorn", type=_parse_list, default=[],
+                        help="also measure assignment under gunicorn with these worker counts (SQLite), e.g. 1,2")
+    parser.add_argument("--gunicorn-threads", type=int, default=4)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: SQLite, K = 100, a few hundred requests, seconds in all")
+    parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--write-docs", action="store_true",
+                        help="replace the '## Serving' section of docs/benchmarks.md")
+    return parser
+
+
+def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_server"]:
+        raise SystemExit(_server_main(json.loads(argv[1])))
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.backends, args.requests, args.seconds, args.repeats = "sqlite", 100, 0.5, 1
+        args.batches, args.update_arms, args.update_rounds = 2, [100], 5
+    args.load_before = os.getloadavg()[0]
+    started = time.monotonic()
+    loadgen = LoadGenerator(args.clients)  # forked first: the clients inherit no database state
+    cluster = None
+    all_results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-serve-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "sqlite":
+                    backend = Backend("sqlite", Path(workdir))
+                elif name == "postgres":
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server (set PASTO_BENCH_POSTGRES_URL or install Debian's postgresql); "
+                              "skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                else:
+                    raise SystemExit(f"Unknown backend {name!r}: use sqlite or postgres.")
+                label = "SQLite (WAL, synchronous=NORMAL)" if name == "sqlite" else (
+                    "PostgreSQL (private loopback cluster: fsync=off, synchronous_commit=off)" if cluster is not None
+                    else "PostgreSQL")
+                try:
+                    all_results[label] = run_backend(backend, loadgen, args)
+                    if name == "sqlite" and args.gunicorn:
+                        all_results[label]["gunicorn"] = run_gunicorn(backend, loadgen, args)
+                finally:
+                    backend.close()
+        update_alone = {}
+        for n_arms in args.update_arms:
+            for preset in ("default", "paper"):
+                update_alone[f"{n_arms}/{preset}"] = measure_update_alone(n_arms, preset, max(args.update_rounds, 10))
+    finally:
+        loadgen.close()
+        if cluster is not None:
+            cluster.stop()
+    command = "python bench/serve.py " + " ".join(argv)
+    section = render(all_results, update_alone, command.strip(), args, time.monotonic() - started)
+    print(section)
+    if args.json:
+        args.json.write_text(json.dumps({"results": all_results, "update_alone": update_alone}, indent=1,
+                                        default=str) + "\n")
+    if args.write_docs:
+        _client_bench.write_section(section, docs)
+        print(f"Wrote the Serving section of {docs}.")
+    return {"results": all_results, "update_alone": update_alone, "section": section}
+
+
+_client_bench = _load("pasto_bench_client", ROOT / "bench" / "client.py")
+_pgcluster = _load("pasto_tests_pgcluster", ROOT / "tests" / "pgcluster.py")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""bench/serve.py: a quick run measures every row, and rewrites only its own section of benchmarks.md.
+
+No timing is asserted (the machine is shared); only that every figure was measured, that nothing
+failed, and that the assignment path wrote nothing to the database.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OTHER_SECTIONS = "# Benchmarks\n\n## Client\n\nclient figures\n\n## Serving\n\nold serving figures\n\n## Convergence\n\nfigures C\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    docs = tmp_path_factory.mktemp("docs") / "benchmarks.md"
+    docs.write_text(OTHER_SECTIONS)
+    return module.main(["--quick", "--write-docs"], docs=docs), docs
+
+
+def _measured(row: dict) -> bool:
+    return row["count"] > 0 and row["rate"] > 0 and math.isfinite(row["p50_ms"]) and math.isfinite(row["p99_ms"])
+
+
+@pytest.mark.timeout(120)
+def test_quick_run_measures_every_row(run):
+    output, _ = run
+    (backend, results), = output["results"].items()
+    assert backend.startswith("SQLite")
+    for kind in ("assign", "assign_batch"):
+        for side in ("bare", "pasto"):
+            assert _measured(results[kind][side]), (kind, side)
+            assert results[kind][side]["errors"] == 0
+    for side in ("raw INSERT", "bare", "pasto"):
+        assert _measured(results["ingest"][side]), side
+        assert results["ingest"][side]["errors"] == 0
+    assert results["ingest"]["pasto"]["stored"] == results["ingest"]["pasto"]["sent"] > 0
+    statements = dict(results["assign"]["statements"])
+    assert statements.pop("requests") > 0
+    assert set(statements) <= {"SELECT"}  # the assignment path writes nothing
+    for preset in ("default", "paper"):
+        close = results["close"][f"100/{preset}"]
+        assert close["transaction"]["median_ms"] > 0 and close["total"]["median_ms"] > 0 and close["reload_ms"] > 0
+        assert output["update_alone"][f"100/{preset}"]["median_ms"] > 0
+    assert output["update_alone"]["100/default"]["solve_ms"] > 0  # a solve round was timed
+    section = output["section"]
+    assert section.startswith("## Serving\n")
+    for row in ("| assign, 1 unit |", "| assign, 100 units |", "| ingest, batches of 1,000 |", "| 100 | default |",
+                "| 100 | paper |"):
+        assert row in section
+
+
+def test_only_the_serving_section_is_rewritten(run):
+    output, docs = run
+    text = docs.read_text()
+    assert text.startswith("# Benchmarks\n\n## Client\n\nclient figures\n\n## Serving\n")
+    assert text.endswith("\n## Convergence\n\nfigures C\n")
+    assert "old serving figures" not in text
+    assert output["section"].rstrip("\n") in text
