@@ -45,7 +45,7 @@ _NAME_PARAMETER = {
 
 _SINCE_PARAMETER = {
     "name": "since", "in": "query", "required": False, "description": "First round index to return (default 0).",
-    "schema": {"type": "integer", "minimum": 0},
+    "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
 }
 _LIMIT_PARAMETER = {
     "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default all).",

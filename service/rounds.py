@@ -380,12 +380,19 @@ def close_current_round(name: str):
     })
 
 
-def _query_integer(name: str, default: int | None, minimum: int) -> int | None:
+#: Largest round index a request may name (rounds are 32-bit integers; SQLite overflows past 2**63).
+MAX_ROUND_INDEX = 2**31 - 1
+
+
+def _query_integer(name: str, default: int | None, minimum: int, maximum: int | None = None) -> int | None:
     text = request.args.get(name)
     if text is None:
         return default
-    if not text.isdigit() or int(text) < minimum:
+    # ASCII only: str.isdigit() is also true for "²", which int() refuses.
+    if not (text.isascii() and text.isdigit()) or int(text) < minimum:
         raise invalid(name, f"Must be an integer >= {minimum}, got {text!r}.")
+    if maximum is not None and int(text) > maximum:
+        raise invalid(name, f"Must be an integer <= {maximum}, got {text!r}.")
     return int(text)
 
 
@@ -393,7 +400,7 @@ def _query_integer(name: str, default: int | None, minimum: int) -> int | None:
 @require_role("read")
 def list_rounds(name: str):
     """Every round oldest first; ``?since=<index>`` and ``?limit=<n>`` page through long histories."""
-    since = _query_integer("since", 0, 0)
+    since = _query_integer("since", 0, 0, MAX_ROUND_INDEX)
     limit = _query_integer("limit", None, 1)
     snapshot = get_cache().get(name)
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
