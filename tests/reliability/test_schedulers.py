@@ -16,6 +16,7 @@ test proves, with both schedulers alive the whole time (a heartbeat row each):
 from __future__ import annotations
 
 import re
+import signal
 from collections import Counter
 
 import numpy as np
@@ -75,6 +76,8 @@ def test_two_workers_close_every_round_exactly_once(migrated_postgres, service_p
             return connection.execute(sa.select(Experiment.applied_rounds).where(Experiment.name == NAME)).scalar_one()
 
     wait_until(lambda: applied_rounds() >= ROUNDS, 2 * ROUNDS + 20, f"fewer than {ROUNDS} rounds closed", 0.2)
+    for worker in workers:  # both at once, so neither goes on closing rounds alone for long
+        worker.signal_group(signal.SIGTERM)
     for worker in workers:
         assert worker.stop() == 0
     logs = [worker.log() for worker in workers]
