@@ -49,24 +49,53 @@ class Database:
         """``INSERT ... ON CONFLICT (primary key) DO NOTHING RETURNING ...`` of many rows; returns the
         ``returning`` columns of the rows that were new.
 
-        Multi-row VALUES statements in chunks, written as plain SQL: on the ingestion path this is
-        several times faster than going through SQLAlchemy's per-row parameter processing. Values must
-        be plain ``int``/``str``/``float``.
+        Written as plain SQL: on the ingestion path this is several times faster than going through
+        SQLAlchemy's per-row parameter processing. Rows are inserted in the order given (callers sort
+        them so that concurrent writers lock rows in one order). Values must be plain
+        ``int``/``str``/``float``.
         """
+        key = ", ".join(self._quote(column.name) for column in table.primary_key.columns)
+        conflict = f"ON CONFLICT ({key}) DO NOTHING RETURNING {', '.join(self._quote(c) for c in returning)}"
+        return [tuple(row) for row in self._insert_rows(connection, table, columns, rows, conflict)]
+
+    def add_rows(self, connection: sa.Connection, table: sa.Table, keys: tuple[str, ...],
+                 values: tuple[str, ...], rows: list[tuple]) -> None:
+        """Upsert that adds: ``INSERT ... ON CONFLICT (keys) DO UPDATE SET v = v + excluded.v`` for
+        each of ``values``. ``rows`` hold the ``keys`` then the ``values`` columns, at most one row per
+        key, in the order the rows should be locked."""
+        name = self.engine.dialect.identifier_preparer.format_table(table)
+        updates = ", ".join(f"{self._quote(v)} = {name}.{self._quote(v)} + excluded.{self._quote(v)}" for v in values)
+        conflict = f"ON CONFLICT ({', '.join(self._quote(k) for k in keys)}) DO UPDATE SET {updates}"
+        self._insert_rows(connection, table, keys + values, rows, conflict)
+
+    def _quote(self, name: str) -> str:
+        return self.engine.dialect.identifier_preparer.quote(name)
+
+    def _insert_rows(self, connection: sa.Connection, table: sa.Table, columns: tuple[str, ...],
+                     rows: list[tuple], conflict: str) -> list:
+        """``INSERT INTO table (columns) <rows> <conflict>``; the rows RETURNING gives, if any.
+
+        PostgreSQL: one statement over ``unnest`` of one typed array per column (a handful of
+        parameters, so psycopg neither re-parses a huge statement nor sends a row at a time;
+        ``unnest`` keeps the order of the rows). SQLite: multi-row VALUES in chunks.
+        """
+        if not rows:
+            return []
+        head = f"INSERT INTO {self.engine.dialect.identifier_preparer.format_table(table)} " \
+               f"({', '.join(self._quote(c) for c in columns)}) "
+        if self.dialect == "postgresql":
+            types = [table.c[c].type.compile(dialect=self.engine.dialect) for c in columns]
+            arrays = ", ".join(f"%b::{column_type}[]" for column_type in types)  # %b: binary arrays, no quoting
+            sql = f"{head}SELECT * FROM unnest({arrays}) {conflict}"
+            return _execute_raw(connection, sql, tuple(list(column) for column in zip(*rows)))
         placeholder = "%s" if self.engine.dialect.paramstyle in ("format", "pyformat") else "?"
-        preparer = self.engine.dialect.identifier_preparer
-        key = ", ".join(preparer.quote(column.name) for column in table.primary_key.columns)
-        head = (f"INSERT INTO {preparer.format_table(table)} ({', '.join(preparer.quote(c) for c in columns)}) "
-                "VALUES ")
-        tail = f" ON CONFLICT ({key}) DO NOTHING RETURNING {', '.join(preparer.quote(c) for c in returning)}"
         row_sql = "(" + ", ".join([placeholder] * len(columns)) + ")"
-        inserted: list[tuple] = []
+        returned: list = []
         for start in range(0, len(rows), _INSERT_CHUNK):
             chunk = rows[start:start + _INSERT_CHUNK]
-            sql = head + ", ".join([row_sql] * len(chunk)) + tail
-            parameters = tuple(value for row in chunk for value in row)
-            inserted.extend(tuple(row) for row in connection.exec_driver_sql(sql, parameters))
-        return inserted
+            sql = f"{head}VALUES {', '.join([row_sql] * len(chunk))} {conflict}"
+            returned.extend(_execute_raw(connection, sql, tuple(value for row in chunk for value in row)))
+        return returned
 
     @contextmanager
     def read(self) -> Iterator[Session]:
@@ -79,6 +108,19 @@ class Database:
         """A session in one write transaction: committed on success, rolled back on any exception."""
         with self.write_sessions() as session, session.begin():
             yield session
+
+
+def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list[tuple]:
+    """Run ``sql`` on the DBAPI cursor of ``connection``'s current transaction; the rows it returns
+    as plain tuples (no SQLAlchemy row objects: thousands per ingestion batch)."""
+    if not connection.in_transaction():  # a raw cursor would not begin one (BEGIN IMMEDIATE on SQLite)
+        raise RuntimeError("Raw statements must run inside the caller's transaction.")
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(sql, parameters)
+        return cursor.fetchall() if cursor.description is not None else []
+    finally:
+        cursor.close()
 
 
 def make_engine(url: str) -> sa.Engine:

@@ -153,23 +153,14 @@ def _add_statistics(connection, database: Database, snapshot: Snapshot, batch, a
     counts = np.bincount(group, minlength=unique_keys.size)
     sums = np.bincount(group, weights=value_array, minlength=unique_keys.size)
     sums_of_squares = np.bincount(group, weights=value_array * value_array, minlength=unique_keys.size)
-    table = RoundStatistic.__table__
-    insert = database.insert(table)
-    upsert = insert.on_conflict_do_update(
-        index_elements=["experiment_id", "round_index", "arm_index", "metric_index"],
-        set_={
-            "count": table.c.count + insert.excluded.count,
-            "sum": table.c.sum + insert.excluded.sum,
-            "sum_of_squares": table.c.sum_of_squares + insert.excluded.sum_of_squares,
-        },
+    database.add_rows(
+        connection, RoundStatistic.__table__, ("experiment_id", "round_index", "arm_index", "metric_index"),
+        ("count", "sum", "sum_of_squares"),
+        [(snapshot.id, key // (n_arms * n_metrics), key // n_metrics % n_arms, key % n_metrics,
+          count, total, total_of_squares)
+         for key, count, total, total_of_squares in zip(
+             unique_keys.tolist(), counts.tolist(), sums.tolist(), sums_of_squares.tolist())],
     )
-    connection.execute(upsert, [
-        {"experiment_id": snapshot.id, "round_index": key // (n_arms * n_metrics),
-         "arm_index": key // n_metrics % n_arms, "metric_index": key % n_metrics,
-         "count": count, "sum": total, "sum_of_squares": total_of_squares}
-        for key, count, total, total_of_squares in zip(
-            unique_keys.tolist(), counts.tolist(), sums.tolist(), sums_of_squares.tolist())
-    ])
 
 
 def _add_counts(connection, database: Database, experiment_id: int, batch, arms: list[int], positions: list[int],
@@ -189,21 +180,12 @@ def _add_counts(connection, database: Database, experiment_id: int, batch, arms:
         [(experiment_id, round_index, unit, arm) for (round_index, unit), arm in sorted(unit_arm.items())],
         returning=("round_index", "arm_index"),
     ))
-    table = ArmRoundCount.__table__
-    insert = database.insert(table)
-    upsert = insert.on_conflict_do_update(
-        index_elements=["experiment_id", "round_index", "arm_index"],
-        set_={
-            "observations": table.c.observations + insert.excluded.observations,
-            "units": table.c.units + insert.excluded.units,
-            "late_observations": table.c.late_observations + insert.excluded.late_observations,
-        },
+    database.add_rows(
+        connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
+        ("observations", "units", "late_observations"),
+        [(experiment_id, key[0], key[1], count, new_units.get(key, 0), late.get(key, 0))
+         for key, count in sorted(observations.items())],
     )
-    connection.execute(upsert, [
-        {"experiment_id": experiment_id, "round_index": key[0], "arm_index": key[1], "observations": count,
-         "units": new_units.get(key, 0), "late_observations": late.get(key, 0)}
-        for key, count in sorted(observations.items())
-    ])
     arm_counts: Counter[int] = Counter()
     for (_, arm), count in observations.items():
         arm_counts[arm] += count

@@ -29,6 +29,8 @@ def _storable(text: str) -> str:
     # PostgreSQL text cannot hold NUL, and lone surrogates (legal in JSON escapes) are not UTF-8.
     if "\x00" in text:
         raise ValueError("must not contain the NUL character")
+    if text.isascii():  # the common case, checked without encoding (ids and units of every observation)
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
