@@ -11,7 +11,8 @@ import math
 from typing import Annotated, Any, Literal
 
 from flask import request
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, FiniteFloat, Tag,
+                      ValidationError, model_validator)
 
 from .errors import ApiError, validation_error
 
@@ -72,6 +73,19 @@ class ArmSpec(_Strict):
     params: Annotated[dict[str, Any], AfterValidator(_json_value)] = Field(default_factory=dict)
 
 
+def _primary_kind(value: Any) -> str | None:
+    return "metric" if isinstance(value, str) else "weights" if isinstance(value, dict) else None
+
+
+#: One metric, or weights per metric. Tagged by the JSON type, so an error names the member the client
+#: meant (``objective.primary.weights.x: Input should be a finite number``), not every member.
+Primary = Annotated[
+    Annotated[MetricName, Tag("metric")] | Annotated[dict[MetricName, Number], Tag("weights")],
+    Discriminator(_primary_kind, custom_error_type="invalid_primary",
+                  custom_error_message="Must be a metric name or an object of weights per metric"),
+]
+
+
 class GuardrailSpec(_Strict):
     metric: MetricName
     threshold: Number
@@ -80,7 +94,7 @@ class GuardrailSpec(_Strict):
 
 
 class ObjectiveSpec(_Strict):
-    primary: MetricName | dict[MetricName, Number]
+    primary: Primary
     guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
 
 
