@@ -94,9 +94,9 @@ class Writer:
     batch_size: int
     resend_share: float = 0.0
     n_units: int = 2000
-    built: dict[int, Batch] = field(default_factory=dict)
-    answers: dict[int, list[dict]] = field(default_factory=dict)  # acknowledged batch -> its 202 bodies
-    resent: frozenset[int] = frozenset()
+    built: dict[int, Batch] = field(init=False, default_factory=dict)
+    answers: dict[int, list[dict]] = field(init=False, default_factory=dict)  # acknowledged -> 202 bodies
+    resent: frozenset[int] = field(init=False, default=frozenset())  # batches sent twice at once
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng([self.seed, self.writer_index])
@@ -136,15 +136,15 @@ class Writer:
             return self._build(client, len(self.built))
         return None
 
-    def run(self, base_url: str, in_flight: InFlight | None = None, stop: threading.Event | None = None) -> None:
-        """Send until every batch is acknowledged, ``stop`` is set, or the server cannot be reached.
+    def run(self, base_url: str, in_flight: InFlight | None = None) -> None:
+        """Send until every batch is acknowledged or the server cannot be reached.
 
         An error answer (4xx/5xx) raises: nothing the writers send is invalid, so it is a bug.
         """
         in_flight = in_flight or InFlight()
         with Client(base_url, ADMIN_TOKEN, timeout=120) as client, \
                 Client(base_url, ADMIN_TOKEN, timeout=120) as twin, ThreadPoolExecutor(2) as senders:
-            while stop is None or not stop.is_set():
+            while True:
                 try:
                     batch = self._next(client)
                 except PastoConnectionError:
@@ -167,11 +167,10 @@ class Writer:
             yield from self.built[index].observations
 
 
-def run_writers(writers: Sequence[Writer], base_url: str, in_flight: InFlight | None = None,
-                stop: threading.Event | None = None) -> None:
+def run_writers(writers: Sequence[Writer], base_url: str, in_flight: InFlight | None = None) -> None:
     """Run every writer in a thread of its own until each returns; re-raises the first error."""
     with ThreadPoolExecutor(len(writers)) as pool:
-        futures = [pool.submit(writer.run, base_url, in_flight, stop) for writer in writers]
+        futures = [pool.submit(writer.run, base_url, in_flight) for writer in writers]
         for future in futures:
             future.result()
 

@@ -29,7 +29,6 @@ transaction, then kills it:
 from __future__ import annotations
 
 import sqlite3
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -80,7 +79,7 @@ class SQLiteWriteLock:
         self.connection.close()
 
 
-def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until: Future | threading.Event,
+def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until: Future,
                                     seconds: float = 60) -> bool:
     """Freeze ``server`` while it holds the write lock and ``inside()`` is true.
 
@@ -90,7 +89,7 @@ def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until
     """
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if (until.done() if isinstance(until, Future) else until.is_set()):
+        if until.done():
             return False
         if lock.held():
             server.freeze()
