@@ -10,7 +10,7 @@ import logging
 import re
 from typing import Any
 
-from flask import Flask, Response, jsonify
+from flask import Flask, Response, jsonify, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
@@ -86,6 +86,11 @@ def register_error_handlers(app: Flask) -> None:
         if error.code == 405 and getattr(error, "valid_methods", None):
             details = {"allowed_methods": sorted(error.valid_methods)}
         message = error.description or error.name
+        limit = request.max_content_length
+        if error.code == 413 and limit is not None:
+            message = (f"The request body is larger than the {limit:,} bytes this server accepts "
+                       "(MAX_CONTENT_LENGTH); send it in smaller batches.")
+            details = {"max_content_length": limit}
         response = error_response(error.code or 500, _code_for(error), message, details)
         if error.code == 405 and getattr(error, "valid_methods", None):
             response.headers["Allow"] = ", ".join(sorted(error.valid_methods))

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from flask import request
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, FiniteFloat, Tag,
                       ValidationError, model_validator)
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from .errors import ApiError, validation_error
 
@@ -158,8 +159,14 @@ def json_body() -> Any:
     """The request's JSON body; 415 when it is not JSON, 400 when it does not parse."""
     if not request.is_json:
         raise ApiError(415, "unsupported_media_type", "The request body must be JSON (Content-Type: application/json).")
+    data = request.get_data(cache=True)
+    limit = request.max_content_length
+    if request.content_length is None and limit is not None and len(data) >= limit:
+        # A streamed (chunked) body is cut at the limit without an error (werkzeug, gunicorn): say it
+        # is too large rather than "not valid JSON" about the truncated text.
+        raise RequestEntityTooLarge()
     try:
-        return json.loads(request.get_data(cache=True))
+        return json.loads(data)
     except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
         raise ApiError(400, "invalid_json", f"The request body is not valid JSON: {error}.") from None
     except RecursionError:
