@@ -47,6 +47,7 @@ from .db import Database, get_db
 from .errors import ApiError, invalid
 from .experiments import iso
 from .models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic, utcnow
+from .schemas import json_body
 
 log = logging.getLogger(__name__)
 
@@ -353,8 +354,10 @@ def json_safe(value: Any) -> Any:
 def close_current_round(name: str):
     snapshot = get_cache().get(name)
     expected = snapshot.round_index
-    if request.content_length:
-        body = request.get_json(silent=True)
+    # Read the body whatever Content-Length says: a chunked body has none, and ignoring it would
+    # close the current round when the client asked for "only if it is round N".
+    if request.get_data(cache=True).strip():
+        body = json_body()
         if not isinstance(body, dict) or set(body) - {"round"}:
             raise invalid("body", "The body must be empty or {\"round\": <index of the current round>}.")
         if "round" in body:
