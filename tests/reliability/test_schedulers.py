@@ -2,8 +2,9 @@
 
 A 1-second-round experiment is created, paused at once, given data in round 0 and resumed (so none of
 the data can arrive after its round's update, whatever the schedulers do), and two workers with
-``PASTO_SCHEDULER_INTERVAL=0.2`` race to close its rounds for 20 rounds. Closing is a compare-and-set on the experiment row, so the
-test proves, with both schedulers alive the whole time (a heartbeat row each):
+``PASTO_SCHEDULER_INTERVAL=0.2`` race to close its rounds for 20 rounds. Closing is a compare-and-set
+on the experiment row, so the test proves, with both schedulers alive the whole time (a heartbeat row
+each):
 
 * one ``rounds`` row per index, each closed round's ``closed_at`` the next round's ``started_at``
   (no gap, no overlap), and ``applied_rounds`` equal to the number of closed rounds;
