@@ -255,14 +255,18 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
 
 def _statistics_from_rows(rows, n_metrics: int, n_arms: int) -> Statistics:
     """(metric_index, arm_index, count, sum, sum_of_squares) rows -> M x K :class:`Statistics`."""
+    return _statistics_from_array(np.array(rows, dtype=np.float64).reshape(len(rows), 5), n_metrics, n_arms)
+
+
+def _statistics_from_array(data: np.ndarray, n_metrics: int, n_arms: int) -> Statistics:
+    """Columns metric_index, arm_index, count, sum, sum_of_squares (float64, one row per cell)."""
     counts = np.zeros((n_metrics, n_arms))
     sums = np.zeros((n_metrics, n_arms))
     sums_of_squares = np.zeros((n_metrics, n_arms))
-    if rows:
-        metric, arm, count, total, total_of_squares = (list(column) for column in zip(*rows))
-        counts[metric, arm] = count
-        sums[metric, arm] = total
-        sums_of_squares[metric, arm] = total_of_squares
+    metric, arm = data[:, 0].astype(np.int64), data[:, 1].astype(np.int64)
+    counts[metric, arm] = data[:, 2]
+    sums[metric, arm] = data[:, 3]
+    sums_of_squares[metric, arm] = data[:, 4]
     return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
 
 
@@ -270,25 +274,29 @@ def update_statistics(session, experiment_id: int, round_index: int, n_metrics: 
                       n_arms: int) -> tuple[Statistics, Statistics]:
     """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``.
 
-    One aggregate query (conditional sums) so the M x K cells travel from the database once.
+    One aggregate query (conditional sums) so the M x K cells travel from the database once. Plain
+    SQL on the DBAPI cursor, straight into one float64 array: at K = 10,000 there are 50,000 result
+    rows, and SQLAlchemy row objects and per-column Python lists cost more than the query.
     """
-    table = RoundStatistic.__table__
-    in_round = table.c.round_index == round_index
-
-    def round_sum(column):
-        return sa.func.sum(sa.case((in_round, column), else_=0))
-
-    rows = session.execute(
-        sa.select(table.c.metric_index, table.c.arm_index,
-                  round_sum(table.c.count), round_sum(table.c.sum), round_sum(table.c.sum_of_squares),
-                  sa.func.sum(table.c.count), sa.func.sum(table.c.sum), sa.func.sum(table.c.sum_of_squares))
-        .where(table.c.experiment_id == experiment_id, table.c.round_index <= round_index)
-        .group_by(table.c.metric_index, table.c.arm_index)
-    ).all()
-    round_rows = [(row[0], row[1], row[2], row[3], row[4]) for row in rows]
-    pooled_rows = [(row[0], row[1], row[5], row[6], row[7]) for row in rows]
-    return (_statistics_from_rows(round_rows, n_metrics, n_arms),
-            _statistics_from_rows(pooled_rows, n_metrics, n_arms))
+    connection = session.connection()
+    placeholder = "%s" if connection.dialect.paramstyle in ("format", "pyformat") else "?"
+    in_round = f"round_index = {placeholder}"
+    sql = (
+        "SELECT metric_index, arm_index, "
+        f"SUM(CASE WHEN {in_round} THEN count ELSE 0 END), SUM(CASE WHEN {in_round} THEN sum ELSE 0 END), "
+        f"SUM(CASE WHEN {in_round} THEN sum_of_squares ELSE 0 END), "
+        "SUM(count), SUM(sum), SUM(sum_of_squares) "
+        f"FROM round_statistics WHERE experiment_id = {placeholder} AND round_index <= {placeholder} "
+        "GROUP BY metric_index, arm_index"
+    )
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(sql, (round_index, round_index, round_index, experiment_id, round_index))
+        data = np.array(cursor.fetchall(), dtype=np.float64).reshape(-1, 8)
+    finally:
+        cursor.close()
+    return (_statistics_from_array(data[:, [0, 1, 2, 3, 4]], n_metrics, n_arms),
+            _statistics_from_array(data[:, [0, 1, 5, 6, 7]], n_metrics, n_arms))
 
 
 def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
