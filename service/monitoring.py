@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -87,11 +88,26 @@ ROUND_CLOSE_LAG = Histogram(
 # They accept keyword arguments the signals may gain later.
 
 
+# Labelled children of ASSIGNMENTS by (experiment, arm): ``labels()`` validates and locks on every
+# call, which is most of the cost of counting a batch assignment (one call per distinct arm).
+_assignment_children: dict[tuple[str, str], Any] = {}
+
+
+def _assignment_child(experiment: str, arm: str):
+    child = _assignment_children.get((experiment, arm))
+    if child is None:
+        child = _assignment_children.setdefault((experiment, arm), ASSIGNMENTS.labels(experiment, arm))
+    return child
+
+
 def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
     """``assigned``: count one assign response; ``arms`` holds each unit's arm position."""
+    if len(arms) == 1:  # a single-unit assignment: no need to group
+        _assignment_child(snapshot.name, snapshot.arm_names[int(arms[0])]).inc()
+        return
     positions, counts = np.unique(np.asarray(arms, dtype=np.int64), return_counts=True)
     for position, count in zip(positions.tolist(), counts.tolist()):
-        ASSIGNMENTS.labels(snapshot.name, snapshot.arm_names[position]).inc(count)
+        _assignment_child(snapshot.name, snapshot.arm_names[position]).inc(count)
 
 
 def record_observations(snapshot, *, duplicates: int, arm_counts: Mapping[int, int], **_) -> None:
