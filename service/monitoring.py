@@ -88,26 +88,28 @@ ROUND_CLOSE_LAG = Histogram(
 # They accept keyword arguments the signals may gain later.
 
 
-# Labelled children of ASSIGNMENTS by (experiment, arm): ``labels()`` validates and locks on every
-# call, which is most of the cost of counting a batch assignment (one call per distinct arm).
-_assignment_children: dict[tuple[str, str], Any] = {}
+# Labelled children by (metric, label values): ``labels()`` validates and locks on every call, which
+# was most of the cost of counting a batch assignment (one call per distinct arm) and a good part of
+# the per-request bookkeeping. The metrics are module-level singletons, so their ids are stable.
+_children: dict[tuple, Any] = {}
 
 
-def _assignment_child(experiment: str, arm: str):
-    child = _assignment_children.get((experiment, arm))
+def _child(metric, *labels: str):
+    key = (id(metric), *labels)
+    child = _children.get(key)
     if child is None:
-        child = _assignment_children.setdefault((experiment, arm), ASSIGNMENTS.labels(experiment, arm))
+        child = _children.setdefault(key, metric.labels(*labels))
     return child
 
 
 def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
     """``assigned``: count one assign response; ``arms`` holds each unit's arm position."""
     if len(arms) == 1:  # a single-unit assignment: no need to group
-        _assignment_child(snapshot.name, snapshot.arm_names[int(arms[0])]).inc()
+        _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[int(arms[0])]).inc()
         return
     positions, counts = np.unique(np.asarray(arms, dtype=np.int64), return_counts=True)
     for position, count in zip(positions.tolist(), counts.tolist()):
-        _assignment_child(snapshot.name, snapshot.arm_names[position]).inc(count)
+        _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[position]).inc(count)
 
 
 def record_observations(snapshot, *, duplicates: int, arm_counts: Mapping[int, int], **_) -> None:
@@ -309,10 +311,10 @@ def _start_timer() -> None:
 def _count_request(response: Response) -> Response:
     # The route template, not the path, keeps the label set bounded; unmatched paths share one label.
     route = request.url_rule.rule if request.url_rule is not None else "<unmatched>"
-    HTTP_REQUESTS.labels(route, request.method, str(response.status_code)).inc()
+    _child(HTTP_REQUESTS, route, request.method, str(response.status_code)).inc()
     started = g.pop("pasto_request_started", None)
     if started is not None:
-        HTTP_REQUEST_DURATION.labels(route, request.method).observe(time.perf_counter() - started)
+        _child(HTTP_REQUEST_DURATION, route, request.method).observe(time.perf_counter() - started)
     return response
 
 
