@@ -34,7 +34,7 @@ from typing import Any
 import pytest
 import requests
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 
 from service.auth import create_token
 from service.config import DEFAULT_MAX_CONTENT_LENGTH
@@ -598,7 +598,8 @@ def test_a_failure_inside_the_transaction_rolls_the_whole_batch_back(backend_ser
     with engine.begin() as connection:
         for statement in _TRIGGERS[engine.dialect.name]:
             connection.exec_driver_sql(statement)
-    # Units sort after "fail-...", so the failing row is not the first round_units row written.
+    # round_units rows are written sorted by (round, unit), after the ids and statistics of the whole
+    # batch: the ten round-0 units go in before the failing one, so the failure is truly half-way.
     batch = {"observations": [*(observation(id=f"t-{i}", unit=f"unit-{i}") for i in range(50)),
                               observation(id="t-fail", unit=FAILING_UNIT),
                               *(observation(id=f"t-{i}", unit=f"a-unit-{i}", round=0) for i in range(50, 60))]}
@@ -735,7 +736,7 @@ def test_fuzzed_requests_never_get_a_5xx(service):
             label = f"{method} {path} {kind.name}"
 
             @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-                      suppress_health_check=list(HealthCheck), phases=["generate"])
+                      suppress_health_check=list(HealthCheck), phases=[Phase.generate])
             @given(case=operation.as_strategy(data_generation_method=kind))
             def send(case):
                 generated_name = (case.path_parameters or {}).get("name")
