@@ -251,8 +251,9 @@ def _paper_against_reference(results: dict, paper_seeds: dict, runs: int) -> tup
         return [], {}
     lines = [
         "| round | reference (ALGORITHM.md) | `paper`, seed 0 +- s.e. | z | "
-        f"{len(paper_seeds)} more seeds: range of means | all {len(paper_seeds) + 1} seeds pooled +- s.e. |",
-        "|---:|---:|---:|---:|---:|---:|",
+        f"{len(paper_seeds)} more seeds: range of means | seeds within +- 0.02 of the reference "
+        f"| all {len(paper_seeds) + 1} seeds pooled +- s.e. |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     checks = {}
     for round_number, reference in PAPER_REFERENCE_A.items():
@@ -273,6 +274,8 @@ def _paper_against_reference(results: dict, paper_seeds: dict, runs: int) -> tup
             means = [c["objective"]["mean"] for c in others]
             seed_range = f"{min(means):.3f} - {max(means):.3f}"
             everything = [checkpoint] + others
+            within = sum(abs(c["objective"]["mean"] - reference) <= 0.02 for c in everything)
+            within = f"{within} of {len(everything)}"
             pooled_mean = float(np.mean([c["objective"]["mean"] for c in everything]))
             # Equal run counts: the pooled variance is the mean within-seed variance plus the
             # variance of the seed means (ddof 0 over seeds, times (n-1)/n corrections neglected).
@@ -281,9 +284,10 @@ def _paper_against_reference(results: dict, paper_seeds: dict, runs: int) -> tup
             pooled_variance = float(np.mean(variances) + np.var([c["objective"]["mean"] for c in everything]))
             pooled = f"{pooled_mean:.3f} +- {math.sqrt(pooled_variance / total_runs):.3f}"
         else:
-            seed_range, pooled = "-", "-"
+            seed_range, within, pooled = "-", "-", "-"
         lines.append(
-            f"| {round_number} | {reference} | {mean:.3f} +- {_number(error)} | {_number(z, 2)} | {seed_range} | {pooled} |"
+            f"| {round_number} | {reference} | {mean:.3f} +- {_number(error)} | {_number(z, 2)} | {seed_range} "
+            f"| {within} | {pooled} |"
         )
     return lines, checks
 
@@ -336,19 +340,22 @@ def _acceptance(results: dict, runs: int, paper_checks: dict) -> list[str]:
 
 
 def _commit() -> str:
-    """The commit measured, and whether pasto/ or bench/ differ from it."""
+    """The commit measured (taken when the run starts), and whether the measured code differs from it."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "pasto", "bench"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "pasto", "bench/convergence.py"],
+            cwd=ROOT, capture_output=True, text=True, check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "an unknown commit (no git)"
-    return f"commit {head}" + (" with uncommitted changes under pasto/ or bench/" if dirty else "")
+    changes = " with uncommitted changes to pasto/ or bench/convergence.py" if dirty else ""
+    return f"commit {head}{changes} (at the start of the run)"
 
 
 def render(results: dict, timings: dict, speed: list[dict], command: str, args, elapsed: float,
-           paper_seeds: dict | None = None) -> str:
+           paper_seeds: dict | None = None, commit: str | None = None) -> str:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     paper_lines, paper_checks = _paper_against_reference(results, paper_seeds or {}, args.runs)
     lines = [
@@ -360,7 +367,7 @@ def render(results: dict, timings: dict, speed: list[dict], command: str, args, 
         "",
         f"{args.runs} Monte-Carlo runs per row, seed {args.seed}, measured {now} on "
         f"{os.cpu_count()} CPU(s) shared with other jobs, in {elapsed / 60:.0f} min of wall time "
-        f"over {args.workers} worker process(es); {_commit()}.",
+        f"over {args.workers} worker process(es); {commit or _commit()}.",
         "",
         "f = f(mu p_hat_t): the objective of the mixture the algorithm would deploy after t rounds, "
         "under the true means. r = (f - f_single*) / (f_mix* - f_single*) per run: 0 is the best single "
@@ -392,7 +399,8 @@ def render(results: dict, timings: dict, speed: list[dict], command: str, args, 
             "s.e. of the difference, where the reference's standard error is ours rescaled to 1000 runs "
             "(the same process), so |z| <= 2 is within Monte-Carlo noise. The pooled mean over all seeds "
             "estimates the expectation of the preset's mean objective. The distribution of f has a long "
-            "left tail (a run that has drifted to arm 0 scores down to -18), which makes the mean noisy.",
+            "left tail (a run that has drifted to arm 0 scores down to -18), which makes the mean noisy. The "
+            "reference is quoted to two decimals (+- 0.005).",
             "",
             *paper_lines,
             "",
@@ -470,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = "python bench/convergence.py " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
+    commit = _commit()
 
     setups = {label: scenario.with_overrides(seed=args.seed)
               for label, scenario in _setups(args.runs, args.rounds_a, args.rounds_b).items()}
@@ -511,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
             timings[label][row] = "scored on the default row's runs"
     paper_seeds = {row: collected[("A", row)][0] for _, row, _, _, seed in job_list if seed is not None}
 
-    section = render(results, timings, speed, command.strip(), args, time.perf_counter() - started, paper_seeds)
+    section = render(results, timings, speed, command.strip(), args, time.perf_counter() - started, paper_seeds, commit)
     print(section)
     if args.json is not None:
         args.json.write_text(
