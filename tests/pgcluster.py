@@ -1,9 +1,10 @@
 """A private, throwaway PostgreSQL cluster on loopback, for the test suite and the benchmarks.
 
-Used by ``tests/conftest.py`` (the ``postgres_server_url`` fixture) and ``bench/serve.py``; both load
-this file by path, so it imports nothing beyond the standard library. The cluster lives in a
-temporary folder, listens on 127.0.0.1 only, trusts local connections, runs without fsync (nothing in
-it outlives the process that made it) and is removed by :meth:`Cluster.stop`.
+Used by ``tests/conftest.py`` (the ``postgres_server_url`` fixture) and ``bench/serve.py``, which load
+this file by path, so it imports nothing beyond the standard library; the tests that start servers
+take ``free_port`` from here too. The cluster lives in a temporary folder, listens on 127.0.0.1 only,
+trusts local connections, runs without fsync (nothing in it outlives the process that made it) and
+is removed by :meth:`Cluster.stop`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.server
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -28,12 +27,7 @@ import requests
 import migrations
 
 from pasto.client import Client
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.pgcluster import free_port
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,16 +26,11 @@ import sqlalchemy as sa
 import migrations
 from service.db import make_engine
 from tests.service.conftest import ADMIN_TOKEN
+from tests.pgcluster import free_port
 
 PYTHON = sys.executable
 #: How long a starting process may take to answer /healthz (interpreter start, imports, migrations check).
 START_SECONDS = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

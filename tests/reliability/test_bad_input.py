@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from service.auth import create_token
 from service.config import DEFAULT_MAX_CONTENT_LENGTH
 from service.db import get_db
-from tests.service.conftest import backend_url, make_app, serve  # noqa: F401 (fixtures used below)
+from tests.service.conftest import backend_url, make_app, serve, setup_a_body  # noqa: F401 (fixtures used below)
 
 ROLES = ("read", "ingest", "admin")
 INGESTION_TABLES = ("observation_ids", "round_statistics", "arm_round_counts", "round_units")
@@ -56,21 +56,6 @@ CLOSE = f"{EXPERIMENTS}/{LIVE}/rounds"
 
 MINIMUM_FUZZED_REQUESTS = 2_000
 SQL_STRINGS = ("'; DROP TABLE observation_ids; --", '" OR 1=1 --', "x'); DELETE FROM round_units WHERE ('1'='1")
-
-
-def experiment_body(name: str, **overrides: Any) -> dict[str, Any]:
-    """Setup A of the paper: arms a/b, metrics x/y, maximise x under the guardrail y >= 0."""
-    body = {
-        "name": name,
-        "arms": [{"name": "a", "params": {"weight": 1.0}}, {"name": "b", "params": {"weight": 0.0}}],
-        "metrics": ["x", "y"],
-        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
-        "round_seconds": 3600,
-        "settle_seconds": 0,
-        "seed": 7,
-    }
-    body.update(overrides)
-    return body
 
 
 def observation(**overrides: Any) -> dict[str, Any]:
@@ -123,7 +108,7 @@ class Service:
 def seed_experiments(service: Service) -> None:
     """LIVE with 40 observed units in each of rounds 0 and 1, both closed; STOPPED; DOOMED."""
     for name in (LIVE, STOPPED, DOOMED):
-        assert service("POST", EXPERIMENTS, json=experiment_body(name)).status_code == 201
+        assert service("POST", EXPERIMENTS, json=setup_a_body(name)).status_code == 201
     for round_index in range(LIVE_ROUND):
         units = [f"seed-{round_index}-{i}" for i in range(40)]
         assigned = service("POST", ASSIGN, "ingest", json={"units": units}).get_json()["assignments"]
@@ -197,7 +182,7 @@ def refuse_and_check_nothing_changed(service: Service, send, status: int, locati
 
 # ====================================================================== non-finite and out-of-range numbers
 LITERALS = ["NaN", "Infinity", "-Infinity", "1e309", "-1e309"]
-_SETUP = json.dumps(experiment_body("numbers"))
+_SETUP = json.dumps(setup_a_body("numbers", settle_seconds=0))
 # (request, JSON text with {v} where the literal goes, location of the problem, word of the message).
 # test_invalid covers a NaN/Infinity/1e309 metric value of a one-observation batch, NaN params and
 # the guardrail threshold; these are every other numeric field.
@@ -235,8 +220,8 @@ OUT_OF_RANGE = [
     ("POST", OBSERVATIONS, {"observations": [observation(round=2.0)]}, "observations[0].round", "integer"),
     ("POST", OBSERVATIONS, {"observations": [observation(values={"x": -1e101})]}, "observations[0].values.x",
      "greater than"),
-    ("POST", EXPERIMENTS, experiment_body("big-seed", seed=2**63), "seed", "less than"),
-    ("POST", EXPERIMENTS, experiment_body("big-weight", objective={"primary": {"x": 1e101}}),
+    ("POST", EXPERIMENTS, setup_a_body("big-seed", seed=2**63), "seed", "less than"),
+    ("POST", EXPERIMENTS, setup_a_body("big-weight", objective={"primary": {"x": 1e101}}),
      "objective.primary.weights.x", "less than"),
     ("POST", CLOSE, {"round": 2**70}, None, "Round 1180591620717411303424"),
 ]
@@ -252,7 +237,7 @@ def test_out_of_range_numbers_are_refused_naming_the_field(shared, method, path,
 # ====================================================================== oversized bodies
 @pytest.mark.parametrize("path, body", [
     (OBSERVATIONS, {"observations": [observation(id=f"o-{i}", unit=f"u-{i}") for i in range(40)]}),
-    (EXPERIMENTS, experiment_body("many-arms", arms=[{"name": f"arm-{i}"} for i in range(100)])),
+    (EXPERIMENTS, setup_a_body("many-arms", arms=[{"name": f"arm-{i}"} for i in range(100)])),
     (CLOSE, {"round": LIVE_ROUND, "padding": "x" * 4096}),  # closing must not happen on a body it refused
 ], ids=["observations", "experiment", "close-round"])
 def test_body_over_a_small_limit_is_413_naming_the_limit(shared, monkeypatch, path, body):
@@ -306,7 +291,7 @@ def test_chunked_bodies_on_a_real_server(service, serve):  # noqa: F811 (the fix
 
 # ====================================================================== wrong JSON types
 def _creation(**change: Any) -> dict[str, Any]:
-    return {**experiment_body("typed"), **change}
+    return {**setup_a_body("typed"), **change}
 
 
 def _guardrail(**change: Any) -> dict[str, Any]:
@@ -487,8 +472,8 @@ def test_sql_looking_strings_are_refused_or_stored_as_plain_data(backend_service
     for text in SQL_STRINGS:
         # Experiment and metric names have a pattern: refused, naming the field.
         refuse_and_check_nothing_changed(service, lambda: service("POST", EXPERIMENTS, json={
-            **experiment_body("x"), "name": text}), 422, "name", "pattern")
-        refuse_and_check_nothing_changed(service, lambda: service("POST", EXPERIMENTS, json=experiment_body(
+            **setup_a_body("x"), "name": text}), 422, "name", "pattern")
+        refuse_and_check_nothing_changed(service, lambda: service("POST", EXPERIMENTS, json=setup_a_body(
             "sql-metrics", metrics=[text, "y"])), 422, "metrics[0]", "pattern")
         refuse_and_check_nothing_changed(service, lambda: service("POST", OBSERVATIONS, json={"observations": [
             observation(values={text: 1.0})]}), 422, f"observations[0].values.{text}.[key]", "pattern")
@@ -503,7 +488,7 @@ def test_sql_looking_strings_are_refused_or_stored_as_plain_data(backend_service
         assert repr(text) in error["message"]
 
     # Arm names, unit ids and observation ids are free text: stored and answered verbatim.
-    created = service("POST", EXPERIMENTS, json=experiment_body(
+    created = service("POST", EXPERIMENTS, json=setup_a_body(
         "sql-arms", arms=[{"name": SQL_STRINGS[0]}, {"name": SQL_STRINGS[1]}]))
     assert created.status_code == 201, created.get_json()
     assert [arm["name"] for arm in created.get_json()["arms"]] == list(SQL_STRINGS[:2])

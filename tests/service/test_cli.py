@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import time
 import requests
 
 from pasto.cli import main as pasto_main
+from tests.pgcluster import free_port
 
 PASTO = [sys.executable, "-m", "pasto.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(url: str, process: subprocess.Popen, deadline_seconds: float = 60) -> requests.Response:

@@ -13,12 +13,7 @@ import time
 
 from pasto.client import Client, PastoAPIError, PastoConnectionError
 from service.demo import EXPERIMENT, build_scenario, check_scenario
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.pgcluster import free_port
 
 
 def port_is_closed(port: int) -> bool:
