@@ -3,6 +3,12 @@
 Hot-path writes never read-modify-write a row: ingestion aggregates into :class:`RoundStatistic` and
 :class:`ArmRoundCount` with ``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``,
 and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
+
+Pooled statistics are folded, not re-aggregated: :class:`PooledStatistic` holds the running totals
+of every :class:`RoundStatistic` row as far as it has been folded, and each row's ``folded_*``
+columns record how much of it that is. A row whose ``count`` differs from its ``folded_count`` (new,
+or grown by ingestion since the last fold) is in the partial index ``ix_round_statistics_unfolded``,
+so a round update finds the new data without reading history (``service.rounds``).
 """
 
 from __future__ import annotations
@@ -103,9 +109,18 @@ class Round(Base):
 
 
 class RoundStatistic(Base):
-    """Sufficient statistics of one metric for one arm in one round."""
+    """Sufficient statistics of one metric for one arm in one round.
+
+    ``folded_*``: the part of ``count``/``sum``/``sum_of_squares`` already added into
+    :class:`PooledStatistic`. Ingestion only adds observations (``count`` grows with every change), so
+    ``count <> folded_count`` is exactly "has data not folded yet", the predicate of the partial index.
+    """
 
     __tablename__ = "round_statistics"
+    __table_args__ = (
+        sa.Index("ix_round_statistics_unfolded", "experiment_id", "round_index",
+                 sqlite_where=sa.text("count <> folded_count"), postgresql_where=sa.text("count <> folded_count")),
+    )
 
     experiment_id: Mapped[int] = mapped_column(
         sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
@@ -113,6 +128,25 @@ class RoundStatistic(Base):
     round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+    folded_count: Mapped[int] = mapped_column(sa.BigInteger, server_default=sa.text("0"))
+    folded_sum: Mapped[float] = mapped_column(sa.Double, server_default=sa.text("0"))
+    folded_sum_of_squares: Mapped[float] = mapped_column(sa.Double, server_default=sa.text("0"))
+
+
+class PooledStatistic(Base):
+    """Running totals per metric and arm of every :class:`RoundStatistic` folded so far (its
+    ``folded_*`` values summed over rounds): the pooled statistics without the unfolded rest."""
+
+    __tablename__ = "pooled_statistics"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     count: Mapped[int] = mapped_column(sa.BigInteger)
     sum: Mapped[float] = mapped_column(sa.Double)
     sum_of_squares: Mapped[float] = mapped_column(sa.Double)

@@ -19,6 +19,17 @@ produces one long round, not a burst of empty catch-up rounds.
 Every close is one transaction holding the experiment row lock, with a compare-and-set
 (``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
 scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
+
+Pooled statistics are folded, so a close costs the same in round 1,000 as in round 1. Every
+``round_statistics`` row records how much of it has been added into the running totals of
+``pooled_statistics`` (its ``folded_*`` columns). The update of round r first folds: the rows of
+rounds <= r whose ``count`` differs from ``folded_count`` (found through a partial index, so only
+new data is read: round r's rows, late rows of earlier rounds) add ``count - folded_count`` etc. into
+the totals and get ``folded_* = count`` etc. The totals are then exactly the pooled statistics of
+rounds <= r, late data included; rows of rounds > r (served while r settled) stay unfolded until
+their own update. Diagnostics read the totals plus the unfolded part of rounds <= the current round
+without writing. Float sums are accumulated fold by fold, so they can differ in the last bits from
+one aggregate over all rows.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from .cache import get_cache
 from .db import Database, get_db
 from .errors import ApiError, invalid
 from .experiments import iso
-from .models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic, utcnow
+from .models import Arm, ArmRoundCount, Experiment, PooledStatistic, Round, RoundStatistic, utcnow
 from .schemas import json_body
 
 log = logging.getLogger(__name__)
@@ -132,7 +143,7 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
     summaries: list[_PendingSummary] = []
     try:
         with database.write() as session:
-            result = _advance_in(session, experiment_id, now, manual, expected_round_index, summaries)
+            result = _advance_in(database, session, experiment_id, now, manual, expected_round_index, summaries)
             if result is None:
                 return None
     except _LostRace:
@@ -149,8 +160,10 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
     return result
 
 
-def _advance_in(session, experiment_id: int, now: datetime, manual: bool, expected_round_index: int | None,
-                summaries: list[_PendingSummary]) -> RoundAdvance | None:
+def _advance_in(database: Database, session, experiment_id: int, now: datetime, manual: bool,
+                expected_round_index: int | None, summaries: list[_PendingSummary]) -> RoundAdvance | None:
+    # Exclusive row lock: ingestion takes it shared, so no observation lands while this transaction
+    # folds statistics (fold_statistics relies on it) or decides which rounds are late.
     experiment = session.execute(
         sa.select(_experiments).where(_experiments.c.id == experiment_id).with_for_update()
     ).one_or_none()
@@ -183,8 +196,8 @@ def _advance_in(session, experiment_id: int, now: datetime, manual: bool, expect
         algorithm, objective = algorithm_and_objective(session, experiment_id, config)
         for index in due:
             round_row = rounds[index]
-            round_statistics, pooled = update_statistics(session, experiment_id, index, objective.n_metrics,
-                                                         state.n_arms)
+            round_statistics, pooled = update_statistics(database, session, experiment_id, index,
+                                                         objective.n_metrics, state.n_arms)
             propensities = np.asarray(round_row.probabilities, dtype=np.float64)
             state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
             round_row.applied_at = now
@@ -253,13 +266,87 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
     return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
 
 
-def _statistics_from_rows(rows, n_metrics: int, n_arms: int) -> Statistics:
-    """(metric_index, arm_index, count, sum, sum_of_squares) rows -> M x K :class:`Statistics`."""
-    return _statistics_from_array(np.array(rows, dtype=np.float64).reshape(len(rows), 5), n_metrics, n_arms)
+def fold_statistics(database: Database, session, experiment_id: int, last_round: int) -> int:
+    """Add the unfolded part of every ``round_statistics`` row of rounds <= ``last_round`` into
+    ``pooled_statistics`` and mark those rows folded; returns the number of rows folded.
+
+    Work proportional to the new data: the rows are found through the partial index on
+    ``count <> folded_count`` (new rows and rows ingestion added to since the last fold), never by
+    reading history. Rows of rounds > ``last_round`` stay unfolded for their own update. Must run in
+    the close transaction, after the experiment row was locked exclusively: ingestion holds that lock
+    shared (``service.observations``), so no observation can change a row between the delta read by
+    the first statement and the ``folded_* = current`` of the second.
+    """
+    table, pooled = RoundStatistic.__table__, PooledStatistic.__table__
+    unfolded = sa.and_(table.c.experiment_id == experiment_id, table.c.round_index <= last_round,
+                       table.c.count != table.c.folded_count)
+    deltas = (
+        sa.select(table.c.experiment_id, table.c.metric_index, table.c.arm_index,
+                  sa.func.sum(table.c.count - table.c.folded_count), sa.func.sum(table.c.sum - table.c.folded_sum),
+                  sa.func.sum(table.c.sum_of_squares - table.c.folded_sum_of_squares))
+        .where(unfolded)
+        .group_by(table.c.experiment_id, table.c.metric_index, table.c.arm_index)
+        .order_by(table.c.metric_index, table.c.arm_index)  # one lock order, as ingestion's upserts
+    )
+    upsert = database.insert(pooled).from_select(
+        ["experiment_id", "metric_index", "arm_index", "count", "sum", "sum_of_squares"], deltas)
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[pooled.c.experiment_id, pooled.c.metric_index, pooled.c.arm_index],
+        set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
+    )
+    session.execute(upsert)
+    return session.execute(
+        sa.update(table).where(unfolded)
+        .values(folded_count=table.c.count, folded_sum=table.c.sum, folded_sum_of_squares=table.c.sum_of_squares)
+    ).rowcount
 
 
-def _statistics_from_array(data: np.ndarray, n_metrics: int, n_arms: int) -> Statistics:
-    """Columns metric_index, arm_index, count, sum, sum_of_squares (float64, one row per cell)."""
+def update_statistics(database: Database, session, experiment_id: int, round_index: int, n_metrics: int,
+                      n_arms: int) -> tuple[Statistics, Statistics]:
+    """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``, for
+    its update: folds the new data (:func:`fold_statistics`), then reads round ``round_index``'s rows
+    and the K x M running totals. Nothing here grows with the number of rounds."""
+    fold_statistics(database, session, experiment_id, round_index)
+    this_round = _read_statistics(
+        session, "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+                 "WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index), n_metrics, n_arms)
+    pooled = _read_statistics(
+        session, "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+                 "WHERE experiment_id = {p}", (experiment_id,), n_metrics, n_arms)
+    return this_round, pooled
+
+
+def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
+    """Statistics summed over rounds <= ``last_round`` without folding (read only, for reports): the
+    running totals plus the unfolded part of rows of rounds <= ``last_round`` (the current round and
+    late data, found through the partial index). One statement, so a close committing meanwhile cannot
+    make a row count twice (in the totals and as unfolded) or not at all."""
+    return _read_statistics(
+        session,
+        "SELECT metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
+        "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+        "WHERE experiment_id = {p} "
+        "UNION ALL SELECT metric_index, arm_index, count - folded_count, sum - folded_sum, "
+        "sum_of_squares - folded_sum_of_squares FROM round_statistics "
+        "WHERE experiment_id = {p} AND round_index <= {p} AND count <> folded_count"
+        ") AS cells GROUP BY metric_index, arm_index",
+        (experiment_id, experiment_id, last_round), n_metrics, n_arms)
+
+
+def _read_statistics(session, sql: str, parameters: tuple, n_metrics: int, n_arms: int) -> Statistics:
+    """Rows (metric_index, arm_index, count, sum, sum_of_squares) of ``sql`` -> M x K :class:`Statistics`.
+
+    Plain SQL on the DBAPI cursor (``{p}`` marks the parameters), straight into one float64 array: at
+    K = 10,000 there are 50,000 rows, and SQLAlchemy row objects cost more than the query.
+    """
+    connection = session.connection()
+    placeholder = "%s" if connection.dialect.paramstyle in ("format", "pyformat") else "?"
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(sql.format(p=placeholder), parameters)
+        data = np.array(cursor.fetchall(), dtype=np.float64).reshape(-1, 5)
+    finally:
+        cursor.close()
     counts = np.zeros((n_metrics, n_arms))
     sums = np.zeros((n_metrics, n_arms))
     sums_of_squares = np.zeros((n_metrics, n_arms))
@@ -268,47 +355,6 @@ def _statistics_from_array(data: np.ndarray, n_metrics: int, n_arms: int) -> Sta
     sums[metric, arm] = data[:, 3]
     sums_of_squares[metric, arm] = data[:, 4]
     return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
-
-
-def update_statistics(session, experiment_id: int, round_index: int, n_metrics: int,
-                      n_arms: int) -> tuple[Statistics, Statistics]:
-    """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``.
-
-    One aggregate query (conditional sums) so the M x K cells travel from the database once. Plain
-    SQL on the DBAPI cursor, straight into one float64 array: at K = 10,000 there are 50,000 result
-    rows, and SQLAlchemy row objects and per-column Python lists cost more than the query.
-    """
-    connection = session.connection()
-    placeholder = "%s" if connection.dialect.paramstyle in ("format", "pyformat") else "?"
-    in_round = f"round_index = {placeholder}"
-    sql = (
-        "SELECT metric_index, arm_index, "
-        f"SUM(CASE WHEN {in_round} THEN count ELSE 0 END), SUM(CASE WHEN {in_round} THEN sum ELSE 0 END), "
-        f"SUM(CASE WHEN {in_round} THEN sum_of_squares ELSE 0 END), "
-        "SUM(count), SUM(sum), SUM(sum_of_squares) "
-        f"FROM round_statistics WHERE experiment_id = {placeholder} AND round_index <= {placeholder} "
-        "GROUP BY metric_index, arm_index"
-    )
-    cursor = connection.connection.cursor()
-    try:
-        cursor.execute(sql, (round_index, round_index, round_index, experiment_id, round_index))
-        data = np.array(cursor.fetchall(), dtype=np.float64).reshape(-1, 8)
-    finally:
-        cursor.close()
-    return (_statistics_from_array(data[:, [0, 1, 2, 3, 4]], n_metrics, n_arms),
-            _statistics_from_array(data[:, [0, 1, 5, 6, 7]], n_metrics, n_arms))
-
-
-def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
-    """Statistics summed over rounds <= ``last_round``, aggregated by the database."""
-    table = RoundStatistic.__table__
-    rows = session.execute(
-        sa.select(table.c.metric_index, table.c.arm_index, sa.func.sum(table.c.count),
-                  sa.func.sum(table.c.sum), sa.func.sum(table.c.sum_of_squares))
-        .where(table.c.experiment_id == experiment_id, table.c.round_index <= last_round)
-        .group_by(table.c.metric_index, table.c.arm_index)
-    ).all()
-    return _statistics_from_rows(rows, n_metrics, n_arms)
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,

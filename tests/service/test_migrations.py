@@ -31,12 +31,42 @@ def _check_round_trip(url: str) -> None:
         assert inspector.get_pk_constraint("observation_ids")["constrained_columns"] == ["experiment_id", "client_id"]
         assert inspector.get_pk_constraint("round_statistics")["constrained_columns"] == [
             "experiment_id", "round_index", "arm_index", "metric_index"]
+        _check_fold_schema(inspector, engine.dialect.name)
     finally:
         engine.dispose()
+    migrations.downgrade(url, "0001")  # 0002 alone: the fold's columns, index and table go, the rest stays
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        assert _tables(url) == EXPECTED_TABLES - {"pooled_statistics"}
+        assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
+            "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
+        assert inspector.get_indexes("round_statistics") == []
+        assert migrations.current_revision(engine) == "0001"
+    finally:
+        engine.dispose()
+    migrations.upgrade(url)
+    assert _tables(url) == EXPECTED_TABLES
     migrations.downgrade(url)
     assert _tables(url) == set()
     migrations.upgrade(url)
     assert _tables(url) == EXPECTED_TABLES
+
+
+def _check_fold_schema(inspector, dialect: str) -> None:
+    """Revision 0002: folded_* columns (NOT NULL, default 0), the partial index, pooled_statistics."""
+    columns = {column["name"]: column for column in inspector.get_columns("round_statistics")}
+    for name in ("folded_count", "folded_sum", "folded_sum_of_squares"):
+        assert columns[name]["nullable"] is False and "0" in str(columns[name]["default"]), columns[name]
+    (index,) = inspector.get_indexes("round_statistics")
+    assert index["name"] == "ix_round_statistics_unfolded"
+    assert index["column_names"] == ["experiment_id", "round_index"]
+    predicate = str(index["dialect_options"][f"{dialect}_where"]).replace("(", "").replace(")", "")
+    assert predicate.lower().replace('"', "") == "count <> folded_count", predicate
+    assert inspector.get_pk_constraint("pooled_statistics")["constrained_columns"] == [
+        "experiment_id", "metric_index", "arm_index"]
+    (foreign_key,) = inspector.get_foreign_keys("pooled_statistics")
+    assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
 
 
 def test_upgrade_downgrade_sqlite(sqlite_url):

@@ -1,5 +1,7 @@
-"""The statistics a round close reads: the same arrays, to the last bit, as the SQLAlchemy-row version
-they replaced (kept here as the reference), on both backends."""
+"""The statistics a round close reads: round r's own cells exactly as stored, and pooled statistics
+folded round by round equal to an independent full aggregate over rounds <= r (counts exactly, float
+sums to 1e-12 relative: they are now accumulated fold by fold instead of in one aggregate, so the
+last bits can differ), late rows included, on both backends."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from service.rounds import pooled_statistics, update_statistics
 
 
 def _reference(session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int):
-    """update_statistics as it was (commit 4ac4987): SQLAlchemy rows, per-column lists."""
+    """The full aggregate the fold replaced (commit 4ac4987): SQLAlchemy rows, per-column lists."""
     table = RoundStatistic.__table__
     in_round = table.c.round_index == round_index
 
@@ -44,7 +46,15 @@ def _as_arrays(statistics):
     return statistics.counts, statistics.sums, statistics.sums_of_squares
 
 
-def test_update_statistics_equals_the_reference_bit_for_bit(backend_url, app_factory, setup_a, admin_token):
+def _assert_pooled_equal(got, expected) -> None:
+    counts, sums, squares = got
+    assert all(array.dtype == np.float64 and array.shape == (3, 7) for array in got)
+    assert np.array_equal(counts, expected[0])
+    np.testing.assert_allclose(sums, expected[1], rtol=1e-12, atol=1e-9)
+    np.testing.assert_allclose(squares, expected[2], rtol=1e-12, atol=1e-9)
+
+
+def test_folded_statistics_equal_the_full_aggregate(backend_url, app_factory, setup_a, admin_token):
     app = app_factory(backend_url)
     client = app.test_client()
     arms = [{"name": f"arm-{k}"} for k in range(7)]
@@ -55,22 +65,42 @@ def test_update_statistics_equals_the_reference_bit_for_bit(backend_url, app_fac
     with database.read() as session:
         experiment_id = session.execute(sa.select(Experiment.id)).scalar_one()
     rng = np.random.default_rng(5)
-    rows = [
-        {"experiment_id": experiment_id, "round_index": r, "arm_index": k, "metric_index": m,
-         "count": int(rng.integers(1, 50)), "sum": float(rng.normal(0, 1e3)), "sum_of_squares": float(rng.gamma(2.0, 1e5))}
-        for r in range(6) for k in range(7) for m in range(3) if rng.random() < 0.7  # some cells empty
-    ]
+    table = RoundStatistic.__table__
+
+    def random_rows(rounds):
+        return [
+            {"experiment_id": experiment_id, "round_index": r, "arm_index": k, "metric_index": m,
+             "count": int(rng.integers(1, 50)), "sum": float(rng.normal(0, 1e3)),
+             "sum_of_squares": float(rng.gamma(2.0, 1e5))}
+            for r in rounds for k in range(7) for m in range(3) if rng.random() < 0.7  # some cells empty
+        ]
+
     with database.write() as session:
-        session.execute(sa.insert(RoundStatistic.__table__), rows)
-    with database.read() as session:
-        for round_index in range(7):  # round 6 has no rows at all
+        session.execute(sa.insert(table), random_rows(range(6)))
+    for round_index in range(9):  # rounds 6.. have no rows of their own
+        if round_index in (3, 6):  # late data for folded rounds, added the way ingestion adds it
+            with database.write() as session:
+                database.add_rows(session.connection(), table,
+                                  ("experiment_id", "round_index", "arm_index", "metric_index"),
+                                  ("count", "sum", "sum_of_squares"),
+                                  [tuple(row.values()) for row in random_rows(range(round_index - 2))])
+        with database.write() as session:
             expected_round, expected_pooled = _reference(session, experiment_id, round_index, 3, 7)
-            got_round, got_pooled = update_statistics(session, experiment_id, round_index, 3, 7)
-            for got, expected in zip(_as_arrays(got_round) + _as_arrays(got_pooled), expected_round + expected_pooled):
+            # Read-only pooled statistics before the fold: the totals plus the unfolded rows.
+            _assert_pooled_equal(_as_arrays(pooled_statistics(session, experiment_id, round_index, 3, 7)),
+                                 expected_pooled)
+            got_round, got_pooled = update_statistics(database, session, experiment_id, round_index, 3, 7)
+            for got, expected in zip(_as_arrays(got_round), expected_round):
                 assert got.dtype == np.float64 and got.shape == (3, 7)
-                assert np.array_equal(got, expected)
-            pooled = pooled_statistics(session, experiment_id, round_index, 3, 7)
-            for got, expected in zip(_as_arrays(pooled), expected_pooled):
-                assert np.array_equal(got, expected)
-        assert not update_statistics(session, experiment_id + 1, 3, 3, 7)[1].counts.any()  # no rows at all
+                assert np.array_equal(got, expected)  # round r's own rows, read as stored
+            _assert_pooled_equal(_as_arrays(got_pooled), expected_pooled)
+            _assert_pooled_equal(_as_arrays(pooled_statistics(session, experiment_id, round_index, 3, 7)),
+                                 expected_pooled)
+            # Rows of later rounds are not folded by round r's update.
+            later = session.execute(
+                sa.select(sa.func.count()).select_from(table)
+                .where(table.c.round_index > round_index, table.c.folded_count != 0)).scalar_one()
+            assert later == 0
+    with database.write() as session:
+        assert not update_statistics(database, session, experiment_id + 1, 3, 3, 7)[1].counts.any()  # no rows
     database.engine.dispose()
