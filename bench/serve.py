@@ -280,6 +280,9 @@ def _build_wsgi(config: dict[str, Any]):
     def statement_counts():
         return jsonify(dict(statements))
 
+    from service import freeze_startup_heap
+
+    freeze_startup_heap()  # as `pasto serve` and service.wsgi do before serving
     return DispatcherMiddleware(app, {"/bare": bare})
 
 

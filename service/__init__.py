@@ -7,6 +7,7 @@ waitress or gunicorn. The scheduler that closes rounds is started by ``pasto ser
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +61,21 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     monitoring.init_app(app)
     app.register_blueprint(dashboard.bp)
     return app
+
+
+def freeze_startup_heap() -> None:
+    """Take the objects alive now out of the cyclic garbage collector's full collections.
+
+    For a server process, once its application is built and before it serves. A request that
+    ingests a batch of observations allocates thousands of containers (the parsed JSON, one
+    validated model per observation), enough to trigger a full collection every 20 batches or so,
+    and a full collection walks every object of the process: the modules, SQLAlchemy's and
+    pydantic's schemas, ... (about 150,000 objects, 80 ms, on the benchmark machine). Frozen, those
+    are skipped, and a full collection only walks what the requests allocated. Garbage is collected
+    first, so no cycle is frozen; the frozen objects were meant to live as long as the process.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def check_schema(engine) -> None:

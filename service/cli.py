@@ -128,6 +128,7 @@ def _exit_on_signal(signum, _frame) -> None:
 def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> int:
     from waitress import create_server
 
+    from . import freeze_startup_heap
     from .scheduler import start_scheduler
 
     server = create_server(app, host=host, port=port, threads=threads)
@@ -137,6 +138,7 @@ def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> i
     # waitress's run() turns SystemExit/KeyboardInterrupt into an orderly shutdown of its threads
     # (closing the listening socket alone would wait for idle keep-alive connections to time out).
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    freeze_startup_heap()
     try:
         server.run()
     finally:

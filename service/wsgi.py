@@ -3,6 +3,7 @@
 Rounds are closed by a separate ``pasto worker`` process in that setup.
 """
 
-from service import create_app
+from service import create_app, freeze_startup_heap
 
 app = create_app()
+freeze_startup_heap()
