@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.conftest import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_convergence", ROOT / "bench" / "convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    # Registered so that the worker pool can pickle the module's functions by name.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with bench_script("convergence") as module:
+        yield module
 
 
 def test_write_section_replaces_only_the_convergence_section(bench, tmp_path):

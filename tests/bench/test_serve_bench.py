@@ -6,24 +6,21 @@ failed, and that the assignment path wrote nothing to the database.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.conftest import bench_script
+
 OTHER_SECTIONS = "# Benchmarks\n\n## Client\n\nclient figures\n\n## Serving\n\nold serving figures\n\n## Convergence\n\nfigures C\n"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("bench_serve", ROOT / "bench" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     docs = tmp_path_factory.mktemp("docs") / "benchmarks.md"
     docs.write_text(OTHER_SECTIONS)
-    return module.main(["--quick", "--write-docs"], docs=docs), docs
+    with bench_script("serve") as module:
+        return module.main(["--quick", "--write-docs"], docs=docs), docs
 
 
 def _measured(row: dict) -> bool:
