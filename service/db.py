@@ -84,7 +84,7 @@ class Database:
         head = f"INSERT INTO {self.engine.dialect.identifier_preparer.format_table(table)} " \
                f"({', '.join(self._quote(c) for c in columns)}) "
         if self.dialect == "postgresql":
-            types = [table.c[c].type.compile(dialect=self.engine.dialect) for c in columns]
+            types = [_array_element_type(table.c[c].type, self.engine.dialect) for c in columns]
             arrays = ", ".join(f"%b::{column_type}[]" for column_type in types)  # %b: binary arrays, no quoting
             sql = f"{head}SELECT * FROM unnest({arrays}) {conflict}"
             return _execute_raw(connection, sql, tuple(list(column) for column in zip(*rows)))
@@ -108,6 +108,16 @@ class Database:
         """A session in one write transaction: committed on success, rolled back on any exception."""
         with self.write_sessions() as session, session.begin():
             yield session
+
+
+def _array_element_type(column_type: sa.types.TypeEngine, dialect: sa.Dialect) -> str:
+    """The SQL name of ``column_type`` for a ``::<type>[]`` cast: without a ``COLLATE`` clause, which is
+    not part of a type name (the column's collation applies on insert)."""
+    column_type = column_type.dialect_impl(dialect)
+    if getattr(column_type, "collation", None) is not None:
+        column_type = column_type.copy()
+        column_type.collation = None
+    return column_type.compile(dialect=dialect)
 
 
 def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list[tuple]:

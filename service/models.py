@@ -167,15 +167,22 @@ class ArmRoundCount(Base):
     late_observations: Mapped[int] = mapped_column(sa.BigInteger)
 
 
+#: Text keys of the per-observation tables: byte order on PostgreSQL (SQLite always compares bytes).
+ByteOrderKey = sa.String(256).with_variant(sa.String(256, collation="C"), "postgresql")
+
+
 class ObservationId(Base):
-    """Every observation id ever accepted: the primary key makes ingestion exactly-once."""
+    """Every observation id ever accepted: the primary key makes ingestion exactly-once.
+
+    No foreign key to ``experiments`` here or in :class:`RoundUnit` (migration 0003): these tables get
+    a row per observation, a per-row check would cost a third of each insert, and ingestion already
+    holds a share lock on the experiment's row while it writes them.
+    """
 
     __tablename__ = "observation_ids"
 
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
-    client_id: Mapped[str] = mapped_column(sa.String(256), primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    client_id: Mapped[str] = mapped_column(ByteOrderKey, primary_key=True)
     round_index: Mapped[int]
     arm_index: Mapped[int]
 
@@ -185,11 +192,9 @@ class RoundUnit(Base):
 
     __tablename__ = "round_units"
 
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
+    experiment_id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    unit: Mapped[str] = mapped_column(sa.String(256), primary_key=True)
+    unit: Mapped[str] = mapped_column(ByteOrderKey, primary_key=True)
     arm_index: Mapped[int]
 
 

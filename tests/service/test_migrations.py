@@ -32,6 +32,13 @@ def _check_round_trip(url: str) -> None:
         assert inspector.get_pk_constraint("round_statistics")["constrained_columns"] == [
             "experiment_id", "round_index", "arm_index", "metric_index"]
         _check_fold_schema(inspector, engine.dialect.name)
+        _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0002")  # 0003 alone: the foreign keys and the locale collation come back
+    engine = sa.create_engine(url)
+    try:
+        _check_ingestion_keys(sa.inspect(engine), engine.dialect.name, migrated=False)
     finally:
         engine.dispose()
     migrations.downgrade(url, "0001")  # 0002 alone: the fold's columns, index and table go, the rest stays
@@ -69,6 +76,20 @@ def _check_fold_schema(inspector, dialect: str) -> None:
     assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
 
 
+def _check_ingestion_keys(inspector, dialect: str, migrated: bool) -> None:
+    """Revision 0003: no foreign key on the per-observation tables, byte-order keys on PostgreSQL."""
+    for table, key in (("observation_ids", "client_id"), ("round_units", "unit")):
+        foreign_keys = inspector.get_foreign_keys(table)
+        if migrated:
+            assert foreign_keys == [], (table, foreign_keys)
+        else:
+            (foreign_key,) = foreign_keys
+            assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
+        if dialect == "postgresql":
+            (column,) = [c for c in inspector.get_columns(table) if c["name"] == key]
+            assert getattr(column["type"], "collation", None) == ("C" if migrated else None), (table, column)
+
+
 def test_upgrade_downgrade_sqlite(sqlite_url):
     _check_round_trip(sqlite_url)
 
@@ -78,13 +99,16 @@ def test_upgrade_downgrade_postgres(postgres_url):
     _check_round_trip(postgres_url)
 
 
-def test_models_match_the_migration(sqlite_url):
-    """Autogenerate finds nothing to do: the models and the migrations describe the same schema."""
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_models_match_the_migration(backend, request):
+    """Autogenerate finds nothing to do: the models and the migrations describe the same schema, on
+    both backends (the byte-order collation of the key columns is PostgreSQL's only)."""
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    migrations.upgrade(sqlite_url)
-    engine = sa.create_engine(sqlite_url)
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url)
+    engine = sa.create_engine(url)
     try:
         with engine.connect() as connection:
             differences = compare_metadata(MigrationContext.configure(connection), Base.metadata)
