@@ -30,7 +30,7 @@ from .cache import Snapshot, get_cache
 from .db import Database, get_db
 from .errors import ApiError, invalid
 from .models import ArmRoundCount, Experiment, ObservationId, RoundStatistic, RoundUnit
-from .schemas import Observation, ObservationBatch, json_body, parse
+from .schemas import Observation, ObservationBatch, json_bytes, parse_json
 
 bp = Blueprint("observations", __name__, url_prefix="/api/v1/experiments")
 
@@ -45,12 +45,12 @@ class IngestResult:
 @bp.post("/<name>/observations")
 @require_role("ingest")
 def ingest_observations(name: str):
-    body = json_body()
+    body = json_bytes()
     cache = get_cache()
     snapshot = cache.get(name)
     if snapshot.status == "stopped":
         raise _stopped(name)
-    batch = parse(ObservationBatch, body).observations
+    batch = parse_json(ObservationBatch, body).observations
     if max(observation.round for observation in batch) > snapshot.round_index:
         snapshot = cache.get(name, fresh=True)  # another worker may have started a newer round
     arm_indices = resolve_arms(snapshot, batch)
