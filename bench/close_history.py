@@ -1,10 +1,10 @@
-"""Round close time vs history: the folded pooled statistics against the full re-aggregate they replaced.
+"""Round close time vs history: pooled statistics as running totals against the full re-aggregate they replaced.
 
 Runs ``bench/serve.py``'s round-close measurement (``service.rounds.close_round`` on a database that
 gains K x M ``round_statistics`` rows per round) twice per backend in one process: once with the
 service as it is, once with ``service.rounds.update_statistics`` replaced by a copy of the full
-aggregate over every row of rounds <= r that it used before migration 0002 (the fold tables are then
-left unused). Prints the close transaction's milliseconds by round.
+aggregate over every row of rounds <= r that it used before migration 0002 (the running totals are
+then left unused). Prints the close transaction's milliseconds by round.
 
     python bench/close_history.py --arms 10000 --rounds 10 --backends sqlite,postgres
 """
@@ -27,7 +27,7 @@ _spec.loader.exec_module(serve)
 
 
 def full_aggregate(database, session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int):
-    """``update_statistics`` before the fold (commit 13360da): one aggregate over all rows of rounds <= r."""
+    """``update_statistics`` before running totals (commit 13360da): one aggregate over all rows of rounds <= r."""
     from pasto.estimators import Statistics
 
     connection = session.connection()
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     import service.rounds
 
-    folded = service.rounds.update_statistics
+    running_totals = service.rounds.update_statistics
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.backends.split(","):
             cluster = None
@@ -91,13 +91,13 @@ def main() -> None:
             else:
                 backend = serve.Backend("sqlite", Path(workdir))
             try:
-                for label, function in (("aggregate", full_aggregate), ("fold", folded)):
+                for label, function in (("aggregate", full_aggregate), ("totals", running_totals)):
                     service.rounds.update_statistics = function
                     series = measure(backend, args.arms, args.rounds, label)
                     print(f"{name} {label:9s} K = {args.arms:,}: " + ", ".join(f"{ms:.0f}" for ms in series) + " ms",
                           flush=True)
             finally:
-                service.rounds.update_statistics = folded
+                service.rounds.update_statistics = running_totals
                 backend.close()
                 if cluster is not None:
                     cluster.stop()

@@ -4,11 +4,11 @@ Hot-path writes never read-modify-write a row: ingestion aggregates into :class:
 :class:`ArmRoundCount` with ``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``,
 and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
 
-Pooled statistics are folded, not re-aggregated: :class:`PooledStatistic` holds the running totals
-of every :class:`RoundStatistic` row as far as it has been folded, and each row's ``folded_*``
-columns record how much of it that is. A row whose ``count`` differs from its ``folded_count`` (new,
-or grown by ingestion since the last fold) is in the partial index ``ix_round_statistics_unfolded``,
-so a round update finds the new data without reading history (``service.rounds``).
+Pooled statistics are kept as running totals, not re-aggregated: :class:`PooledStatistic` holds
+the sums of every applied round's :class:`RoundStatistic` rows, and :class:`LateStatistic` the
+observations ingestion accepted for rounds already applied (late data), which the next round update
+adds into the totals. A round update therefore reads one round's rows and the late cells, never the
+history (``service.rounds``).
 """
 
 from __future__ import annotations
@@ -109,18 +109,9 @@ class Round(Base):
 
 
 class RoundStatistic(Base):
-    """Sufficient statistics of one metric for one arm in one round.
-
-    ``folded_*``: the part of ``count``/``sum``/``sum_of_squares`` already added into
-    :class:`PooledStatistic`. Ingestion only adds observations (``count`` grows with every change), so
-    ``count <> folded_count`` is exactly "has data not folded yet", the predicate of the partial index.
-    """
+    """Sufficient statistics of one metric for one arm in one round."""
 
     __tablename__ = "round_statistics"
-    __table_args__ = (
-        sa.Index("ix_round_statistics_unfolded", "experiment_id", "round_index",
-                 sqlite_where=sa.text("count <> folded_count"), postgresql_where=sa.text("count <> folded_count")),
-    )
 
     experiment_id: Mapped[int] = mapped_column(
         sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
@@ -131,16 +122,30 @@ class RoundStatistic(Base):
     count: Mapped[int] = mapped_column(sa.BigInteger)
     sum: Mapped[float] = mapped_column(sa.Double)
     sum_of_squares: Mapped[float] = mapped_column(sa.Double)
-    folded_count: Mapped[int] = mapped_column(sa.BigInteger, server_default=sa.text("0"))
-    folded_sum: Mapped[float] = mapped_column(sa.Double, server_default=sa.text("0"))
-    folded_sum_of_squares: Mapped[float] = mapped_column(sa.Double, server_default=sa.text("0"))
 
 
 class PooledStatistic(Base):
-    """Running totals per metric and arm of every :class:`RoundStatistic` folded so far (its
-    ``folded_*`` values summed over rounds): the pooled statistics without the unfolded rest."""
+    """Running totals per metric and arm: every :class:`RoundStatistic` row of the applied rounds,
+    late data included up to the last update (the rest of it waits in :class:`LateStatistic`)."""
 
     __tablename__ = "pooled_statistics"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class LateStatistic(Base):
+    """Per metric and arm, the statistics of late observations (for rounds whose update already ran)
+    accepted since the last update; that update adds them into :class:`PooledStatistic` and empties
+    this table. Ingestion writes them in the same transaction as their :class:`RoundStatistic` rows."""
+
+    __tablename__ = "late_statistics"
 
     experiment_id: Mapped[int] = mapped_column(
         sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True

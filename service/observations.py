@@ -9,8 +9,9 @@ One request is one transaction:
 3. only the new observations are summed per (round, arm, metric) and added with atomic upserts
    (``count = count + excluded.count``), rows sorted so concurrent writers lock them in one order.
 
-Observations for a round whose update already ran are kept: they enter the pooled statistics of
-the next update and are counted as late.
+Observations for a round whose update already ran are kept: they are added to that round's
+statistics and to ``late_statistics``, enter the pooled statistics of the next update, and are
+counted as late.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .auth import require_role
 from .cache import Snapshot, get_cache
 from .db import Database, get_db
 from .errors import ApiError, invalid
-from .models import ArmRoundCount, Experiment, ObservationId, RoundStatistic, RoundUnit
+from .models import ArmRoundCount, Experiment, LateStatistic, ObservationId, RoundStatistic, RoundUnit
 from .schemas import Observation, ObservationBatch, json_bytes, parse_json
 
 bp = Blueprint("observations", __name__, url_prefix="/api/v1/experiments")
@@ -127,7 +128,7 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
         new_positions = sorted(first_of_id[client_id] for (client_id,) in inserted)
         arm_counts: Counter[int] = Counter()
         if new_positions:
-            _add_statistics(connection, database, snapshot, batch, arms, new_positions)
+            _add_statistics(connection, database, snapshot, batch, arms, new_positions, row.applied_rounds)
             arm_counts = _add_counts(connection, database, experiment_id, batch, arms, new_positions,
                                      row.applied_rounds)
     return IngestResult(accepted=len(new_positions), duplicates=len(batch) - len(new_positions),
@@ -135,7 +136,7 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
 
 
 def _add_statistics(connection, database: Database, snapshot: Snapshot, batch, arms: list[int],
-                    positions: list[int]) -> None:
+                    positions: list[int], applied_rounds: int) -> None:
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
     metric_positions = snapshot.metric_positions
     keys: list[int] = []
@@ -153,14 +154,40 @@ def _add_statistics(connection, database: Database, snapshot: Snapshot, batch, a
     counts = np.bincount(group, minlength=unique_keys.size)
     sums = np.bincount(group, weights=value_array, minlength=unique_keys.size)
     sums_of_squares = np.bincount(group, weights=value_array * value_array, minlength=unique_keys.size)
-    database.add_rows(
-        connection, RoundStatistic.__table__, ("experiment_id", "round_index", "arm_index", "metric_index"),
-        ("count", "sum", "sum_of_squares"),
-        [(snapshot.id, key // (n_arms * n_metrics), key // n_metrics % n_arms, key % n_metrics,
-          count, total, total_of_squares)
+    add_statistics(
+        connection, database, snapshot.id,
+        [(key // (n_arms * n_metrics), key // n_metrics % n_arms, key % n_metrics, count, total, total_of_squares)
          for key, count, total, total_of_squares in zip(
              unique_keys.tolist(), counts.tolist(), sums.tolist(), sums_of_squares.tolist())],
+        applied_rounds,
     )
+
+
+def add_statistics(connection, database: Database, experiment_id: int, cells: list[tuple], applied_rounds: int) -> None:
+    """Add ``cells`` (``(round_index, arm_index, metric_index, count, sum, sum_of_squares)``, one per
+    key, sorted by key) to the round statistics, and the cells of rounds already applied (late data)
+    to ``late_statistics`` too, where the next round update finds them (``service.rounds``).
+
+    ``applied_rounds`` must have been read under the share lock on the experiment's row that this
+    transaction holds: a round update, which empties ``late_statistics``, waits for it.
+    """
+    database.add_rows(
+        connection, RoundStatistic.__table__, ("experiment_id", "round_index", "arm_index", "metric_index"),
+        ("count", "sum", "sum_of_squares"), [(experiment_id, *cell) for cell in cells],
+    )
+    late: dict[tuple[int, int], list] = {}
+    for round_index, arm, metric, count, total, total_of_squares in cells:
+        if round_index < applied_rounds:
+            sums = late.setdefault((metric, arm), [0, 0.0, 0.0])
+            sums[0] += count
+            sums[1] += total
+            sums[2] += total_of_squares
+    if late:
+        database.add_rows(
+            connection, LateStatistic.__table__, ("experiment_id", "metric_index", "arm_index"),
+            ("count", "sum", "sum_of_squares"),
+            [(experiment_id, metric, arm, *sums) for (metric, arm), sums in sorted(late.items())],
+        )
 
 
 def _add_counts(connection, database: Database, experiment_id: int, batch, arms: list[int], positions: list[int],

@@ -20,16 +20,15 @@ Every close is one transaction holding the experiment row lock, with a compare-a
 (``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
 scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
 
-Pooled statistics are folded, so a close costs the same in round 1,000 as in round 1. Every
-``round_statistics`` row records how much of it has been added into the running totals of
-``pooled_statistics`` (its ``folded_*`` columns). The update of round r first folds: the rows of
-rounds <= r whose ``count`` differs from ``folded_count`` (found through a partial index, so only
-new data is read: round r's rows, late rows of earlier rounds) add ``count - folded_count`` etc. into
-the totals and get ``folded_* = count`` etc. The totals are then exactly the pooled statistics of
-rounds <= r, late data included; rows of rounds > r (served while r settled) stay unfolded until
-their own update. Diagnostics read the totals plus the unfolded part of rounds <= the current round
-without writing. Float sums are accumulated fold by fold, so they can differ in the last bits from
-one aggregate over all rows.
+Pooled statistics are running totals, so a close costs the same in round 1,000 as in round 1.
+``pooled_statistics`` holds the sums of the rows of every applied round; observations ingestion
+accepts for a round already applied (late data) go to that round's row and, in the same
+transaction, to ``late_statistics``. The update of round r adds round r's rows (read, not written)
+and the late cells into the totals and empties ``late_statistics``: the totals are then exactly the
+pooled statistics of rounds <= r, late data included, while rows of rounds > r (served while r
+settled) wait for their own update. Diagnostics read the totals plus the late cells plus the rows of
+the rounds not applied yet, without writing. Float sums are accumulated update by update, so they
+can differ in the last bits from one aggregate over all rows.
 """
 
 from __future__ import annotations
@@ -57,7 +56,8 @@ from .cache import get_cache
 from .db import Database, get_db
 from .errors import ApiError, invalid
 from .experiments import iso
-from .models import Arm, ArmRoundCount, Experiment, PooledStatistic, Round, RoundStatistic, utcnow
+from .models import (Arm, ArmRoundCount, Experiment, LateStatistic, PooledStatistic, Round, RoundStatistic,
+                     utcnow)
 from .schemas import json_body
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
 def _advance_in(database: Database, session, experiment_id: int, now: datetime, manual: bool,
                 expected_round_index: int | None, summaries: list[_PendingSummary]) -> RoundAdvance | None:
     # Exclusive row lock: ingestion takes it shared, so no observation lands while this transaction
-    # folds statistics (fold_statistics relies on it) or decides which rounds are late.
+    # adds statistics into the totals (fold_statistics relies on it) or decides which rounds are late.
     experiment = session.execute(
         sa.select(_experiments).where(_experiments.c.id == experiment_id).with_for_update()
     ).one_or_none()
@@ -266,46 +266,46 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
     return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
 
 
-def fold_statistics(database: Database, session, experiment_id: int, last_round: int) -> int:
-    """Add the unfolded part of every ``round_statistics`` row of rounds <= ``last_round`` into
-    ``pooled_statistics`` and mark those rows folded; returns the number of rows folded.
+def fold_statistics(database: Database, session, experiment_id: int, round_index: int) -> int:
+    """Add round ``round_index``'s rows and the late cells into ``pooled_statistics`` and empty
+    ``late_statistics``; returns the number of (metric, arm) cells of the totals added to.
 
-    Work proportional to the new data: the rows are found through the partial index on
-    ``count <> folded_count`` (new rows and rows ingestion added to since the last fold), never by
-    reading history. Rows of rounds > ``last_round`` stay unfolded for their own update. Must run in
-    the close transaction, after the experiment row was locked exclusively: ingestion holds that lock
-    shared (``service.observations``), so no observation can change a row between the delta read by
-    the first statement and the ``folded_* = current`` of the second.
+    Work proportional to one round: the round's rows are found by the primary key, the late cells
+    are at most K x M. Must run in the close transaction, after the experiment row was locked
+    exclusively, for the rounds in order: ingestion holds that lock shared (``service.observations``),
+    so no observation lands between reading the late cells and deleting them, and the round's rows
+    are final (later observations for it are late, and go to ``late_statistics`` too).
     """
-    table, pooled = RoundStatistic.__table__, PooledStatistic.__table__
-    unfolded = sa.and_(table.c.experiment_id == experiment_id, table.c.round_index <= last_round,
-                       table.c.count != table.c.folded_count)
-    deltas = (
-        sa.select(table.c.experiment_id, table.c.metric_index, table.c.arm_index,
-                  sa.func.sum(table.c.count - table.c.folded_count), sa.func.sum(table.c.sum - table.c.folded_sum),
-                  sa.func.sum(table.c.sum_of_squares - table.c.folded_sum_of_squares))
-        .where(unfolded)
-        .group_by(table.c.experiment_id, table.c.metric_index, table.c.arm_index)
-        .order_by(table.c.metric_index, table.c.arm_index)  # one lock order, as ingestion's upserts
+    table, late, pooled = RoundStatistic.__table__, LateStatistic.__table__, PooledStatistic.__table__
+    cells = sa.union_all(
+        sa.select(table.c.metric_index, table.c.arm_index, table.c.count, table.c.sum, table.c.sum_of_squares)
+        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index),
+        sa.select(late.c.metric_index, late.c.arm_index, late.c.count, late.c.sum, late.c.sum_of_squares)
+        .where(late.c.experiment_id == experiment_id),
+    ).subquery()
+    additions = (
+        sa.select(sa.literal(experiment_id), cells.c.metric_index, cells.c.arm_index, sa.func.sum(cells.c.count),
+                  sa.func.sum(cells.c.sum), sa.func.sum(cells.c.sum_of_squares))
+        .group_by(cells.c.metric_index, cells.c.arm_index)
+        .order_by(cells.c.metric_index, cells.c.arm_index)  # one lock order
     )
     upsert = database.insert(pooled).from_select(
-        ["experiment_id", "metric_index", "arm_index", "count", "sum", "sum_of_squares"], deltas)
+        ["experiment_id", "metric_index", "arm_index", "count", "sum", "sum_of_squares"], additions)
     upsert = upsert.on_conflict_do_update(
         index_elements=[pooled.c.experiment_id, pooled.c.metric_index, pooled.c.arm_index],
         set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
     )
-    session.execute(upsert)
-    return session.execute(
-        sa.update(table).where(unfolded)
-        .values(folded_count=table.c.count, folded_sum=table.c.sum, folded_sum_of_squares=table.c.sum_of_squares)
-    ).rowcount
+    cells_added = session.execute(upsert).rowcount
+    session.execute(sa.delete(late).where(late.c.experiment_id == experiment_id))
+    return cells_added
 
 
 def update_statistics(database: Database, session, experiment_id: int, round_index: int, n_metrics: int,
                       n_arms: int) -> tuple[Statistics, Statistics]:
     """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``, for
-    its update: folds the new data (:func:`fold_statistics`), then reads round ``round_index``'s rows
-    and the K x M running totals. Nothing here grows with the number of rounds."""
+    its update: adds the round and the late data into the totals (:func:`fold_statistics`), then reads
+    round ``round_index``'s rows and the K x M running totals. Nothing here grows with the number of
+    rounds."""
     fold_statistics(database, session, experiment_id, round_index)
     this_round = _read_statistics(
         session, "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
@@ -317,20 +317,22 @@ def update_statistics(database: Database, session, experiment_id: int, round_ind
 
 
 def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
-    """Statistics summed over rounds <= ``last_round`` without folding (read only, for reports): the
-    running totals plus the unfolded part of rows of rounds <= ``last_round`` (the current round and
-    late data, found through the partial index). One statement, so a close committing meanwhile cannot
-    make a row count twice (in the totals and as unfolded) or not at all."""
+    """Statistics summed over rounds <= ``last_round`` without writing (for reports): the running
+    totals, the late cells, and the rows of the rounds from the first one not applied up to
+    ``last_round``. One statement (``applied_rounds`` read inside it), so a close committing meanwhile
+    cannot make a row count twice or not at all."""
     return _read_statistics(
         session,
         "SELECT metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
         "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
         "WHERE experiment_id = {p} "
-        "UNION ALL SELECT metric_index, arm_index, count - folded_count, sum - folded_sum, "
-        "sum_of_squares - folded_sum_of_squares FROM round_statistics "
-        "WHERE experiment_id = {p} AND round_index <= {p} AND count <> folded_count"
+        "UNION ALL SELECT metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
+        "WHERE experiment_id = {p} "
+        "UNION ALL SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+        "WHERE experiment_id = {p} AND round_index <= {p} "
+        "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})"
         ") AS cells GROUP BY metric_index, arm_index",
-        (experiment_id, experiment_id, last_round), n_metrics, n_arms)
+        (experiment_id, experiment_id, experiment_id, last_round, experiment_id), n_metrics, n_arms)
 
 
 def _read_statistics(session, sql: str, parameters: tuple, n_metrics: int, n_arms: int) -> Statistics:

@@ -31,8 +31,15 @@ def _check_round_trip(url: str) -> None:
         assert inspector.get_pk_constraint("observation_ids")["constrained_columns"] == ["experiment_id", "client_id"]
         assert inspector.get_pk_constraint("round_statistics")["constrained_columns"] == [
             "experiment_id", "round_index", "arm_index", "metric_index"]
-        _check_fold_schema(inspector, engine.dialect.name)
+        _check_late_schema(inspector)
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
+    engine = sa.create_engine(url)
+    try:
+        assert _tables(url) == EXPECTED_TABLES - {"late_statistics"}
+        _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
     migrations.downgrade(url, "0002")  # 0003 alone: the foreign keys and the locale collation come back
@@ -45,7 +52,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"pooled_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"pooled_statistics", "late_statistics"}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []
@@ -74,6 +81,18 @@ def _check_fold_schema(inspector, dialect: str) -> None:
         "experiment_id", "metric_index", "arm_index"]
     (foreign_key,) = inspector.get_foreign_keys("pooled_statistics")
     assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
+
+
+def _check_late_schema(inspector) -> None:
+    """Revision 0004: ``late_statistics``; ``round_statistics`` without ``folded_*`` or a second index."""
+    assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
+        "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
+    assert inspector.get_indexes("round_statistics") == []
+    for table in ("pooled_statistics", "late_statistics"):
+        assert inspector.get_pk_constraint(table)["constrained_columns"] == ["experiment_id", "metric_index",
+                                                                             "arm_index"]
+        (foreign_key,) = inspector.get_foreign_keys(table)
+        assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
 
 
 def _check_ingestion_keys(inspector, dialect: str, migrated: bool) -> None:

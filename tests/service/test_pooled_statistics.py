@@ -1,6 +1,6 @@
-"""Folded pooled statistics (migration 0002): every update sees exactly the pooled statistics of
-rounds <= r, a close reads only new rows however long the history, diagnostics see every round so
-far, and a database migrated from 0001 with data needs no backfill. Both backends."""
+"""Pooled statistics as running totals (migrations 0002 and 0004): every update sees exactly the
+pooled statistics of rounds <= r, a close reads only new rows however long the history, diagnostics
+see every round so far, and a database migrated from 0001 with data needs no backfill. Both backends."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sqlalchemy as sa
 import migrations
 import pasto.algorithm
 from service.db import get_db
-from service.models import Experiment, Round, RoundStatistic
+from service.models import Experiment, LateStatistic, Round, RoundStatistic
 from service.rounds import close_due_rounds, close_round, pooled_statistics
 
 EXPERIMENT = "/api/v1/experiments/setup-a"
@@ -123,34 +123,40 @@ def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backe
     app = api.client.application
     experiment_id = create(api, setup_a)
     database = get_db(app)
-    folds: list[tuple[int, str, object]] = []
+    folds: list[tuple[str, object]] = []
 
     @sa.event.listens_for(database.engine, "after_cursor_execute")
     def capture(connection, cursor, statement, parameters, context, executemany):
-        if statement.startswith("UPDATE round_statistics SET folded_count"):
-            folds.append((cursor.rowcount, statement, parameters))
+        if statement.startswith("INSERT INTO pooled_statistics"):
+            folds.append((statement, parameters))
 
     rows_read = {}
     for c in range(30):
         observe(api, c, f"r{c}", 60, seed=7)  # the same traffic every round
         if c >= 2:
             observe(api, c - 2, f"late{c}", 6, seed=8)  # late rows of an applied round
+        with database.read() as session:  # what the fold has to read: round c's rows and the late cells
+            rows_read[c] = sum(session.execute(sa.select(sa.func.count()).select_from(table).where(
+                table.c.experiment_id == experiment_id, *where)).scalar_one()
+                for table, where in ((RoundStatistic.__table__, [RoundStatistic.round_index == c]),
+                                     (LateStatistic.__table__, [])))
         assert close_round(database, experiment_id, c).applied == (c,)
-        rows_read[c + 1] = folds[-1][0]
+        with database.read() as session:  # the update took the late cells in
+            assert session.execute(sa.select(sa.func.count()).select_from(LateStatistic)).scalar_one() == 0
     assert len(folds) == 30
     with database.read() as session:
         history = session.execute(sa.select(sa.func.count()).select_from(RoundStatistic)).scalar_one()
     assert history >= 25 * N_METRICS * N_ARMS
-    # Every close folds this round's cells and the late ones, at most 2 x M x K rows (which cells the
+    # Every close reads this round's cells and the late ones, at most 2 x M x K rows (which cells the
     # hash assigns varies a little from round to round), in round 3 as in round 30.
     assert rows_read[3] >= N_METRICS * N_ARMS
     assert all(N_METRICS * N_ARMS <= count <= 2 * N_METRICS * N_ARMS for count in rows_read.values()), rows_read
-    if database.dialect == "sqlite":  # and find them through the partial index, not the history
-        _, statement, parameters = folds[-1]
+    if database.dialect == "sqlite":  # and finds round c's rows through the primary key, not the history
+        statement, parameters = folds[-1]
         with database.engine.connect() as connection:
-            plan = " ".join(row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}",
-                                                                          parameters))
-        assert "USING INDEX ix_round_statistics_unfolded" in plan, plan
+            plan = [row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)]
+        (round_rows,) = [step for step in plan if "round_statistics" in step]
+        assert round_rows.startswith("SEARCH") and "experiment_id=? AND round_index=?" in round_rows, plan
     sa.event.remove(database.engine, "after_cursor_execute", capture)
 
 
@@ -165,7 +171,7 @@ def test_diagnostics_pool_every_round_so_far(backend_api, backend_url, setup_a):
         if c >= 2:
             observe(api, c - 2, f"dlate{c}", 4, seed=50 + c)
         current = current_round(app)
-        # Before and after each close: the totals plus the unfolded rows of rounds <= the current one.
+        # Before and after each close: the totals, the late cells and the rows of unapplied rounds.
         for _ in range(2):
             round_index = current_round(app).index
             with database.read() as session:
@@ -209,8 +215,47 @@ def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_facto
     assert_statistics(call["round"], call["expected_round"])
     assert_statistics(call["pooled"], call["expected_pooled"])  # everything of rounds 0..3, nothing of 4
     assert call["pooled"].counts.sum() == call["total"] - 2
-    with database.read() as session:  # diagnostics right after the upgrade too (round 4's row unfolded)
+    with database.read() as session:  # diagnostics right after the upgrade too (round 4 not applied)
         assert_statistics(pooled_statistics(session, experiment_id, 4, N_METRICS, N_ARMS),
                           full_aggregate(engine, experiment_id, 4)[1])
     engine.dispose()
     database.engine.dispose()
+
+
+def test_migration_0004_keeps_late_data_both_ways(backend_url, app_factory, setup_a):
+    """Late data waiting in ``late_statistics`` survives a downgrade to 0003 (folded into the totals,
+    rows of applied rounds marked folded, rows of later rounds unfolded) and the upgrade back."""
+    from tests.service.conftest import Api
+    from service.auth import create_token
+
+    app = app_factory(backend_url)
+    with get_db(app).write() as session:
+        tokens = {role: create_token(session, role, f"t-{role}") for role in ("read", "ingest", "admin")}
+    api = Api(app.test_client(), tokens)
+    experiment_id = create(api, setup_a)
+    database = get_db(app)
+    for c in range(4):
+        observe(api, c, f"m{c}", 20, seed=c)
+        close_round(database, experiment_id, c)
+    observe(api, 1, "late", 9, seed=11)  # late: waits in late_statistics
+    observe(api, 4, "now", 7, seed=12)  # the current round, not applied
+    database.engine.dispose()
+    engine = sa.create_engine(backend_url)
+    round_4, expected, total = full_aggregate(engine, experiment_id, 4)
+    with engine.connect() as connection:
+        assert connection.execute(sa.text("SELECT COUNT(*) FROM late_statistics")).scalar_one() > 0
+    migrations.downgrade(backend_url, "0003")
+    with engine.connect() as connection:
+        pooled = connection.execute(sa.text("SELECT SUM(count) FROM pooled_statistics")).scalar_one()
+        unfolded = connection.execute(sa.text(
+            "SELECT round_index, SUM(count - folded_count), SUM(folded_count) FROM round_statistics "
+            "GROUP BY round_index ORDER BY round_index")).all()
+    assert pooled == total - round_4[0].sum() > 0  # everything but round 4
+    assert [(r, u > 0, f > 0) for r, u, f in unfolded] == [(0, False, True), (1, False, True), (2, False, True),
+                                                           (3, False, True), (4, True, False)]
+    migrations.upgrade(backend_url)
+    app = app_factory(backend_url)
+    with get_db(app).read() as session:
+        assert_statistics(pooled_statistics(session, experiment_id, 4, N_METRICS, N_ARMS), expected)
+    engine.dispose()
+    get_db(app).engine.dispose()

@@ -1,7 +1,7 @@
 """The statistics a round close reads: round r's own cells exactly as stored, and pooled statistics
-folded round by round equal to an independent full aggregate over rounds <= r (counts exactly, float
-sums to 1e-12 relative: they are now accumulated fold by fold instead of in one aggregate, so the
-last bits can differ), late rows included, on both backends."""
+added up round by round equal to an independent full aggregate over rounds <= r (counts exactly,
+float sums to 1e-12 relative: they are accumulated update by update instead of in one aggregate, so
+the last bits can differ), late rows included, on both backends."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import numpy as np
 import sqlalchemy as sa
 
 from service.db import get_db
-from service.models import Experiment, RoundStatistic
+from service.models import Experiment, LateStatistic, RoundStatistic
+from service.observations import add_statistics
 from service.rounds import pooled_statistics, update_statistics
 
 
@@ -54,7 +55,7 @@ def _assert_pooled_equal(got, expected) -> None:
     np.testing.assert_allclose(squares, expected[2], rtol=1e-12, atol=1e-9)
 
 
-def test_folded_statistics_equal_the_full_aggregate(backend_url, app_factory, setup_a, admin_token):
+def test_running_totals_equal_the_full_aggregate(backend_url, app_factory, setup_a, admin_token):
     app = app_factory(backend_url)
     client = app.test_client()
     arms = [{"name": f"arm-{k}"} for k in range(7)]
@@ -77,16 +78,16 @@ def test_folded_statistics_equal_the_full_aggregate(backend_url, app_factory, se
 
     with database.write() as session:
         session.execute(sa.insert(table), random_rows(range(6)))
+    experiments = Experiment.__table__
     for round_index in range(9):  # rounds 6.. have no rows of their own
-        if round_index in (3, 6):  # late data for folded rounds, added the way ingestion adds it
+        if round_index in (3, 6):  # late data for applied rounds, added by ingestion's own function
             with database.write() as session:
-                database.add_rows(session.connection(), table,
-                                  ("experiment_id", "round_index", "arm_index", "metric_index"),
-                                  ("count", "sum", "sum_of_squares"),
-                                  [tuple(row.values()) for row in random_rows(range(round_index - 2))])
+                add_statistics(session.connection(), database, experiment_id,
+                               sorted(tuple(row.values())[1:] for row in random_rows(range(round_index - 2))),
+                               applied_rounds=round_index)
         with database.write() as session:
             expected_round, expected_pooled = _reference(session, experiment_id, round_index, 3, 7)
-            # Read-only pooled statistics before the fold: the totals plus the unfolded rows.
+            # Read-only pooled statistics before the update: the totals, the late cells, round r's rows.
             _assert_pooled_equal(_as_arrays(pooled_statistics(session, experiment_id, round_index, 3, 7)),
                                  expected_pooled)
             got_round, got_pooled = update_statistics(database, session, experiment_id, round_index, 3, 7)
@@ -94,13 +95,12 @@ def test_folded_statistics_equal_the_full_aggregate(backend_url, app_factory, se
                 assert got.dtype == np.float64 and got.shape == (3, 7)
                 assert np.array_equal(got, expected)  # round r's own rows, read as stored
             _assert_pooled_equal(_as_arrays(got_pooled), expected_pooled)
+            # What the close does next in the same transaction: round r is applied.
+            session.execute(sa.update(experiments).where(experiments.c.id == experiment_id)
+                            .values(applied_rounds=round_index + 1))
             _assert_pooled_equal(_as_arrays(pooled_statistics(session, experiment_id, round_index, 3, 7)),
                                  expected_pooled)
-            # Rows of later rounds are not folded by round r's update.
-            later = session.execute(
-                sa.select(sa.func.count()).select_from(table)
-                .where(table.c.round_index > round_index, table.c.folded_count != 0)).scalar_one()
-            assert later == 0
+            assert session.execute(sa.select(sa.func.count()).select_from(LateStatistic)).scalar_one() == 0
     with database.write() as session:
         assert not update_statistics(database, session, experiment_id + 1, 3, 3, 7)[1].counts.any()  # no rows
     database.engine.dispose()
