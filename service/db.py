@@ -131,10 +131,10 @@ def _array_literal(values: tuple) -> str:
     does exactly. Strings are always double-quoted; quotes and backslashes in them are escaped.
     """
     if isinstance(values[0], str):
-        joined = '","'.join(values)
-        if '"' in joined or "\\" in joined:
-            joined = '","'.join(value.replace("\\", "\\\\").replace('"', '\\"') for value in values)
-        return '{"' + joined + '"}'
+        every_character = "".join(values)
+        if '"' in every_character or "\\" in every_character:
+            values = tuple(value.replace("\\", "\\\\").replace('"', '\\"') for value in values)
+        return '{"' + '","'.join(values) + '"}'
     return "{" + ",".join(map(repr, values)) + "}"
 
 
