@@ -78,12 +78,19 @@ class ExperimentCache:
         placeholder = "%s" if database.engine.dialect.paramstyle in ("format", "pyformat") else "?"
         self._version_sql = f"SELECT id, version FROM experiments WHERE name = {placeholder}"
 
-    def get(self, name: str, fresh: bool = False) -> Snapshot:
+    def get(self, name: str, fresh: bool = False, check: bool = True) -> Snapshot:
         """The snapshot of experiment ``name``, checked against the database unless it was checked
-        less than ``check_seconds`` ago (always when ``fresh``); 404 when there is no such experiment."""
+        less than ``check_seconds`` ago (always when ``fresh``; never when a snapshot is cached and
+        ``check`` is false); 404 when there is no such experiment.
+
+        ``check=False`` is for ingestion: what it takes from a snapshot is fixed once a round has
+        started (arms, metrics, each round's propensities), an observation for a round newer than the
+        snapshot's asks again with ``fresh``, and what can change (status, applied rounds) it reads
+        under the experiment's row lock in its own transaction. That saves a query per batch.
+        """
         cached = self._snapshots.get(name)
         now = time.monotonic()
-        if cached is not None and not fresh and now - cached[1] < self.check_seconds:
+        if cached is not None and not fresh and (not check or now - cached[1] < self.check_seconds):
             return cached[0]
         row = self._version(name)
         if row is None:

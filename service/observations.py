@@ -48,8 +48,8 @@ class IngestResult:
 def ingest_observations(name: str):
     body = json_bytes()
     cache = get_cache()
-    snapshot = cache.get(name)
-    if snapshot.status == "stopped":
+    snapshot = cache.get(name, check=False)
+    if snapshot.status == "stopped":  # maybe stale: ingest() checks again under the row lock
         raise _stopped(name)
     batch = parse_json(ObservationBatch, body).observations
     if max(observation.round for observation in batch) > snapshot.round_index:
