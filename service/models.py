@@ -124,37 +124,32 @@ class RoundStatistic(Base):
     sum_of_squares: Mapped[float] = mapped_column(sa.Double)
 
 
-class PooledStatistic(Base):
+class _ArmMetricTotals:
+    """Columns of a table of per-(metric, arm) totals of an experiment: count, sum, sum of squares."""
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class PooledStatistic(_ArmMetricTotals, Base):
     """Running totals per metric and arm: every :class:`RoundStatistic` row of the applied rounds,
     late data included up to the last update (the rest of it waits in :class:`LateStatistic`)."""
 
     __tablename__ = "pooled_statistics"
 
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
-    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    count: Mapped[int] = mapped_column(sa.BigInteger)
-    sum: Mapped[float] = mapped_column(sa.Double)
-    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
 
-
-class LateStatistic(Base):
+class LateStatistic(_ArmMetricTotals, Base):
     """Per metric and arm, the statistics of late observations (for rounds whose update already ran)
     accepted since the last update; that update adds them into :class:`PooledStatistic` and empties
     this table. Ingestion writes them in the same transaction as their :class:`RoundStatistic` rows."""
 
     __tablename__ = "late_statistics"
-
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
-    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    count: Mapped[int] = mapped_column(sa.BigInteger)
-    sum: Mapped[float] = mapped_column(sa.Double)
-    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
 
 
 class ArmRoundCount(Base):

@@ -184,7 +184,9 @@ def test_diagnostics_pool_every_round_so_far(backend_api, backend_url, setup_a):
     engine.dispose()
 
 
-def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_factory, setup_a, monkeypatch):
+def applied_rounds_on_a_migrated_database(backend_url, app_factory, setup_a, n_rounds: int):
+    """An app on ``backend_url`` (to be migrated away from under it) with an experiment whose rounds
+    0 .. ``n_rounds`` - 1 got 20 observations each and were applied; (api, database, experiment id)."""
     from tests.service.conftest import Api
     from service.auth import create_token
 
@@ -194,9 +196,14 @@ def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_facto
     api = Api(app.test_client(), tokens)
     experiment_id = create(api, setup_a)
     database = get_db(app)
-    for c in range(3):
+    for c in range(n_rounds):
         observe(api, c, f"m{c}", 20, seed=c)
         close_round(database, experiment_id, c)
+    return api, database, experiment_id
+
+
+def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_factory, setup_a, monkeypatch):
+    api, database, experiment_id = applied_rounds_on_a_migrated_database(backend_url, app_factory, setup_a, 3)
     observe(api, 3, "m3", 20, seed=3)
     database.engine.dispose()
     migrations.downgrade(backend_url, "0001")  # a 0001 database holding statistics of 4 rounds ...
@@ -225,18 +232,7 @@ def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_facto
 def test_migration_0004_keeps_late_data_both_ways(backend_url, app_factory, setup_a):
     """Late data waiting in ``late_statistics`` survives a downgrade to 0003 (folded into the totals,
     rows of applied rounds marked folded, rows of later rounds unfolded) and the upgrade back."""
-    from tests.service.conftest import Api
-    from service.auth import create_token
-
-    app = app_factory(backend_url)
-    with get_db(app).write() as session:
-        tokens = {role: create_token(session, role, f"t-{role}") for role in ("read", "ingest", "admin")}
-    api = Api(app.test_client(), tokens)
-    experiment_id = create(api, setup_a)
-    database = get_db(app)
-    for c in range(4):
-        observe(api, c, f"m{c}", 20, seed=c)
-        close_round(database, experiment_id, c)
+    api, database, experiment_id = applied_rounds_on_a_migrated_database(backend_url, app_factory, setup_a, 4)
     observe(api, 1, "late", 9, seed=11)  # late: waits in late_statistics
     observe(api, 4, "now", 7, seed=12)  # the current round, not applied
     database.engine.dispose()
