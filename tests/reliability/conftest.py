@@ -10,6 +10,7 @@ happened in the test. Logs go to files in the test's ``tmp_path``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,12 +78,9 @@ class ServiceProcess:
         while True:
             if not self.running():
                 raise RuntimeError(f"{self.label} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            try:
-                response = requests.get(f"{self.url}/healthz", timeout=2)
-                if response.status_code == 200:
+            with contextlib.suppress(requests.RequestException):  # not listening yet: try again
+                if requests.get(f"{self.url}/healthz", timeout=2).status_code == 200:
                     return
-            except requests.RequestException:
-                pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.label} did not become healthy in {deadline_seconds} s:\n"
                                    f"{self.log()[-4000:]}")
@@ -101,10 +99,8 @@ class ServiceProcess:
     def signal_group(self, signum: int) -> None:
         if self.process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group has already exited
             os.killpg(self.process.pid, signum)
-        except ProcessLookupError:
-            pass
 
     def kill9(self) -> None:
         """Crash: SIGKILL to the whole process group, no cleanup of any kind runs."""
