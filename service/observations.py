@@ -5,7 +5,8 @@ One request is one transaction:
 1. every observation is validated (known metrics and arm, a round that has started, an arm that
    matches the unit's sticky assignment); any problem rejects the whole batch with a 422;
 2. the ids are inserted with ``ON CONFLICT DO NOTHING RETURNING``: the returned ids are the new ones,
-   everything else is a duplicate (of this batch or of any earlier request);
+   everything else is a duplicate (of this batch or of any earlier request). A plain ``INSERT`` is
+   tried first, which is cheaper and succeeds whenever every id is new (``Database.insert_new``);
 3. only the new observations are summed per (round, arm, metric) and added with atomic upserts
    (``count = count + excluded.count``), rows sorted so concurrent writers lock them in one order.
 
@@ -119,11 +120,12 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
         if row.status == "stopped":
             raise _stopped(snapshot.name)
         # Sorted ids: concurrent batches sharing ids wait on each other in one order, never in a cycle.
+        # A duplicate id is a client's retry, rare next to new ids: hence ``expect_new``.
         inserted = database.insert_new(
             connection, ids, ("experiment_id", "client_id", "round_index", "arm_index"),
             [(experiment_id, client_id, batch[position].round, arms[position])
              for client_id, position in sorted(first_of_id.items())],
-            returning=("client_id",),
+            returning=("client_id",), expect_new=True,
         )
         new_positions = sorted(first_of_id[client_id] for (client_id,) in inserted)
         arm_counts: Counter[int] = Counter()
