@@ -5,8 +5,9 @@ One request is one transaction:
 1. every observation is validated (known metrics and arm, a round that has started, an arm that
    matches the unit's sticky assignment); any problem rejects the whole batch with a 422;
 2. the ids are inserted with ``ON CONFLICT DO NOTHING RETURNING``: the returned ids are the new ones,
-   everything else is a duplicate (of this batch or of any earlier request). A plain ``INSERT`` is
-   tried first, which is cheaper and succeeds whenever every id is new (``Database.insert_new``);
+   everything else is a duplicate (of this batch or of any earlier request). A cheaper plain
+   ``INSERT`` is tried first: it succeeds whenever every id is new; if one is not (a client's
+   retry), that transaction is rolled back and the request runs again with the checked insert;
 3. only the new observations are summed per (round, arm, metric) and added with atomic upserts
    (``count = count + excluded.count``), rows sorted so concurrent writers lock them in one order.
 
@@ -29,7 +30,7 @@ from pasto.hashing import buckets, choose_arms
 from . import events
 from .auth import require_role
 from .cache import Snapshot, get_cache
-from .db import Database, get_db
+from .db import Database, KeysExist, get_db
 from .errors import ApiError, invalid
 from .models import ArmRoundCount, Experiment, LateStatistic, ObservationId, RoundStatistic, RoundUnit
 from .schemas import Observation, ObservationBatch, json_bytes, parse_json
@@ -102,6 +103,14 @@ def resolve_arms(snapshot: Snapshot, batch: list[Observation]) -> np.ndarray:
 
 def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray) -> IngestResult:
     """Store the new observations of ``batch`` in one transaction and report what was new."""
+    try:
+        return _store(database, snapshot, batch, arm_indices, ids_expected_new=True)
+    except KeysExist:  # a resent id (or one a concurrent request committed first): nothing was stored
+        return _store(database, snapshot, batch, arm_indices, ids_expected_new=False)
+
+
+def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
+           ids_expected_new: bool) -> IngestResult:
     first_of_id: dict[str, int] = {}
     for position, observation in enumerate(batch):
         first_of_id.setdefault(observation.id, position)
@@ -120,12 +129,11 @@ def ingest(database: Database, snapshot: Snapshot, batch: list[Observation], arm
         if row.status == "stopped":
             raise _stopped(snapshot.name)
         # Sorted ids: concurrent batches sharing ids wait on each other in one order, never in a cycle.
-        # A duplicate id is a client's retry, rare next to new ids: hence ``expect_new``.
         inserted = database.insert_new(
             connection, ids, ("experiment_id", "client_id", "round_index", "arm_index"),
             [(experiment_id, client_id, batch[position].round, arms[position])
              for client_id, position in sorted(first_of_id.items())],
-            returning=("client_id",), expect_new=True,
+            returning=("client_id",), expect_new=ids_expected_new,
         )
         new_positions = sorted(first_of_id[client_id] for (client_id,) in inserted)
         arm_counts: Counter[int] = Counter()

@@ -1,5 +1,5 @@
 """``service.db``: PostgreSQL array literals read back as exactly the values they were made from, and
-``Database.insert_new`` reports exactly the new rows, on its optimistic path and its fallback."""
+``Database.insert_new`` reports exactly the new rows, or with ``expect_new`` refuses as a whole."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.db import Database, _array_literal, make_engine
+from service.db import Database, KeysExist, _array_literal, make_engine
 from service.models import ObservationId
 
 texts = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12)
@@ -67,29 +67,30 @@ def insert_ids(database: Database, client_ids: list[str], expect_new: bool) -> l
     return [client_id for (client_id,) in inserted]
 
 
-@pytest.mark.parametrize("expect_new", [True, False])
-def test_insert_new_returns_exactly_the_new_rows(database, expect_new):
-    assert insert_ids(database, ["a", "b"], expect_new) == ["a", "b"]
-    # "b" exists: the plain insert fails as a whole and the checked insert decides.
-    assert insert_ids(database, ["b", "c", "d"], expect_new) == ["c", "d"]
-    assert insert_ids(database, ["a", "d"], expect_new) == []
+def test_insert_new_returns_exactly_the_new_rows(database):
+    assert insert_ids(database, ["a", "b"], expect_new=False) == ["a", "b"]
+    assert insert_ids(database, ["b", "c", "d"], expect_new=False) == ["c", "d"]
+    assert insert_ids(database, ["a", "d"], expect_new=False) == []
     assert stored_ids(database) == ["a", "b", "c", "d"]
 
 
-def test_insert_new_fallback_keeps_the_rest_of_the_transaction(database):
-    with database.write() as session:
-        connection = session.connection()
-        table = ObservationId.__table__
-        assert database.insert_new(connection, table, COLUMNS, [(1, "x", 0, 0)], ("client_id",), True) == [("x",)]
-        assert database.insert_new(connection, table, COLUMNS, [(1, "x", 0, 0), (1, "y", 0, 0)], ("client_id",),
-                                   True) == [("y",)]
-    assert stored_ids(database) == ["x", "y"]
+def test_plain_insert_returns_every_row_or_refuses_as_a_whole(database):
+    assert insert_ids(database, ["a", "zz"], expect_new=True) == ["a", "zz"]
+    # 600 new ids sort before the existing "zz": on SQLite the first 500 go in an earlier statement,
+    # and the rollback that KeysExist asks for takes them out again.
+    new = [f"new-{i:03d}" for i in range(600)]
+    with pytest.raises(KeysExist):
+        insert_ids(database, [*new, "zz"], expect_new=True)
+    assert stored_ids(database) == ["a", "zz"]
+    assert insert_ids(database, [*new, "zz"], expect_new=False) == new
 
 
 @pytest.mark.postgres
-def test_insert_new_waits_for_a_concurrent_writer_of_the_same_id(postgres_url):
-    """A writer whose plain insert meets an uncommitted row with the same key waits for it; once that
-    commits, the fallback reports only the other rows as new (nothing is counted twice)."""
+@pytest.mark.parametrize("first_commits", [True, False])
+def test_plain_insert_waits_for_a_concurrent_writer_of_the_same_id(postgres_url, first_commits):
+    """A plain insert that meets another transaction's uncommitted row with the same key waits for it:
+    if that commits, KeysExist (and the checked retry counts only the other row); if it rolls back,
+    the plain insert succeeds."""
     engine = make_engine(postgres_url)
     ObservationId.__table__.create(engine)
     sessions = sa.orm.sessionmaker(bind=engine)
@@ -100,14 +101,29 @@ def test_insert_new_waits_for_a_concurrent_writer_of_the_same_id(postgres_url):
         first.execute(sa.insert(ObservationId), [{"experiment_id": 1, "client_id": "shared", "round_index": 0,
                                                   "arm_index": 0}])
         outcome: list = []
-        second = threading.Thread(target=lambda: outcome.append(insert_ids(database, ["other", "shared"], True)))
+
+        def second_writer():
+            try:
+                outcome.append(insert_ids(database, ["other", "shared"], expect_new=True))
+            except KeysExist:
+                outcome.append("KeysExist")
+
+        second = threading.Thread(target=second_writer)
         second.start()
         time.sleep(0.5)
         assert second.is_alive()  # blocked on the uncommitted "shared"
-        first_transaction.commit()
+        if first_commits:
+            first_transaction.commit()
+        else:
+            first_transaction.rollback()
         first.close()
         second.join(timeout=30)
-        assert outcome == [["other"]]
+        if first_commits:
+            assert outcome == ["KeysExist"]
+            assert stored_ids(database) == ["shared"]
+            assert insert_ids(database, ["other", "shared"], expect_new=False) == ["other"]
+        else:
+            assert outcome == [["other", "shared"]]
         assert stored_ids(database) == ["other", "shared"]
     finally:
         engine.dispose()
