@@ -45,22 +45,34 @@ def format_location(location: tuple[Any, ...] | list[Any]) -> str:
     return text or "body"
 
 
+MAX_DETAILS = 100  # a 10,000-item batch that is wrong throughout still gets a small answer
+
+
 def validation_error(error: ValidationError, prefix: tuple[Any, ...] = ()) -> ApiError:
     """A 422 :class:`ApiError` listing every problem pydantic found, each with where it is."""
-    problems = []
-    for item in error.errors(include_url=False, include_input=False, include_context=False):
-        location = format_location((*prefix, *item["loc"]))
-        message = item["msg"].removeprefix("Value error, ")
-        problems.append({"location": location, "message": _sentence(message)})
+    return problems_error([
+        {"location": format_location((*prefix, *item["loc"])),
+         "message": _sentence(item["msg"].removeprefix("Value error, "))}
+        for item in error.errors(include_url=False, include_input=False, include_context=False)
+    ])
+
+
+def problems_error(problems: list[dict[str, str]]) -> ApiError:
+    """A 422 for offending items (``{"location": ..., "message": ...}``, at least one, in body order):
+    the first in the message, and up to :data:`MAX_DETAILS` of them in ``details``."""
     first = problems[0]
-    more = f" ({len(problems) - 1} more problems in details)" if len(problems) > 1 else ""
-    return ApiError(422, "invalid_request", f"{first['location']}: {first['message']}{more}", problems)
+    more = ""
+    if len(problems) > MAX_DETAILS:
+        more = f" ({len(problems) - 1} more problems; details lists the first {MAX_DETAILS})"
+    elif len(problems) > 1:
+        more = f" ({len(problems) - 1} more problems in details)"
+    return ApiError(422, "invalid_request", f"{first['location']}: {first['message']}{more}",
+                    problems[:MAX_DETAILS])
 
 
 def invalid(location: str, message: str) -> ApiError:
     """A 422 for one offending item, named by its location in the request body."""
-    return ApiError(422, "invalid_request", f"{location}: {message}",
-                    [{"location": location, "message": message}])
+    return problems_error([{"location": location, "message": message}])
 
 
 def _sentence(message: str) -> str:

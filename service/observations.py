@@ -31,7 +31,7 @@ from . import events
 from .auth import require_role
 from .cache import Snapshot, get_cache
 from .db import Database, KeysExist, get_db
-from .errors import ApiError, invalid
+from .errors import ApiError, problems_error
 from .models import ArmRoundCount, Experiment, LateStatistic, ObservationId, RoundStatistic, RoundUnit
 from .schemas import Observation, ObservationBatch, json_bytes, parse_json
 
@@ -73,31 +73,38 @@ def resolve_arms(snapshot: Snapshot, batch: list[Observation]) -> np.ndarray:
     """Check every observation against the experiment and return its arm position, shape (N,).
 
     The arm is the unit's sticky assignment in the observation's round; a given ``arm`` must agree.
+    Every problem in the batch is reported (a 422 whose details list them in body order).
     """
+    problems: list[tuple[int, str, str]] = []
     for position, observation in enumerate(batch):
         if observation.round > snapshot.round_index:
-            raise invalid(f"observations[{position}].round",
-                          f"Round {observation.round} has not started; the current round is {snapshot.round_index}.")
+            problems.append((position, f"observations[{position}].round",
+                             f"Round {observation.round} has not started; the current round is "
+                             f"{snapshot.round_index}."))
         for metric in observation.values:
             if metric not in snapshot.metric_positions:
-                raise invalid(f"observations[{position}].values.{metric}",
-                              f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}.")
+                problems.append((position, f"observations[{position}].values.{metric}",
+                                 f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}."))
         if observation.arm is not None and observation.arm not in snapshot.arm_positions:
-            raise invalid(f"observations[{position}].arm", f"Unknown arm {observation.arm!r}.")
+            problems.append((position, f"observations[{position}].arm", f"Unknown arm {observation.arm!r}."))
     rounds = np.fromiter((observation.round for observation in batch), dtype=np.int64, count=len(batch))
-    arms = np.empty(len(batch), dtype=np.int64)
+    arms = np.full(len(batch), -1, dtype=np.int64)  # -1: a round that has not started has no assignment
     cache = get_cache()
-    for round_index in np.unique(rounds).tolist():
+    for round_index in np.unique(rounds[rounds <= snapshot.round_index]).tolist():
         members = np.flatnonzero(rounds == round_index)
         units = [batch[i].unit for i in members.tolist()]
         probabilities = cache.round_probabilities(snapshot, round_index)
         arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
     for position, observation in enumerate(batch):
-        if observation.arm is not None and snapshot.arm_positions[observation.arm] != arms[position]:
+        given = snapshot.arm_positions.get(observation.arm) if observation.arm is not None else None
+        if given is not None and arms[position] >= 0 and given != arms[position]:
             sticky = snapshot.arm_names[arms[position]]
-            raise invalid(f"observations[{position}].arm",
-                          f"Unit {observation.unit!r} is assigned to arm {sticky!r} in round {observation.round}, "
-                          f"not {observation.arm!r}.")
+            problems.append((position, f"observations[{position}].arm",
+                             f"Unit {observation.unit!r} is assigned to arm {sticky!r} in round {observation.round}, "
+                             f"not {observation.arm!r}."))
+    if problems:
+        problems.sort(key=lambda problem: problem[0])  # stable: within an item, in the order checked
+        raise problems_error([{"location": location, "message": message} for _, location, message in problems])
     return arms
 
 

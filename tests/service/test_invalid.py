@@ -230,6 +230,33 @@ def test_arm_that_contradicts_the_sticky_assignment_is_422(api, app, created):
     assert api("POST", OBSERVATIONS, json={"observations": [observation(arm=assigned)]}).status_code == 202
 
 
+def test_every_problem_of_a_batch_is_listed_in_body_order(api, app, created):
+    assigned = api("POST", ASSIGN, json={"unit": "u1"}).get_json()["arm"]
+    other = "b" if assigned == "a" else "a"
+    batch = [
+        observation(id="o0", round=7),
+        observation(id="o1", values={"z": 1.0, "q": 2.0}),
+        observation(id="o2"),
+        observation(id="o3", unit="u1", arm=other),
+        observation(id="o4", arm="c", round=9),
+    ]
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)
+    assert [item["location"] for item in error["details"]] == [
+        "observations[0].round", "observations[1].values.z", "observations[1].values.q",
+        "observations[3].arm", "observations[4].round", "observations[4].arm"]
+    assert error["message"].startswith("observations[0].round: Round 7 has not started")
+    assert "(5 more problems in details)" in error["message"]
+    assert count_rows(app, ObservationId) == 0
+
+
+def test_a_batch_wrong_throughout_gets_the_first_hundred_problems(api, created):
+    batch = [observation(id=f"o{i}", unit=f"u{i}", values={"z": 1.0}) for i in range(250)]
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)
+    assert len(error["details"]) == 100
+    assert error["details"][99]["location"] == "observations[99].values.z"
+    assert "(249 more problems; details lists the first 100)" in error["message"]
+
+
 @pytest.mark.parametrize("body, location", [
     ({}, "observations"),
     ({"observations": []}, "observations"),
