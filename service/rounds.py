@@ -12,7 +12,8 @@ With ``settle_seconds = 0`` (the default) the update runs when the round closes,
 transaction, so round r + 1 is served the mixture learned from round r. With a settle time, round
 r + 1 is served the newest mixture whose update has run, and round r's update applies from the
 first round that starts after it. A manual close (``POST .../rounds``) closes the current round
-and runs every pending update at once, ignoring the settle time. A round closes when the scheduler
+and runs every pending update at once, ignoring the settle time; a round closed early that way gets
+the close time as its ``ends_at``, so the history's rounds never overlap. A round closes when the scheduler
 next runs after ``ends_at`` and the next round starts then: a scheduler that was down for a while
 produces one long round, not a burst of empty catch-up rounds.
 
@@ -218,6 +219,7 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
     lag = 0.0
     if closing:
         current.closed_at = now
+        current.ends_at = min(current.ends_at, now)  # closed early by hand: served until now, not planned end
         lag = max(0.0, (now - current.ends_at).total_seconds()) if not manual else 0.0
         session.add(Round(
             experiment_id=experiment_id, index=new_round_index, started_at=now,

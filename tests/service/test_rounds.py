@@ -150,6 +150,16 @@ def test_manual_close_ignores_the_settle_time(api, app, setup_a):
     assert closed["probabilities"] != [0.5, 0.5]
 
 
+def test_a_round_closed_early_by_hand_ends_when_it_closed(api, app, setup_a):
+    assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=3600)).status_code == 201
+    planned_end = round_rows(app)[0].ends_at
+    assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
+    first, second = round_rows(app)
+    assert first.ends_at == first.closed_at == second.started_at < planned_end
+    history = api("GET", f"{EXPERIMENT}/rounds", role="read").get_json()["rounds"]
+    assert history[0]["ends_at"] == history[0]["closed_at"] == history[1]["started_at"]
+
+
 def test_paused_rounds_do_not_advance_and_resume_restarts_the_clock(api, app, setup_a):
     assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
     ends_at = round_rows(app)[0].ends_at
