@@ -14,9 +14,11 @@ from pasto.hashing import buckets, choose_arm, choose_arms
 from . import events
 from .auth import require_role
 from .cache import get_cache
+from .errors import invalid
 from .schemas import AssignMany, AssignOne, json_body, parse
 
 bp = Blueprint("assignment", __name__, url_prefix="/api/v1/experiments")
+_UNIT_OR_UNITS = "either unit (one unit id) or units (a list of unit ids)"
 
 
 @bp.post("/<name>/assign")
@@ -25,6 +27,8 @@ def assign(name: str):
     body = json_body()
     snapshot = get_cache().get(name)
     if isinstance(body, dict) and "units" in body:
+        if "unit" in body:
+            raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         units = parse(AssignMany, body).units
         arms = choose_arms(snapshot.serving, buckets(snapshot.seed, units, snapshot.round_index))
         probabilities = snapshot.serving[arms].tolist()
@@ -35,6 +39,8 @@ def assign(name: str):
             {"unit": unit, "arm": names[arm], "params": params[arm], "round": round_index, "probability": probability}
             for unit, arm, probability in zip(units, arm_list, probabilities)
         ]})
+    if isinstance(body, dict) and "unit" not in body:
+        raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     unit = parse(AssignOne, body).unit
     arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
     events.assigned.send(snapshot, arms=[arm])

@@ -174,6 +174,15 @@ def test_invalid_assign_is_422(api, created, body, location):
     assert error["details"][0]["location"] == location, error
 
 
+@pytest.mark.parametrize("body, words", [
+    ({}, "Field required: send either unit (one unit id) or units (a list of unit ids)."),
+    ({"units": ["u1"], "unit": "u2"}, "Send either unit (one unit id) or units (a list of unit ids), not both."),
+])
+def test_assign_says_to_send_exactly_one_of_unit_or_units(api, created, body, words):
+    error = error_of(api("POST", ASSIGN, json=body), 422)
+    assert error["details"] == [{"location": "unit", "message": words}]
+
+
 def test_lone_surrogate_unit_is_422(api, created):
     response = api("POST", ASSIGN, data='{"unit": "\\ud800"}', content_type="application/json")
     assert error_of(response, 422)["details"][0]["location"] == "unit"
