@@ -154,7 +154,8 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError(
-            "--plot needs matplotlib, which is not installed; install it with `pip install pasto[plot]`."
+            "--plot needs matplotlib, which is not installed; install this project's plot extra: "
+            "`pip install -e '.[plot]'` from the source checkout."
         ) from None
     return plt
 
@@ -245,7 +246,8 @@ def _service(argv: list[str], stderr: TextIO) -> int:
             return 2
         stderr.write(
             f"pasto: error: the command {argv[0]!r} needs the Python package {error.name!r}, "
-            "which is not installed; reinstall pasto with `pip install pasto`.\n"
+            "which is not installed; reinstall this project with `pip install -e .` from the source "
+            "checkout.\n"
         )
         return 2
     return service_main(argv)
