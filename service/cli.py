@@ -32,9 +32,13 @@ def _build_parser() -> argparse.ArgumentParser:
     database = commands.add_parser("db", help="database migrations (Alembic)")
     db_commands = database.add_subparsers(dest="db_command", required=True, metavar="action")
     upgrade = db_commands.add_parser("upgrade", help="migrate the database to the newest schema")
-    upgrade.add_argument("--revision", default="head")
-    downgrade = db_commands.add_parser("downgrade", help="migrate the database back (default: drop everything)")
-    downgrade.add_argument("--revision", default="base")
+    upgrade.add_argument("--revision", default="head", help="target revision (default: head, the newest)")
+    # No default target: a bare `downgrade` used to mean `base`, which drops the whole schema.
+    downgrade = db_commands.add_parser("downgrade", help="migrate the database back to an older revision")
+    downgrade.add_argument("--revision", required=True,
+                           help="target revision, e.g. 0003; `base` drops every table and needs --yes")
+    downgrade.add_argument("--yes", action="store_true",
+                           help="confirm a downgrade to base, which deletes all of pasto's data")
     db_commands.add_parser("current", help="print the database's schema revision")
 
     tokens = commands.add_parser("tokens", help="API tokens")
@@ -82,11 +86,18 @@ def _db(args: argparse.Namespace, create_app) -> int:
     engine = get_db(app).engine
     url = engine.url.render_as_string(hide_password=False)
     shown = engine.url.render_as_string(hide_password=True)
+    if args.db_command == "downgrade" and args.revision == "base" and not args.yes:
+        engine.dispose()
+        print(f"pasto: error: `pasto db downgrade --revision base` would drop every table of pasto in {shown} "
+              "(experiments, arms, rounds, statistics, observation ids and API tokens) with all their data. "
+              "Add --yes to do it, or give an older revision to keep the data.", file=sys.stderr)
+        return 2
     if args.db_command == "upgrade":
         migrations.upgrade(url, args.revision)
     elif args.db_command == "downgrade":
         migrations.downgrade(url, args.revision)
-    print(f"{shown}: schema revision {migrations.current_revision(engine)} (newest {migrations.head_revision()})")
+    current = migrations.current_revision(engine) or "none (never migrated)"
+    print(f"{shown}: schema revision {current} (newest {migrations.head_revision()})")
     engine.dispose()
     return 0
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 
 import migrations
@@ -89,3 +90,25 @@ def test_migrate_create_token_serve_and_work(tmp_path, monkeypatch, capsys):
         stop(server)
     assert server.returncode == 0
     assert worker.returncode == 0
+
+
+def test_downgrade_needs_a_revision_and_base_needs_yes(tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'downgrade.sqlite'}"
+    monkeypatch.setenv("PASTO_DATABASE_URL", url)
+    assert pasto_main(["db", "upgrade"]) == 0
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse: no default revision any more
+        pasto_main(["db", "downgrade"])
+    assert exit_info.value.code == 2
+    assert "--revision" in capsys.readouterr().err
+
+    assert pasto_main(["db", "downgrade", "--revision", "base"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pasto: error: ") and "would drop every table" in err and "--yes" in err
+    assert "downgrade.sqlite" in err
+    assert pasto_main(["db", "current"]) == 0
+    assert f"schema revision {migrations.head_revision()}" in capsys.readouterr().out
+
+    assert pasto_main(["db", "downgrade", "--revision", "base", "--yes"]) == 0
+    assert "schema revision none (never migrated)" in capsys.readouterr().out
