@@ -62,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
     from . import SchemaOutOfDate, create_app
+    from .config import ConfigurationError
+    from .db import DatabaseUnreachable
 
-    if args.command == "db":
-        return _db(args, create_app)
+    # What an operator can fix (a setting, the database's address, a migration to run) is one line on
+    # stderr; anything else raised here is a bug and keeps its traceback.
     try:
+        if args.command == "db":
+            return _db(args, create_app)
         app = create_app()
-    except SchemaOutOfDate as error:
+    except (ConfigurationError, DatabaseUnreachable, SchemaOutOfDate) as error:
         print(f"pasto: error: {error}", file=sys.stderr)
         return 1
     if args.command == "tokens":
@@ -78,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _db(args: argparse.Namespace, create_app) -> int:
+    from alembic.util import CommandError
+
     import migrations
 
-    from .db import get_db
+    from .db import check_connection, get_db
 
     app = create_app({"PASTO_CHECK_SCHEMA": False})
     engine = get_db(app).engine
@@ -92,10 +98,16 @@ def _db(args: argparse.Namespace, create_app) -> int:
               "(experiments, arms, rounds, statistics, observation ids and API tokens) with all their data. "
               "Add --yes to do it, or give an older revision to keep the data.", file=sys.stderr)
         return 2
-    if args.db_command == "upgrade":
-        migrations.upgrade(url, args.revision)
-    elif args.db_command == "downgrade":
-        migrations.downgrade(url, args.revision)
+    check_connection(engine)
+    try:
+        if args.db_command == "upgrade":
+            migrations.upgrade(url, args.revision)
+        elif args.db_command == "downgrade":
+            migrations.downgrade(url, args.revision)
+    except CommandError as error:  # Alembic's word for a revision it cannot reach from here
+        engine.dispose()
+        print(f"pasto: error: pasto db {args.db_command} --revision {args.revision}: {error}.", file=sys.stderr)
+        return 2
     current = migrations.current_revision(engine) or "none (never migrated)"
     print(f"{shown}: schema revision {current} (newest {migrations.head_revision()})")
     engine.dispose()

@@ -11,6 +11,14 @@ from typing import Any
 DEFAULT_MAX_CONTENT_LENGTH = 16 * 1024 * 1024
 
 
+class ConfigurationError(ValueError):
+    """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
+
+    The message names the setting and says what it must be; ``pasto`` prints it as
+    ``pasto: error: ...`` instead of a traceback.
+    """
+
+
 def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Resolve the service configuration.
 
@@ -43,17 +51,17 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     try:
         config["PASTO_SCHEDULER_INTERVAL"] = float(config["PASTO_SCHEDULER_INTERVAL"])
     except (TypeError, ValueError) as error:
-        raise ValueError(
+        raise ConfigurationError(
             f"PASTO_SCHEDULER_INTERVAL must be a number of seconds, got {config['PASTO_SCHEDULER_INTERVAL']!r}."
         ) from error
     if not config["PASTO_SCHEDULER_INTERVAL"] > 0:
-        raise ValueError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
+        raise ConfigurationError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
     try:
         config["PASTO_VERSION_CHECK_SECONDS"] = float(config["PASTO_VERSION_CHECK_SECONDS"])
     except (TypeError, ValueError) as error:
-        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be a number of seconds.") from error
+        raise ConfigurationError("PASTO_VERSION_CHECK_SECONDS must be a number of seconds.") from error
     if not config["PASTO_VERSION_CHECK_SECONDS"] >= 0:
-        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be zero or a positive number of seconds.")
+        raise ConfigurationError("PASTO_VERSION_CHECK_SECONDS must be zero or a positive number of seconds.")
     return config
 
 
@@ -63,4 +71,4 @@ def _flag(key: str, text: str) -> bool:
         return True
     if value in {"0", "false", "no", "off"}:
         return False
-    raise ValueError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")
+    raise ConfigurationError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")
