@@ -121,8 +121,11 @@ def _unreachable_postgres_url() -> str:
 @pytest.mark.parametrize("environment, argv, message", [
     ({"PASTO_ANONYMOUS_LOOPBACK_READ": "maybe"}, ["serve"],
      "PASTO_ANONYMOUS_LOOPBACK_READ must be 1/true/yes/on or 0/false/no/off, got 'maybe'."),
-    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["serve"], "PASTO_SCHEDULER_INTERVAL must be a number of seconds, got 'abc'."),
-    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["worker"], "PASTO_SCHEDULER_INTERVAL must be a number"),
+    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["serve"],
+     "PASTO_SCHEDULER_INTERVAL must be a positive number of seconds, got 'abc'."),
+    ({"PASTO_MAX_CONTENT_LENGTH": "16MB"}, ["serve"], "PASTO_MAX_CONTENT_LENGTH must be a positive whole number"),
+    ({"PASTO_DASHBOARD_POLL_SECONDS": "0"}, ["serve"], "PASTO_DASHBOARD_POLL_SECONDS must be a positive number"),
+    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["worker"], "PASTO_SCHEDULER_INTERVAL must be a positive number"),
     ({"PASTO_DATABASE_URL": "nonsense"}, ["db", "upgrade"], "PASTO_DATABASE_URL 'nonsense' is not a database URL"),
     ({"PASTO_DATABASE_URL": "nonsense"}, ["tokens", "create", "--role", "read"],
      "PASTO_DATABASE_URL 'nonsense' is not a database URL"),
@@ -141,7 +144,8 @@ def _unreachable_postgres_url() -> str:
 ])
 def test_bad_configuration_is_one_error_line(tmp_path, monkeypatch, capsys, environment, argv, message):
     monkeypatch.setenv("PASTO_DATABASE_URL", f"sqlite:///{tmp_path / 'config.sqlite'}")
-    for key in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_SCHEDULER_INTERVAL"):
+    for key in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_SCHEDULER_INTERVAL", "PASTO_MAX_CONTENT_LENGTH",
+                "PASTO_DASHBOARD_POLL_SECONDS"):
         monkeypatch.delenv(key, raising=False)
     for key, value in environment.items():
         monkeypatch.setenv(key, value() if callable(value) else value)
@@ -173,4 +177,4 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path):
     completed = subprocess.run([*PASTO, "serve", "--port", str(free_port())], env=env, capture_output=True,
                                text=True, timeout=120)
     assert completed.returncode == 1
-    assert completed.stderr == "pasto: error: PASTO_SCHEDULER_INTERVAL must be a number of seconds, got 'abc'.\n"
+    assert completed.stderr == "pasto: error: PASTO_SCHEDULER_INTERVAL must be a positive number of seconds, got 'abc'.\n"
