@@ -1,8 +1,9 @@
 """Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``.
 
-``pasto.cli`` hands every command except ``simulate`` to :func:`main` (``demo`` is passed on to
-``service.demo``). Configuration comes from the environment (``PASTO_DATABASE_URL``,
-``PASTO_ADMIN_TOKEN``, ``PASTO_SCHEDULER_INTERVAL``), see ``service.config``.
+``pasto.cli`` hands every command of its ``SERVICE_COMMANDS`` to :func:`main` (``demo`` is passed on to
+``service.demo``); the one-line help of each command is kept there, so that ``pasto --help`` lists them
+without importing the service. Configuration comes from the environment (``PASTO_*``), see
+``service.config``.
 """
 
 from __future__ import annotations
@@ -15,21 +16,23 @@ import threading
 
 from flask import Flask
 
+from pasto.cli import SERVICE_COMMANDS
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pasto", description="pasto controller service commands.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
-    serve = commands.add_parser("serve", help="serve the HTTP API (waitress) with the round scheduler")
+    serve = commands.add_parser("serve", help=SERVICE_COMMANDS["serve"])
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--threads", type=int, default=8, help="waitress worker threads (default 8)")
     serve.add_argument("--no-scheduler", action="store_true",
                        help="do not close rounds in this process (run `pasto worker` separately)")
 
-    commands.add_parser("worker", help="run the round scheduler alone (no HTTP)")
+    commands.add_parser("worker", help=SERVICE_COMMANDS["worker"])
 
-    database = commands.add_parser("db", help="database migrations (Alembic)")
+    database = commands.add_parser("db", help=SERVICE_COMMANDS["db"])
     db_commands = database.add_subparsers(dest="db_command", required=True, metavar="action")
     upgrade = db_commands.add_parser("upgrade", help="migrate the database to the newest schema")
     upgrade.add_argument("--revision", default="head", help="target revision (default: head, the newest)")
@@ -41,7 +44,7 @@ def _build_parser() -> argparse.ArgumentParser:
                            help="confirm a downgrade to base, which deletes all of pasto's data")
     db_commands.add_parser("current", help="print the database's schema revision")
 
-    tokens = commands.add_parser("tokens", help="API tokens")
+    tokens = commands.add_parser("tokens", help=SERVICE_COMMANDS["tokens"])
     token_commands = tokens.add_subparsers(dest="tokens_command", required=True, metavar="action")
     create = token_commands.add_parser("create", help="create a token and print it (only its hash is stored)")
     create.add_argument("--role", required=True, choices=("read", "ingest", "admin"))
