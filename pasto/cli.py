@@ -14,23 +14,23 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["main", "build_parser", "parse_setting"]
+__all__ = ["main", "build_parser", "parse_setting", "SERVICE_COMMANDS"]
 
-SERVICE_COMMANDS = ("serve", "worker", "db", "tokens", "demo")
+SIMULATE_HELP = "Monte-Carlo simulation of a controller on a scenario"
 
-_DESCRIPTION = """\
-Learn probabilistic strategic parameters (mixtures over K settings) with PASTO.
+#: The service's commands and their one-line help. Their options are parsed by ``service.cli``; they
+#: are named here too, without importing the service, so that ``pasto --help`` and an unknown
+#: command list every command.
+SERVICE_COMMANDS = {
+    "serve": "serve the HTTP API (waitress) with the round scheduler",
+    "worker": "run the round scheduler alone (no HTTP)",
+    "db": "database schema: upgrade, current, downgrade (Alembic)",
+    "tokens": "API tokens: create",
+    "demo": "run the service with a live demo experiment and synthetic traffic",
+}
 
-commands:
-  simulate SCENARIO   Monte-Carlo simulation of a controller on a scenario (this module)
-  serve               run the HTTP controller service
-  worker              run the scheduled round-closing worker
-  db upgrade          create or migrate the database schema
-  tokens create       create an API token
-  demo                start the service with a live demo experiment
-
-Run `pasto simulate --help` for the simulator's options; service commands document their own.
-"""
+_DESCRIPTION = "Learn probabilistic strategic parameters (mixtures over K settings) with PASTO."
+_EPILOG = "Run `pasto COMMAND --help` for a command's options."
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
@@ -79,13 +79,11 @@ def _positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     from pasto.simulate import ALGORITHMS
 
-    parser = argparse.ArgumentParser(
-        prog="pasto", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    commands = parser.add_subparsers(dest="command", metavar="command")
+    parser = argparse.ArgumentParser(prog="pasto", description=_DESCRIPTION, epilog=_EPILOG)
+    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     simulate = commands.add_parser(
         "simulate",
-        help="Monte-Carlo simulation of a controller on a scenario",
+        help=SIMULATE_HELP,
         description="Run many independent simulated experiments at once and report how well the "
         "deployed mixture does under the true means.",
     )
@@ -111,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", type=Path, metavar="RESULT.json", help="write the result document here")
     simulate.add_argument("--plot", type=Path, metavar="CURVE.png", help="plot the convergence curve (needs matplotlib)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    for name, help_text in SERVICE_COMMANDS.items():
+        # Listed only: main() hands these to service.cli before this parser sees them.
+        commands.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
@@ -154,7 +155,8 @@ def _pyplot():
         import matplotlib.pyplot as plt
     except ImportError:
         raise ValueError(
-            "--plot needs matplotlib, which is not installed; install it with `pip install pasto[plot]`."
+            "--plot needs matplotlib, which is not installed; install this project's plot extra: "
+            "`pip install -e '.[plot]'` from the source checkout."
         ) from None
     return plt
 
@@ -245,7 +247,8 @@ def _service(argv: list[str], stderr: TextIO) -> int:
             return 2
         stderr.write(
             f"pasto: error: the command {argv[0]!r} needs the Python package {error.name!r}, "
-            "which is not installed; reinstall pasto with `pip install pasto`.\n"
+            "which is not installed; reinstall this project with `pip install -e .` from the source "
+            "checkout.\n"
         )
         return 2
     return service_main(argv)
@@ -254,7 +257,7 @@ def _service(argv: list[str], stderr: TextIO) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pasto`` command; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("simulate", "-h", "--help") and not argv[0].startswith("-"):
+    if argv and argv[0] in SERVICE_COMMANDS:
         return _service(argv, sys.stderr)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -32,6 +32,11 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
 
     Raises
     ------
+    service.config.ConfigurationError
+        When a setting has a value pasto cannot use (the message names it), including a
+        ``PASTO_DATABASE_URL`` that is not an SQLite or PostgreSQL URL.
+    service.db.DatabaseUnreachable
+        When the database does not accept a connection, unless ``PASTO_CHECK_SCHEMA`` is false.
     SchemaOutOfDate
         When the database is not at the newest migration (run ``pasto db upgrade``), unless
         ``PASTO_CHECK_SCHEMA`` is false.
@@ -43,6 +48,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     register_error_handlers(app)
     database = db.init_app(app)
     if app.config["PASTO_CHECK_SCHEMA"]:
+        db.check_connection(database.engine)
         check_schema(database.engine)
     auth.init_app(app)
     cache.init_app(app)

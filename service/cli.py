@@ -1,8 +1,9 @@
 """Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``.
 
-``pasto.cli`` hands every command except ``simulate`` to :func:`main` (``demo`` is passed on to
-``service.demo``). Configuration comes from the environment (``PASTO_DATABASE_URL``,
-``PASTO_ADMIN_TOKEN``, ``PASTO_SCHEDULER_INTERVAL``), see ``service.config``.
+``pasto.cli`` hands every command of its ``SERVICE_COMMANDS`` to :func:`main` (``demo`` is passed on to
+``service.demo``); the one-line help of each command is kept there, so that ``pasto --help`` lists them
+without importing the service. Configuration comes from the environment (``PASTO_*``), see
+``service.config``.
 """
 
 from __future__ import annotations
@@ -15,29 +16,35 @@ import threading
 
 from flask import Flask
 
+from pasto.cli import SERVICE_COMMANDS
+
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pasto", description="pasto controller service commands.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
 
-    serve = commands.add_parser("serve", help="serve the HTTP API (waitress) with the round scheduler")
+    serve = commands.add_parser("serve", help=SERVICE_COMMANDS["serve"])
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     serve.add_argument("--threads", type=int, default=8, help="waitress worker threads (default 8)")
     serve.add_argument("--no-scheduler", action="store_true",
                        help="do not close rounds in this process (run `pasto worker` separately)")
 
-    commands.add_parser("worker", help="run the round scheduler alone (no HTTP)")
+    commands.add_parser("worker", help=SERVICE_COMMANDS["worker"])
 
-    database = commands.add_parser("db", help="database migrations (Alembic)")
+    database = commands.add_parser("db", help=SERVICE_COMMANDS["db"])
     db_commands = database.add_subparsers(dest="db_command", required=True, metavar="action")
     upgrade = db_commands.add_parser("upgrade", help="migrate the database to the newest schema")
-    upgrade.add_argument("--revision", default="head")
-    downgrade = db_commands.add_parser("downgrade", help="migrate the database back (default: drop everything)")
-    downgrade.add_argument("--revision", default="base")
+    upgrade.add_argument("--revision", default="head", help="target revision (default: head, the newest)")
+    # No default target: a bare `downgrade` used to mean `base`, which drops the whole schema.
+    downgrade = db_commands.add_parser("downgrade", help="migrate the database back to an older revision")
+    downgrade.add_argument("--revision", required=True,
+                           help="target revision, e.g. 0003; `base` drops every table and needs --yes")
+    downgrade.add_argument("--yes", action="store_true",
+                           help="confirm a downgrade to base, which deletes all of pasto's data")
     db_commands.add_parser("current", help="print the database's schema revision")
 
-    tokens = commands.add_parser("tokens", help="API tokens")
+    tokens = commands.add_parser("tokens", help=SERVICE_COMMANDS["tokens"])
     token_commands = tokens.add_subparsers(dest="tokens_command", required=True, metavar="action")
     create = token_commands.add_parser("create", help="create a token and print it (only its hash is stored)")
     create.add_argument("--role", required=True, choices=("read", "ingest", "admin"))
@@ -58,12 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
     from . import SchemaOutOfDate, create_app
+    from .config import ConfigurationError
+    from .db import DatabaseUnreachable
 
-    if args.command == "db":
-        return _db(args, create_app)
+    # What an operator can fix (a setting, the database's address, a migration to run) is one line on
+    # stderr; anything else raised here is a bug and keeps its traceback.
     try:
+        if args.command == "db":
+            return _db(args, create_app)
         app = create_app()
-    except SchemaOutOfDate as error:
+    except (ConfigurationError, DatabaseUnreachable, SchemaOutOfDate) as error:
         print(f"pasto: error: {error}", file=sys.stderr)
         return 1
     if args.command == "tokens":
@@ -74,19 +85,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _db(args: argparse.Namespace, create_app) -> int:
+    from alembic.util import CommandError
+
     import migrations
 
-    from .db import get_db
+    from .db import check_connection, get_db
 
     app = create_app({"PASTO_CHECK_SCHEMA": False})
     engine = get_db(app).engine
     url = engine.url.render_as_string(hide_password=False)
     shown = engine.url.render_as_string(hide_password=True)
-    if args.db_command == "upgrade":
-        migrations.upgrade(url, args.revision)
-    elif args.db_command == "downgrade":
-        migrations.downgrade(url, args.revision)
-    print(f"{shown}: schema revision {migrations.current_revision(engine)} (newest {migrations.head_revision()})")
+    if args.db_command == "downgrade" and args.revision == "base" and not args.yes:
+        engine.dispose()
+        print(f"pasto: error: `pasto db downgrade --revision base` would drop every table of pasto in {shown} "
+              "(experiments, arms, rounds, statistics, observation ids and API tokens) with all their data. "
+              "Add --yes to do it, or give an older revision to keep the data.", file=sys.stderr)
+        return 2
+    check_connection(engine)
+    try:
+        if args.db_command == "upgrade":
+            migrations.upgrade(url, args.revision)
+        elif args.db_command == "downgrade":
+            migrations.downgrade(url, args.revision)
+    except CommandError as error:  # Alembic's word for a revision it cannot reach from here
+        engine.dispose()
+        print(f"pasto: error: pasto db {args.db_command} --revision {args.revision}: {error}.", file=sys.stderr)
+        return 2
+    current = migrations.current_revision(engine) or "none (never migrated)"
+    print(f"{shown}: schema revision {current} (newest {migrations.head_revision()})")
     engine.dispose()
     return 0
 

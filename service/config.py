@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -9,6 +10,17 @@ from typing import Any
 
 #: Largest request body accepted; 10,000 observations with a few metrics fit comfortably.
 DEFAULT_MAX_CONTENT_LENGTH = 16 * 1024 * 1024
+
+#: Seconds between the dashboard's reads of the API.
+DEFAULT_DASHBOARD_POLL_SECONDS = 5.0
+
+
+class ConfigurationError(ValueError):
+    """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
+
+    The message names the setting and says what it must be; ``pasto`` prints it as
+    ``pasto: error: ...`` instead of a traceback.
+    """
 
 
 def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -21,7 +33,11 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_VERSION_CHECK_SECONDS`` (how stale a worker's cached experiment may be, default 0.05),
     ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
     false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
-    ``MAX_CONTENT_LENGTH`` (bytes).
+    ``PASTO_DASHBOARD_POLL_SECONDS`` (how often the dashboard re-reads the API, default 5),
+    ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
+    environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
+
+    Raises :class:`ConfigurationError` naming the setting when a value is unusable.
     """
     config: dict[str, Any] = {
         "PASTO_DATABASE_URL": f"sqlite:///{Path(instance_path) / 'pasto.sqlite'}",
@@ -30,31 +46,53 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_CHECK_SCHEMA": True,
         "PASTO_VERSION_CHECK_SECONDS": 0.05,
         "PASTO_ANONYMOUS_LOOPBACK_READ": False,
+        "PASTO_DASHBOARD_POLL_SECONDS": DEFAULT_DASHBOARD_POLL_SECONDS,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
     }
-    for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS"):
+    for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
+                "PASTO_DASHBOARD_POLL_SECONDS"):
         if os.environ.get(key):
             config[key] = os.environ[key]
     if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
         config["PASTO_ANONYMOUS_LOOPBACK_READ"] = _flag("PASTO_ANONYMOUS_LOOPBACK_READ",
                                                         os.environ["PASTO_ANONYMOUS_LOOPBACK_READ"])
+    if os.environ.get("PASTO_MAX_CONTENT_LENGTH"):
+        config["MAX_CONTENT_LENGTH"] = os.environ["PASTO_MAX_CONTENT_LENGTH"]
     if overrides:
         config.update(overrides)
-    try:
-        config["PASTO_SCHEDULER_INTERVAL"] = float(config["PASTO_SCHEDULER_INTERVAL"])
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"PASTO_SCHEDULER_INTERVAL must be a number of seconds, got {config['PASTO_SCHEDULER_INTERVAL']!r}."
-        ) from error
-    if not config["PASTO_SCHEDULER_INTERVAL"] > 0:
-        raise ValueError("PASTO_SCHEDULER_INTERVAL must be a positive number of seconds.")
-    try:
-        config["PASTO_VERSION_CHECK_SECONDS"] = float(config["PASTO_VERSION_CHECK_SECONDS"])
-    except (TypeError, ValueError) as error:
-        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be a number of seconds.") from error
-    if not config["PASTO_VERSION_CHECK_SECONDS"] >= 0:
-        raise ValueError("PASTO_VERSION_CHECK_SECONDS must be zero or a positive number of seconds.")
+    config["PASTO_SCHEDULER_INTERVAL"] = _seconds("PASTO_SCHEDULER_INTERVAL", config["PASTO_SCHEDULER_INTERVAL"])
+    config["PASTO_VERSION_CHECK_SECONDS"] = _seconds("PASTO_VERSION_CHECK_SECONDS",
+                                                     config["PASTO_VERSION_CHECK_SECONDS"], zero_allowed=True)
+    config["PASTO_DASHBOARD_POLL_SECONDS"] = _seconds("PASTO_DASHBOARD_POLL_SECONDS",
+                                                      config["PASTO_DASHBOARD_POLL_SECONDS"])
+    config["MAX_CONTENT_LENGTH"] = _bytes("PASTO_MAX_CONTENT_LENGTH", config["MAX_CONTENT_LENGTH"])
     return config
+
+
+def _seconds(key: str, value: Any, zero_allowed: bool = False) -> float:
+    """``value`` (a number, or its text from the environment) as a finite number of seconds."""
+    wanted = "zero or a positive number of seconds" if zero_allowed else "a positive number of seconds"
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{key} must be {wanted}, got {value!r}.") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_allowed):
+        raise ConfigurationError(f"{key} must be {wanted}, got {value!r}.")
+    return seconds
+
+
+def _bytes(key: str, value: Any) -> int:
+    """``value`` (an integer, or its text from the environment) as a positive number of bytes."""
+    wanted = f"{key} must be a positive whole number of bytes (e.g. {DEFAULT_MAX_CONTENT_LENGTH} for 16 MiB)"
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            raise ConfigurationError(f"{wanted}, got {value!r}.") from None
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+        raise ConfigurationError(f"{wanted}, got {value!r}.")
+    return number
 
 
 def _flag(key: str, text: str) -> bool:
@@ -63,4 +101,4 @@ def _flag(key: str, text: str) -> bool:
         return True
     if value in {"0", "false", "no", "off"}:
         return False
-    raise ValueError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")
+    raise ConfigurationError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")

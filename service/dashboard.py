@@ -16,15 +16,13 @@ from .models import Experiment
 
 bp = Blueprint("dashboard", __name__)
 
-DEFAULT_POLL_SECONDS = 5.0
-
 
 def _page_config() -> dict:
     return {
         "apiBase": url_for("experiments.list_experiments").removesuffix("/experiments"),
         "experimentPage": url_for("dashboard.experiment", name="__name__"),
         "anonymousRead": anonymous_read_allowed(),
-        "pollSeconds": float(current_app.config.get("PASTO_DASHBOARD_POLL_SECONDS", DEFAULT_POLL_SECONDS)),
+        "pollSeconds": current_app.config["PASTO_DASHBOARD_POLL_SECONDS"],
     }
 
 

@@ -9,6 +9,7 @@ and run concurrently with a writer thanks to WAL.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,9 +20,16 @@ from flask import Flask, current_app
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
+from .config import ConfigurationError
+
 _EXTENSION = "pasto.db"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
+
+
+class DatabaseUnreachable(RuntimeError):
+    """The database ``PASTO_DATABASE_URL`` names does not accept a connection (server down, wrong host,
+    port, credentials or database name, an SQLite file that cannot be opened)."""
 
 
 class KeysExist(Exception):
@@ -171,18 +179,70 @@ def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list
         cursor.close()
 
 
+_URL_EXAMPLES = "sqlite:///path/to/pasto.sqlite or postgresql+psycopg://user:password@host/database"
+
+
 def make_engine(url: str) -> sa.Engine:
-    """Create an engine for ``url`` with the settings this service relies on."""
-    parsed = sa.engine.make_url(url)
-    if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-        engine = sa.create_engine(
-            parsed, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    """Create an engine for ``url`` with the settings this service relies on.
+
+    Raises :class:`~service.config.ConfigurationError` naming ``PASTO_DATABASE_URL`` when the URL does
+    not parse, names a database other than SQLite or PostgreSQL or a driver that is not installed, or
+    puts an SQLite file where its folder cannot be created. Nothing is connected to yet.
+    """
+    try:
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError):  # ValueError: a port that is not a number
+        raise ConfigurationError(
+            f"PASTO_DATABASE_URL {_hide_password(url)!r} is not a database URL; use {_URL_EXAMPLES}."
+        ) from None
+    shown = parsed.render_as_string(hide_password=True)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise ConfigurationError(
+            f"PASTO_DATABASE_URL {shown} names a {parsed.get_backend_name()} database; pasto works with "
+            f"SQLite and PostgreSQL: {_URL_EXAMPLES}."
         )
-        _configure_sqlite(engine)
-        return engine
-    return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    try:
+        if parsed.get_backend_name() == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                folder = Path(parsed.database).parent
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                except OSError as error:
+                    raise ConfigurationError(
+                        f"PASTO_DATABASE_URL {shown}: the folder {folder} for the SQLite file cannot be "
+                        f"created ({error.strerror})."
+                    ) from None
+            engine = sa.create_engine(
+                parsed, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+            )
+            _configure_sqlite(engine)
+            return engine
+        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    except (sa.exc.NoSuchModuleError, ImportError) as error:  # an unknown driver name, or one not installed
+        raise ConfigurationError(
+            f"PASTO_DATABASE_URL {shown}: its database driver cannot be loaded ({error}); pasto installs "
+            f"psycopg for PostgreSQL and uses Python's sqlite3: {_URL_EXAMPLES}."
+        ) from None
+
+
+def _hide_password(url: str) -> str:
+    """``url`` with the password of ``scheme://user:password@host`` replaced by ``***``, for a URL
+    SQLAlchemy could not parse (and so cannot mask)."""
+    return re.sub(r"(://[^:/@]*:).*@", r"\1***@", url)
+
+
+def check_connection(engine: sa.Engine) -> None:
+    """Connect once; :class:`DatabaseUnreachable` naming the database and the driver's reason if that fails."""
+    try:
+        with engine.connect():
+            pass
+    except sa.exc.OperationalError as error:  # the DBAPI's connection failures; SQL errors are other classes
+        reason = " ".join(line.strip() for line in str(error.orig).splitlines() if line.strip())
+        where = engine.url.render_as_string(hide_password=True)
+        raise DatabaseUnreachable(
+            f"Cannot connect to the database {where} (PASTO_DATABASE_URL): "
+            f"{reason if reason.endswith(('.', '?', '!')) else reason + '.'}"
+        ) from error
 
 
 def _configure_sqlite(engine: sa.Engine) -> None:

@@ -159,7 +159,7 @@ def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
     admin token, read token)."""
     import migrations
     from . import create_app
-    from .db import get_db
+    from .db import check_connection, get_db
 
     overrides: dict = {"PASTO_CHECK_SCHEMA": False}
     if instance is not None and not os.environ.get("PASTO_DATABASE_URL"):
@@ -169,6 +169,7 @@ def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
     folder.mkdir(parents=True, exist_ok=True)
     engine = get_db(app).engine
     url = engine.url.render_as_string(hide_password=False)
+    check_connection(engine)
     migrations.upgrade(url)
     admin_token, read_token = _ensure_tokens(app, folder / TOKENS_FILE)
     engine.dispose()
@@ -374,7 +375,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pasto demo: error: port {args.port} on 127.0.0.1 is already in use (another `pasto demo` "
               "or server?); choose another with --port.", file=sys.stderr)
         return 1
-    database_url, folder, admin_token, read_token = prepare_database(args.instance)
+    from .config import ConfigurationError
+    from .db import DatabaseUnreachable
+
+    try:
+        database_url, folder, admin_token, read_token = prepare_database(args.instance)
+    except (ConfigurationError, DatabaseUnreachable) as error:  # as `pasto serve` reports them
+        print(f"pasto demo: error: {error}", file=sys.stderr)
+        return 1
     server = ServerProcess(database_url, args.port, folder / "demo-server.log")
     previous_term = signal.signal(signal.SIGTERM, _raise_stop)
     stats = TrafficStats()

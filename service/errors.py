@@ -101,7 +101,7 @@ def register_error_handlers(app: Flask) -> None:
         limit = request.max_content_length
         if error.code == 413 and limit is not None:
             message = (f"The request body is larger than the {limit:,} bytes this server accepts "
-                       "(MAX_CONTENT_LENGTH); send it in smaller batches.")
+                       "(PASTO_MAX_CONTENT_LENGTH); send it in smaller batches.")
             details = {"max_content_length": limit}
         response = error_response(error.code or 500, _code_for(error), message, details)
         if error.code == 405 and getattr(error, "valid_methods", None):

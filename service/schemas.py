@@ -15,7 +15,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       ValidationError, model_validator)
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from .errors import ApiError, validation_error
+from .errors import ApiError, invalid, validation_error
 
 MAX_BATCH = 10_000
 MAX_ARMS = 10_000
@@ -147,11 +147,8 @@ def _require_unique(names: list[str], field: str, what: str, suffix: str = "") -
     seen: dict[str, int] = {}
     for index, name in enumerate(names):
         if name in seen:
-            raise ApiError(
-                422, "invalid_request",
-                f"{field}[{index}]{suffix}: duplicate {what} {name!r} (first at {field}[{seen[name]}]).",
-                [{"location": f"{field}[{index}]{suffix}", "message": f"Duplicate {what} {name!r}."}],
-            )
+            raise invalid(f"{field}[{index}]{suffix}",
+                          f"Duplicate {what} {name!r} (first at {field}[{seen[name]}]).")
         seen[name] = index
 
 

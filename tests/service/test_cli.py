@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 
 import migrations
@@ -89,3 +90,91 @@ def test_migrate_create_token_serve_and_work(tmp_path, monkeypatch, capsys):
         stop(server)
     assert server.returncode == 0
     assert worker.returncode == 0
+
+
+def test_downgrade_needs_a_revision_and_base_needs_yes(tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'downgrade.sqlite'}"
+    monkeypatch.setenv("PASTO_DATABASE_URL", url)
+    assert pasto_main(["db", "upgrade"]) == 0
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse: no default revision any more
+        pasto_main(["db", "downgrade"])
+    assert exit_info.value.code == 2
+    assert "--revision" in capsys.readouterr().err
+
+    assert pasto_main(["db", "downgrade", "--revision", "base"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pasto: error: ") and "would drop every table" in err and "--yes" in err
+    assert "downgrade.sqlite" in err
+    assert pasto_main(["db", "current"]) == 0
+    assert f"schema revision {migrations.head_revision()}" in capsys.readouterr().out
+
+    assert pasto_main(["db", "downgrade", "--revision", "base", "--yes"]) == 0
+    assert "schema revision none (never migrated)" in capsys.readouterr().out
+
+
+def _unreachable_postgres_url() -> str:
+    return f"postgresql+psycopg://pasto:s3cret@127.0.0.1:{free_port()}/pasto"  # nothing listens there
+
+
+@pytest.mark.parametrize("environment, argv, message", [
+    ({"PASTO_ANONYMOUS_LOOPBACK_READ": "maybe"}, ["serve"],
+     "PASTO_ANONYMOUS_LOOPBACK_READ must be 1/true/yes/on or 0/false/no/off, got 'maybe'."),
+    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["serve"],
+     "PASTO_SCHEDULER_INTERVAL must be a positive number of seconds, got 'abc'."),
+    ({"PASTO_MAX_CONTENT_LENGTH": "16MB"}, ["serve"], "PASTO_MAX_CONTENT_LENGTH must be a positive whole number"),
+    ({"PASTO_DASHBOARD_POLL_SECONDS": "0"}, ["serve"], "PASTO_DASHBOARD_POLL_SECONDS must be a positive number"),
+    ({"PASTO_SCHEDULER_INTERVAL": "abc"}, ["worker"], "PASTO_SCHEDULER_INTERVAL must be a positive number"),
+    ({"PASTO_DATABASE_URL": "nonsense"}, ["db", "upgrade"], "PASTO_DATABASE_URL 'nonsense' is not a database URL"),
+    ({"PASTO_DATABASE_URL": "nonsense"}, ["tokens", "create", "--role", "read"],
+     "PASTO_DATABASE_URL 'nonsense' is not a database URL"),
+    ({"PASTO_DATABASE_URL": "postgresql+psycopg://u:s3cret@h:x/db"}, ["db", "current"],
+     "PASTO_DATABASE_URL 'postgresql+psycopg://u:***@h:x/db' is not a database URL"),
+    ({"PASTO_DATABASE_URL": "mysql://pasto@127.0.0.1/pasto"}, ["db", "upgrade"],
+     "names a mysql database; pasto works with SQLite and PostgreSQL"),
+    ({"PASTO_DATABASE_URL": "postgresql+nodriver://pasto@127.0.0.1/pasto"}, ["db", "upgrade"],
+     "its database driver cannot be loaded"),
+    ({"PASTO_DATABASE_URL": _unreachable_postgres_url}, ["db", "upgrade"],
+     "Cannot connect to the database postgresql+psycopg://pasto:***@127.0.0.1:"),
+    ({"PASTO_DATABASE_URL": _unreachable_postgres_url}, ["serve"],
+     "Cannot connect to the database postgresql+psycopg://pasto:***@127.0.0.1:"),
+    ({"PASTO_DATABASE_URL": "sqlite:////dev/null/pasto.sqlite"}, ["db", "upgrade"],
+     "the folder /dev/null for the SQLite file cannot be created"),
+])
+def test_bad_configuration_is_one_error_line(tmp_path, monkeypatch, capsys, environment, argv, message):
+    monkeypatch.setenv("PASTO_DATABASE_URL", f"sqlite:///{tmp_path / 'config.sqlite'}")
+    for key in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_SCHEDULER_INTERVAL", "PASTO_MAX_CONTENT_LENGTH",
+                "PASTO_DASHBOARD_POLL_SECONDS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value() if callable(value) else value)
+    assert pasto_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pasto: error: ") and err.count("\n") == 1, err
+    assert message in err
+    assert "s3cret" not in err
+
+
+def test_an_sqlite_file_that_cannot_be_opened_is_unreachable(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PASTO_DATABASE_URL", f"sqlite:///{tmp_path}")  # a folder, not a file
+    assert pasto_main(["db", "upgrade"]) == 1
+    err = capsys.readouterr().err
+    assert err == f"pasto: error: Cannot connect to the database sqlite:///{tmp_path} (PASTO_DATABASE_URL): " \
+                  "unable to open database file.\n"
+
+
+def test_an_unknown_revision_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PASTO_DATABASE_URL", f"sqlite:///{tmp_path / 'revision.sqlite'}")
+    assert pasto_main(["db", "upgrade", "--revision", "nonsense"]) == 2
+    assert capsys.readouterr().err == ("pasto: error: pasto db upgrade --revision nonsense: "
+                                       "Can't locate revision identified by 'nonsense'.\n")
+
+
+def test_the_installed_entry_point_prints_no_traceback(tmp_path):
+    env = {**os.environ, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'entry.sqlite'}",
+           "PASTO_SCHEDULER_INTERVAL": "abc"}
+    completed = subprocess.run([*PASTO, "serve", "--port", str(free_port())], env=env, capture_output=True,
+                               text=True, timeout=120)
+    assert completed.returncode == 1
+    assert completed.stderr == "pasto: error: PASTO_SCHEDULER_INTERVAL must be a positive number of seconds, got 'abc'.\n"

@@ -136,6 +136,17 @@ def test_invalid_experiment_is_422_naming_the_item(api, app, setup_a, change, lo
     assert count_rows(app, Experiment) == 0
 
 
+@pytest.mark.parametrize("change, location, sentence", [
+    ({"arms": [{"name": "a"}, {"name": "b"}, {"name": "a"}]}, "arms[2].name",
+     "Duplicate arm name 'a' (first at arms[0])."),
+    ({"metrics": ["x", "y", "y"]}, "metrics[2]", "Duplicate metric 'y' (first at metrics[1])."),
+])
+def test_duplicate_name_message_and_details_agree(api, setup_a, change, location, sentence):
+    error = error_of(api("POST", EXPERIMENTS, json=setup_a(**change)), 422)
+    assert error["message"] == f"{location}: {sentence}"
+    assert error["details"] == [{"location": location, "message": sentence}]
+
+
 @pytest.mark.parametrize("missing", ["name", "arms", "metrics", "objective", "round_seconds"])
 def test_missing_experiment_field_is_422(api, setup_a, missing):
     body = setup_a()

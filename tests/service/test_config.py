@@ -1,0 +1,83 @@
+"""Settings read from the environment (``service.config``): they reach the running app, and an unusable
+value is refused with a sentence naming the setting."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from service.config import DEFAULT_DASHBOARD_POLL_SECONDS, DEFAULT_MAX_CONTENT_LENGTH, ConfigurationError, load_config
+from service.db import get_db
+
+from .conftest import ADMIN_TOKEN, make_app
+
+ASSIGN = "/api/v1/experiments/setup-a/assign"
+
+
+@pytest.fixture
+def clean_environment(monkeypatch):
+    for key in ("PASTO_MAX_CONTENT_LENGTH", "PASTO_DASHBOARD_POLL_SECONDS"):
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_defaults(clean_environment, tmp_path):
+    config = load_config(str(tmp_path))
+    assert config["MAX_CONTENT_LENGTH"] == DEFAULT_MAX_CONTENT_LENGTH == 16 * 1024 * 1024
+    assert config["PASTO_DASHBOARD_POLL_SECONDS"] == DEFAULT_DASHBOARD_POLL_SECONDS == 5.0
+
+
+def test_max_content_length_from_the_environment_limits_requests(clean_environment, sqlite_url, setup_a):
+    clean_environment.setenv("PASTO_MAX_CONTENT_LENGTH", "2048")
+    app = make_app(sqlite_url)
+    try:
+        assert app.config["MAX_CONTENT_LENGTH"] == 2048
+        client = app.test_client()
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        assert client.post("/api/v1/experiments", json=setup_a(), headers=headers).status_code == 201
+        small = client.post(ASSIGN, json={"units": [f"unit-{i}" for i in range(10)]}, headers=headers)
+        assert small.status_code == 200
+        large = client.post(ASSIGN, json={"units": [f"unit-{i}" for i in range(500)]}, headers=headers)
+        assert large.status_code == 413
+        error = large.get_json()["error"]
+        assert error["details"] == {"max_content_length": 2048}
+        assert "2,048 bytes" in error["message"] and "PASTO_MAX_CONTENT_LENGTH" in error["message"]
+    finally:
+        get_db(app).engine.dispose()
+
+
+def test_dashboard_poll_seconds_from_the_environment_reach_the_page(clean_environment, sqlite_url):
+    clean_environment.setenv("PASTO_DASHBOARD_POLL_SECONDS", "0.75")
+    app = make_app(sqlite_url)
+    try:
+        page = app.test_client().get("/").get_data(as_text=True)
+        page_config = json.loads(re.search(r'<script id="page-config" type="application/json">(.*?)</script>',
+                                           page).group(1))
+        assert page_config["pollSeconds"] == 0.75
+    finally:
+        get_db(app).engine.dispose()
+
+
+@pytest.mark.parametrize("key, text, message", [
+    ("PASTO_MAX_CONTENT_LENGTH", "16MB", "PASTO_MAX_CONTENT_LENGTH must be a positive whole number of bytes"),
+    ("PASTO_MAX_CONTENT_LENGTH", "0", "PASTO_MAX_CONTENT_LENGTH must be a positive whole number of bytes"),
+    ("PASTO_MAX_CONTENT_LENGTH", "-5", "PASTO_MAX_CONTENT_LENGTH must be a positive whole number of bytes"),
+    ("PASTO_MAX_CONTENT_LENGTH", "1.5e6", "PASTO_MAX_CONTENT_LENGTH must be a positive whole number of bytes"),
+    ("PASTO_DASHBOARD_POLL_SECONDS", "often", "PASTO_DASHBOARD_POLL_SECONDS must be a positive number of seconds"),
+    ("PASTO_DASHBOARD_POLL_SECONDS", "0", "PASTO_DASHBOARD_POLL_SECONDS must be a positive number of seconds"),
+    ("PASTO_DASHBOARD_POLL_SECONDS", "nan", "PASTO_DASHBOARD_POLL_SECONDS must be a positive number of seconds"),
+    ("PASTO_DASHBOARD_POLL_SECONDS", "inf", "PASTO_DASHBOARD_POLL_SECONDS must be a positive number of seconds"),
+])
+def test_an_unusable_value_is_refused_naming_the_setting(clean_environment, tmp_path, key, text, message):
+    clean_environment.setenv(key, text)
+    with pytest.raises(ConfigurationError) as info:
+        load_config(str(tmp_path))
+    assert str(info.value).startswith(message) and str(info.value).endswith(f", got {text!r}.")
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "many"])
+def test_max_content_length_in_the_mapping_is_checked_too(clean_environment, tmp_path, value):
+    with pytest.raises(ConfigurationError, match="PASTO_MAX_CONTENT_LENGTH must be a positive whole number"):
+        load_config(str(tmp_path), {"MAX_CONTENT_LENGTH": value})
