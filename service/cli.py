@@ -157,7 +157,11 @@ def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> i
     from . import freeze_startup_heap
     from .scheduler import start_scheduler
 
-    server = create_server(app, host=host, port=port, threads=threads)
+    try:
+        server = create_server(app, host=host, port=port, threads=threads)
+    except OSError as error:  # most often: the port is taken (another `pasto serve` or `pasto demo`?)
+        print(f"pasto: error: cannot listen on {host}:{port}: {error.strerror or error}.", file=sys.stderr)
+        return 1
     background = start_scheduler(app) if scheduler else None
     print(f"pasto: serving on http://{host}:{server.effective_port}"
           f"{'' if background else ' (no scheduler: run `pasto worker`)'}", flush=True)

@@ -178,3 +178,18 @@ def test_the_installed_entry_point_prints_no_traceback(tmp_path):
                                text=True, timeout=120)
     assert completed.returncode == 1
     assert completed.stderr == "pasto: error: PASTO_SCHEDULER_INTERVAL must be a positive number of seconds, got 'abc'.\n"
+
+
+def test_serve_on_a_port_in_use_is_one_error_line(tmp_path, monkeypatch, capsys):
+    import socket
+
+    monkeypatch.setenv("PASTO_DATABASE_URL", f"sqlite:///{tmp_path / 'busy.sqlite'}")
+    assert pasto_main(["db", "upgrade"]) == 0
+    capsys.readouterr()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert pasto_main(["serve", "--host", "127.0.0.1", "--port", str(port), "--no-scheduler"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"pasto: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err
