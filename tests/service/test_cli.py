@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import requests
 
 import migrations
@@ -89,3 +90,28 @@ def test_migrate_create_token_serve_and_work(tmp_path, monkeypatch, capsys):
         stop(server)
     assert server.returncode == 0
     assert worker.returncode == 0
+
+
+def test_serve_stops_when_stdin_reaches_end_of_file(tmp_path):
+    # What `pasto demo` relies on: its server goes away when the demo's end of the pipe closes,
+    # which the kernel does however the demo ends (even SIGKILL).
+    env = {**os.environ, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'eof.sqlite'}"}
+    assert subprocess.run([*PASTO, "db", "upgrade"], env=env, capture_output=True, timeout=60).returncode == 0
+    port = free_port()
+    server = subprocess.Popen([*PASTO, "serve", "--port", str(port), "--stop-on-stdin-eof"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/healthz", server)
+        time.sleep(1.0)
+        assert server.poll() is None, "the server stopped while its stdin was still open"
+        server.stdin.close()
+        server.wait(timeout=30)
+        output = server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, output
+    assert "Traceback" not in output
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
