@@ -13,7 +13,9 @@
    :class:`~pasto.client.LocalAssigner` picks each session's blend locally and an
    :class:`~pasto.client.ObservationBuffer` reports the session's metrics over the HTTP API.
 
-Ctrl-C (or SIGTERM) stops the traffic, flushes the buffer, then stops the server and its scheduler.
+Ctrl-C (or SIGTERM, or SIGHUP from a closed terminal) stops the traffic, flushes the buffer, then
+stops the server and its scheduler; if the demo dies without doing so, the server notices that its
+stdin pipe closed and stops itself.
 """
 
 from __future__ import annotations
@@ -207,7 +209,12 @@ def _ensure_tokens(app, path: Path) -> tuple[str, str]:
 
 class ServerProcess:
     """``pasto serve`` with its scheduler, in its own session so that a terminal's Ctrl-C reaches
-    only the demo, which stops the server after flushing the traffic it already produced."""
+    only the demo, which stops the server after flushing the traffic it already produced.
+
+    Its standard input is a pipe the demo never writes to, and the server runs with
+    ``--stop-on-stdin-eof``: if the demo dies without stopping it (SIGKILL, a crash), the kernel
+    closes the pipe and the server shuts down instead of holding the port.
+    """
 
     def __init__(self, database_url: str, port: int, log_path: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
@@ -216,9 +223,12 @@ class ServerProcess:
         env = {"PASTO_SCHEDULER_INTERVAL": "0.25", **os.environ, "PASTO_DATABASE_URL": database_url}
         with open(log_path, "ab") as log_file:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "pasto.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                [sys.executable, "-m", "pasto.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                 "--stop-on-stdin-eof"],
+                env=env, stdin=subprocess.PIPE, stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+        log.info("Started pasto serve (pid %d).", self.process.pid)
 
     def wait_until_ready(self, client: Client, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -245,6 +255,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+        self.process.stdin.close()
 
     def _log_tail(self) -> str:
         try:
@@ -285,11 +296,18 @@ def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) 
 
 # ------------------------------------------------------------------------------------ traffic
 class _Stop(Exception):
-    """SIGTERM arrived: leave the traffic loop and clean up like Ctrl-C."""
+    """SIGTERM or SIGHUP arrived: leave the traffic loop and clean up like Ctrl-C."""
 
 
 def _raise_stop(*_: object) -> None:
+    # Only the first signal stops the demo: a closing terminal may send SIGHUP more than once, and a
+    # second _Stop raised in the middle of the flush or of stopping the server would cut them short.
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     raise _Stop()
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -376,7 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     database_url, folder, admin_token, read_token = prepare_database(args.instance)
     server = ServerProcess(database_url, args.port, folder / "demo-server.log")
-    previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+    # A closed terminal sends SIGHUP, whose default action would kill the demo before it stops the
+    # server. A signal ignored on entry stays ignored: under nohup the demo keeps running, as asked.
+    previous_handlers = {signum: signal.getsignal(signum) for signum in _STOP_SIGNALS}
+    for signum, previous in previous_handlers.items():
+        if previous is not signal.SIG_IGN:
+            signal.signal(signum, _raise_stop)
     stats = TrafficStats()
     try:
         # Solved while the server boots.
@@ -402,8 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pasto demo: error: {error}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, previous_term)
         server.stop()
+        for signum, previous in previous_handlers.items():
+            if previous is not None:  # None: set outside Python, which cannot be restored from here
+                signal.signal(signum, previous)
     print(f"Stopped after {stats.sessions:,} sessions; run `pasto demo` again to resume.", flush=True)
     return 0
 

@@ -1,15 +1,20 @@
-"""`pasto demo` headless: creates and runs the demo, resumes it, stops cleanly on Ctrl-C, and the
-mixture it learns beats the best single blend (checked through the API)."""
+"""`pasto demo` headless: creates and runs the demo, resumes it, stops cleanly on Ctrl-C and on
+SIGHUP, leaves no server behind when killed, and the mixture it learns beats the best single blend
+(checked through the API)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import pytest
 
 from pasto.client import Client, PastoAPIError, PastoConnectionError
 from service.demo import EXPERIMENT, build_scenario, check_scenario
@@ -21,9 +26,47 @@ def port_is_closed(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def demo_command(instance, port: int, rounds: int) -> list[str]:
+def demo_command(instance, port: int, rounds: int, sessions_per_second: float = 600.0) -> list[str]:
     return [sys.executable, "-m", "pasto.cli", "demo", "--headless", "--instance", str(instance),
-            "--port", str(port), "--round-seconds", "1", "--rounds", str(rounds)]
+            "--port", str(port), "--round-seconds", "1", "--rounds", str(rounds),
+            "--sessions-per-second", str(sessions_per_second)]
+
+
+def process_is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an orphan's exit is reaped by whoever adopted it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
+
+
+def start_demo_and_find_its_server(tmp_path: Path, port: int) -> tuple[subprocess.Popen, int, Path]:
+    """A running headless demo (output in a file), once its server answers; returns (demo, server pid, output)."""
+    output = tmp_path / "demo-output.txt"
+    with open(output, "w") as sink:
+        demo = subprocess.Popen(demo_command(tmp_path, port, rounds=1000, sessions_per_second=50),
+                                stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while "Press Ctrl-C to stop." not in output.read_text():
+        if demo.poll() is not None or time.monotonic() > deadline:
+            demo.kill()
+            demo.wait()
+            pytest.fail(f"the demo did not start:\n{output.read_text()}")
+        time.sleep(0.2)
+    server_pid = int(re.search(r"Started pasto serve \(pid (\d+)\)", output.read_text()).group(1))
+    assert process_is_running(server_pid) and not port_is_closed(port)
+    return demo, server_pid, output
+
+
+def wait_until_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while process_is_running(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def test_the_scenario_rewards_mixing():
@@ -71,4 +114,39 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     assert "Resuming experiment 'demo-ranking'" in output
     assert "Stopping" in output and "Stopped after" in output
     assert "Traceback" not in output
+    assert port_is_closed(port)
+
+
+def test_sighup_stops_the_demo_and_its_server(tmp_path):
+    # What a closed terminal sends: the demo must stop its server (in its own session, so the
+    # terminal's SIGHUP does not reach it) before exiting.
+    port = free_port()
+    demo, server_pid, output = start_demo_and_find_its_server(tmp_path, port)
+    try:
+        demo.send_signal(signal.SIGHUP)
+        demo.wait(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        if process_is_running(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
+            pytest.fail("SIGHUP left the demo's server running")
+    log = output.read_text()
+    assert demo.returncode == 0, log
+    assert "Stopping" in log and "Stopped after" in log and "Traceback" not in log
+    assert port_is_closed(port)
+
+
+def test_a_killed_demo_takes_its_server_down(tmp_path):
+    # SIGKILL gives the demo no chance to clean up: the server stops because its stdin pipe closes.
+    port = free_port()
+    demo, server_pid, _ = start_demo_and_find_its_server(tmp_path, port)
+    demo.kill()
+    demo.wait()
+    try:
+        assert wait_until_gone(server_pid, seconds=30), "the server outlived the killed demo"
+    finally:
+        if process_is_running(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
     assert port_is_closed(port)
