@@ -138,10 +138,13 @@ def _terminate_on_stdin_eof() -> None:
     holding it takes this process down with it, on Linux and macOS alike (prctl(PR_SET_PDEATHSIG)
     would be Linux-only).
     """
-    stdin = sys.stdin.buffer if sys.stdin is not None else None
-    if stdin is not None:
-        while stdin.read(65536):
+    # os.read on the descriptor, not sys.stdin: a thread blocked in a buffered read holds the
+    # buffer's lock, and interpreter shutdown after a plain SIGTERM would abort waiting for it.
+    try:
+        while os.read(0, 65536):
             pass  # nobody is meant to write; anything written is ignored
+    except OSError:
+        pass  # no standard input at all counts as its end
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -256,6 +256,8 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait(timeout=10)
         self.process.stdin.close()
+        if self.process.returncode != 0:
+            log.warning("pasto serve exited with status %s; its log: %s", self.process.returncode, self.log_path)
 
     def _log_tail(self) -> str:
         try:

@@ -92,9 +92,11 @@ def test_migrate_create_token_serve_and_work(tmp_path, monkeypatch, capsys):
     assert worker.returncode == 0
 
 
-def test_serve_stops_when_stdin_reaches_end_of_file(tmp_path):
+@pytest.mark.parametrize("how", ["stdin closed", "SIGTERM"])
+def test_serve_watching_stdin_stops_cleanly(tmp_path, how):
     # What `pasto demo` relies on: its server goes away when the demo's end of the pipe closes,
-    # which the kernel does however the demo ends (even SIGKILL).
+    # which the kernel does however the demo ends (even SIGKILL); and a plain SIGTERM still shuts it
+    # down in order while the watching thread is blocked reading.
     env = {**os.environ, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'eof.sqlite'}"}
     assert subprocess.run([*PASTO, "db", "upgrade"], env=env, capture_output=True, timeout=60).returncode == 0
     port = free_port()
@@ -104,7 +106,10 @@ def test_serve_stops_when_stdin_reaches_end_of_file(tmp_path):
         wait_for(f"http://127.0.0.1:{port}/healthz", server)
         time.sleep(1.0)
         assert server.poll() is None, "the server stopped while its stdin was still open"
-        server.stdin.close()
+        if how == "stdin closed":
+            server.stdin.close()
+        else:
+            server.send_signal(signal.SIGTERM)
         server.wait(timeout=30)
         output = server.stdout.read()
     finally:
@@ -112,6 +117,6 @@ def test_serve_stops_when_stdin_reaches_end_of_file(tmp_path):
             server.kill()
             server.communicate()
     assert server.returncode == 0, output
-    assert "Traceback" not in output
+    assert "Traceback" not in output and "Fatal Python error" not in output
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)

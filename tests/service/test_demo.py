@@ -135,6 +135,7 @@ def test_sighup_stops_the_demo_and_its_server(tmp_path):
     log = output.read_text()
     assert demo.returncode == 0, log
     assert "Stopping" in log and "Stopped after" in log and "Traceback" not in log
+    assert "pasto serve exited with status" not in log, (tmp_path / "demo-server.log").read_text()
     assert port_is_closed(port)
 
 
