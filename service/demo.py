@@ -377,6 +377,15 @@ def _has_graphical_browser() -> bool:
     )
 
 
+def _say_while_stopping(text: str) -> None:
+    """Print a message of the shutdown; after SIGHUP the terminal may be gone (writes fail with
+    EIO), which must not turn a clean stop into a traceback."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        sys.stdout = open(os.devnull, "w")  # later messages and the flush at exit go nowhere
+
+
 def _port_in_use(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
@@ -422,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                 webbrowser.open(dashboard)
             run_traffic(client, name, scenario, args, stats)
     except (KeyboardInterrupt, _Stop):
-        print("\nStopping...", flush=True)
+        _say_while_stopping("\nStopping...")
     except (RuntimeError, PastoAPIError, PastoConnectionError) as error:
         print(f"pasto demo: error: {error}", file=sys.stderr, flush=True)
         return 1
@@ -431,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         for signum, previous in previous_handlers.items():
             if previous is not None:  # None: set outside Python, which cannot be restored from here
                 signal.signal(signum, previous)
-    print(f"Stopped after {stats.sessions:,} sessions; run `pasto demo` again to resume.", flush=True)
+    _say_while_stopping(f"Stopped after {stats.sessions:,} sessions; run `pasto demo` again to resume.")
     return 0
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -58,6 +60,20 @@ def start_demo_and_find_its_server(tmp_path: Path, port: int) -> tuple[subproces
     server_pid = int(re.search(r"Started pasto serve \(pid (\d+)\)", output.read_text()).group(1))
     assert process_is_running(server_pid) and not port_is_closed(port)
     return demo, server_pid, output
+
+
+def wait_for_child(pid: int, seconds: float) -> int:
+    """The wait status of child ``pid``; killed (and the test failed) if it outlives ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        finished, status = os.waitpid(pid, os.WNOHANG)
+        if finished:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"process {pid} did not exit within {seconds} s")
+        time.sleep(0.1)
 
 
 def wait_until_gone(pid: int, seconds: float) -> bool:
@@ -150,4 +166,40 @@ def test_a_killed_demo_takes_its_server_down(tmp_path):
     finally:
         if process_is_running(server_pid):
             os.kill(server_pid, signal.SIGKILL)
+    assert port_is_closed(port)
+
+
+def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
+    # The real thing behind SIGHUP: the demo runs on a pseudo-terminal (session leader, like a
+    # shell's job) and the terminal goes away, so writing "Stopping..." fails too (EIO).
+    port = free_port()
+    stderr_path = tmp_path / "demo-stderr.txt"
+    command = demo_command(tmp_path, port, rounds=1000, sessions_per_second=50)
+    command.remove("--headless")  # interactive, as in a terminal (no display here: no browser)
+    environment = {key: value for key, value in os.environ.items() if key not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    environment["BROWSER"] = "true"  # macOS would open one regardless of DISPLAY
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: stderr to a file (it outlives the terminal), then the demo
+        try:
+            os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+            os.execve(command[0], command, environment)
+        finally:
+            os._exit(127)
+    shown = b""
+    try:
+        deadline = time.monotonic() + 120
+        while b"round    1:" not in shown:
+            assert time.monotonic() < deadline, shown.decode(errors="replace")
+            if select.select([terminal], [], [], 1.0)[0]:
+                shown += os.read(terminal, 4096)
+        server_pid = int(re.search(r"Started pasto serve \(pid (\d+)\)", stderr_path.read_text()).group(1))
+        assert process_is_running(server_pid)
+    finally:
+        os.close(terminal)  # hang up
+        status = wait_for_child(pid, seconds=60)
+    if process_is_running(server_pid):
+        os.kill(server_pid, signal.SIGKILL)
+        pytest.fail("closing the terminal left the demo's server running")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, stderr_path.read_text()
+    assert "Traceback" not in stderr_path.read_text()
     assert port_is_closed(port)
