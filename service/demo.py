@@ -326,6 +326,9 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
     objective = scenario.objective()
     thresholds = objective.thresholds(scenario.means)
     _, single_value = best_single(objective, scenario.means)
+    # On a terminal, each round overwrites the previous line (carriage return, no newline);
+    # anywhere else (a file, a pipe, --headless) one line per round, so a log stays readable.
+    overwrite = not args.headless and sys.stdout.isatty()
     tick = 0.05
     per_tick = args.sessions_per_second * tick
     carry = 0.0
@@ -334,7 +337,15 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
         first_round = assigner.round_index
         shown_round = first_round
         next_tick = time.monotonic()
-        while args.rounds is None or assigner.round_index < first_round + args.rounds:
+        while True:
+            # Reported before the stop test, so that the round whose close ends the demo is shown.
+            current_round = assigner.round_index
+            if current_round != shown_round:
+                shown_round = current_round
+                _report_round(client, name, shown_round, objective, scenario, thresholds, overwrite,
+                              single_value)
+            if args.rounds is not None and shown_round >= first_round + args.rounds:
+                break
             carry += per_tick
             batch, carry = int(carry), carry - int(carry)
             for _ in range(batch):
@@ -343,17 +354,15 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
                 values = simulate_session(scenario, arm_index[assignment.arm], rng)
                 buffer.add(unit, assignment.round, values, arm=assignment.arm)
             stats.sessions += batch
-            if assigner.round_index != shown_round:
-                shown_round = assigner.round_index
-                _report_round(client, name, shown_round, objective, scenario, thresholds, args.headless,
-                              single_value)
             next_tick += tick
             time.sleep(max(0.0, next_tick - time.monotonic()))
+        if overwrite and shown_round != first_round:
+            print(flush=True)  # end the overwritten line before the closing messages
         log.info("Flushing %d pending observations.", buffer.pending)
 
 
 def _report_round(client: Client, name: str, round_index: int, objective: Objective, scenario: Scenario,
-                  thresholds: np.ndarray, headless: bool, single_value: float) -> None:
+                  thresholds: np.ndarray, overwrite: bool, single_value: float) -> None:
     """One line per round: the deployed mixture's true value against the best single blend."""
     try:
         experiment = client.get_experiment(name)
@@ -364,9 +373,15 @@ def _report_round(client: Client, name: str, round_index: int, objective: Object
     true_value = float(objective.mixture_value(scenario.means, deployed, thresholds))
     top = np.argsort(deployed)[::-1][:2]
     mix = ", ".join(f"{scenario.arm_names[k]} {deployed[k]:.2f}" for k in top)
-    line = (f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
-            f"(best single blend {single_value:.3f})")
-    print(line if headless else f"\r{line}", end="\n" if headless else "", flush=True)
+    _print_round_line(f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
+                      f"(best single blend {single_value:.3f})", overwrite)
+
+
+def _print_round_line(line: str, overwrite: bool) -> None:
+    if overwrite:
+        print(f"\r{line}", end="", flush=True)
+    else:
+        print(line, flush=True)
 
 
 # ------------------------------------------------------------------------------------ main

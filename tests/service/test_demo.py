@@ -34,6 +34,18 @@ def demo_command(instance, port: int, rounds: int, sessions_per_second: float = 
             "--sessions-per-second", str(sessions_per_second)]
 
 
+def round_numbers(output: str) -> list[int]:
+    """The rounds reported by the demo's "round N: deployed ..." lines, in order."""
+    return [int(number) for number in re.findall(r"^round +(\d+): deployed", output, flags=re.MULTILINE)]
+
+
+def environment_without_browser() -> dict[str, str]:
+    """No display (the demo opens a browser only with one) and, for macOS, a browser that does nothing."""
+    environment = {key: value for key, value in os.environ.items() if key not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    environment["BROWSER"] = "true"
+    return environment
+
+
 def process_is_running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie (an orphan's exit is reaped by whoever adopted it)."""
     try:
@@ -91,6 +103,18 @@ def test_the_scenario_rewards_mixing():
     assert mixture[single] < 0.5 and (mixture > 0.05).sum() >= 2
 
 
+def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
+    # Not --headless, but stdout is a pipe (`make run > log`): no carriage returns, one line per
+    # round, and with --rounds 2 both closed rounds are reported.
+    command = demo_command(tmp_path, free_port(), rounds=2, sessions_per_second=50)
+    command.remove("--headless")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=environment_without_browser())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "\r" not in result.stdout
+    assert round_numbers(result.stdout) == [1, 2], result.stdout
+    assert re.search(r"^Stopped after", result.stdout, flags=re.MULTILINE)
+
+
 def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     port = free_port()
     first = subprocess.run(demo_command(tmp_path, port, rounds=4), capture_output=True, text=True, timeout=120)
@@ -98,6 +122,7 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     assert f"Dashboard: http://127.0.0.1:{port}/" in first.stdout
     assert "read token:" in first.stdout
     assert "Created experiment" in first.stderr
+    assert round_numbers(first.stdout) == [1, 2, 3, 4], first.stdout  # the round that ends the demo too
     assert port_is_closed(port), "the demo left its server running"
     tokens = json.loads((tmp_path / "demo-tokens.json").read_text())
     assert (tmp_path / "demo-tokens.json").stat().st_mode & 0o077 == 0
@@ -175,9 +200,8 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
     port = free_port()
     stderr_path = tmp_path / "demo-stderr.txt"
     command = demo_command(tmp_path, port, rounds=1000, sessions_per_second=50)
-    command.remove("--headless")  # interactive, as in a terminal (no display here: no browser)
-    environment = {key: value for key, value in os.environ.items() if key not in ("DISPLAY", "WAYLAND_DISPLAY")}
-    environment["BROWSER"] = "true"  # macOS would open one regardless of DISPLAY
+    command.remove("--headless")  # interactive, as in a terminal
+    environment = environment_without_browser()
     pid, terminal = pty.fork()
     if pid == 0:  # the child: stderr to a file (it outlives the terminal), then the demo
         try:
@@ -194,6 +218,7 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
                 shown += os.read(terminal, 4096)
         server_pid = int(re.search(r"Started pasto serve \(pid (\d+)\)", stderr_path.read_text()).group(1))
         assert process_is_running(server_pid)
+        assert b"\rround    1:" in shown  # on a terminal the round line is overwritten in place
     finally:
         os.close(terminal)  # hang up
         status = wait_for_child(pid, seconds=60)
