@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +30,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=int, default=8, help="waitress worker threads (default 8)")
     serve.add_argument("--no-scheduler", action="store_true",
                        help="do not close rounds in this process (run `pasto worker` separately)")
+    serve.add_argument("--stop-on-stdin-eof", action="store_true",
+                       help="shut down when standard input reaches end of file; a parent that passes "
+                            "a pipe it never writes to takes the server down with it, however the "
+                            "parent ends (`pasto demo` does)")
 
     commands.add_parser("worker", help=SERVICE_COMMANDS["worker"])
 
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return _create_token(app, args.role, args.name or args.role)
     if args.command == "worker":
         return _worker(app)
-    return _serve(app, args.host, args.port, args.threads, scheduler=not args.no_scheduler)
+    return _serve(app, args.host, args.port, args.threads, scheduler=not args.no_scheduler,
+                  stop_on_stdin_eof=args.stop_on_stdin_eof)
 
 
 def _db(args: argparse.Namespace, create_app) -> int:
@@ -151,7 +157,25 @@ def _exit_on_signal(signum, _frame) -> None:
     raise SystemExit(0)
 
 
-def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> int:
+def _terminate_on_stdin_eof() -> None:
+    """Read standard input until end of file, then SIGTERM this process (an orderly shutdown).
+
+    The kernel closes a pipe's write end when its last holder exits, even by SIGKILL, so a parent
+    holding it takes this process down with it, on Linux and macOS alike (prctl(PR_SET_PDEATHSIG)
+    would be Linux-only).
+    """
+    # os.read on the descriptor, not sys.stdin: a thread blocked in a buffered read holds the
+    # buffer's lock, and interpreter shutdown after a plain SIGTERM would abort waiting for it.
+    try:
+        while os.read(0, 65536):
+            pass  # nobody is meant to write; anything written is ignored
+    except OSError:
+        pass  # no standard input at all counts as its end
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool,
+           stop_on_stdin_eof: bool = False) -> int:
     from waitress import create_server
 
     from . import freeze_startup_heap
@@ -170,6 +194,9 @@ def _serve(app: Flask, host: str, port: int, threads: int, scheduler: bool) -> i
     signal.signal(signal.SIGTERM, _exit_on_signal)
     freeze_startup_heap()
     try:
+        # Started inside the try: an end of file that comes at once still closes the server below.
+        if stop_on_stdin_eof:
+            threading.Thread(target=_terminate_on_stdin_eof, name="stdin-eof", daemon=True).start()
         server.run()
     finally:
         server.close()

@@ -193,3 +193,33 @@ def test_serve_on_a_port_in_use_is_one_error_line(tmp_path, monkeypatch, capsys)
         assert pasto_main(["serve", "--host", "127.0.0.1", "--port", str(port), "--no-scheduler"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"pasto: error: cannot listen on 127.0.0.1:{port}: ") and "in use" in err
+
+
+@pytest.mark.parametrize("how", ["stdin closed", "SIGTERM"])
+def test_serve_watching_stdin_stops_cleanly(tmp_path, how):
+    # What `pasto demo` relies on: its server goes away when the demo's end of the pipe closes,
+    # which the kernel does however the demo ends (even SIGKILL); and a plain SIGTERM still shuts it
+    # down in order while the watching thread is blocked reading.
+    env = {**os.environ, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'eof.sqlite'}"}
+    assert subprocess.run([*PASTO, "db", "upgrade"], env=env, capture_output=True, timeout=60).returncode == 0
+    port = free_port()
+    server = subprocess.Popen([*PASTO, "serve", "--port", str(port), "--stop-on-stdin-eof"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(f"http://127.0.0.1:{port}/healthz", server)
+        time.sleep(1.0)
+        assert server.poll() is None, "the server stopped while its stdin was still open"
+        if how == "stdin closed":
+            server.stdin.close()
+        else:
+            server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+        output = server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 0, output
+    assert "Traceback" not in output and "Fatal Python error" not in output
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
