@@ -150,23 +150,34 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     tokens = json.loads((tmp_path / "demo-tokens.json").read_text())
     assert (tmp_path / "demo-tokens.json").stat().st_mode & 0o077 == 0
 
-    # Second run: resumes the same experiment; stopped with Ctrl-C (SIGINT) once 20 rounds have run.
+    # Second run: resumes the same experiment; read through the API in each of rounds 20 to 24, then
+    # stopped with Ctrl-C (SIGINT).
     second = subprocess.Popen(demo_command(tmp_path, port, rounds=1000), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         with Client(f"http://127.0.0.1:{port}", tokens["read"], timeout=10) as reader:
             deadline = time.monotonic() + 120
-            diagnostics = None
-            while time.monotonic() < deadline and second.poll() is None:
+            by_round: dict[int, dict] = {}
+            index = -1
+            while time.monotonic() < deadline and second.poll() is None and index < 24:
                 try:
-                    if reader.get_experiment(EXPERIMENT)["round"]["index"] >= 20:
-                        diagnostics = reader.diagnostics(EXPERIMENT)
-                        break
+                    index = reader.get_experiment(EXPERIMENT)["round"]["index"]
+                    if 20 <= index < 25 and index not in by_round:
+                        by_round[index] = reader.diagnostics(EXPERIMENT)
                 except (PastoConnectionError, PastoAPIError):
                     pass  # the server is still starting
-                time.sleep(0.2)
-            assert diagnostics is not None, "the demo did not reach round 20"
-            assert diagnostics["objective"]["deployed"] > diagnostics["best_single"]["value"]
+                time.sleep(0.1)
+            assert len(by_round) >= 3, f"the demo was read in rounds {sorted(by_round)} of 20-24 only"
+            for index, diagnostics in sorted(by_round.items()):
+                # Most of the gain of mixing is had already, every round (re-solving only every 5
+                # rounds, the deployed mixture kept a quarter to a half of it between solves), with
+                # the like rate the mixture leans on at or above its guardrail. (The share-rate
+                # guardrail's threshold is relative to the production blend's estimate, which this
+                # little traffic leaves noisy.)
+                single, best = diagnostics["best_single"]["value"], diagnostics["best_mixture"]["value"]
+                assert diagnostics["objective"]["deployed"] > single + 0.7 * (best - single), (index, diagnostics)
+                like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
+                assert like_rate["holds"], (index, like_rate)
             assert sum(diagnostics["units"]) > 5000
         second.send_signal(signal.SIGINT)
         output, _ = second.communicate(timeout=60)
