@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pasto.algorithm import AlgorithmConfig
 from pasto.client import Client, LocalAssigner, ObservationBuffer, PastoAPIError, PastoConnectionError
 from pasto.objectives import Objective
 from pasto.optimum import best_mixture, best_single
@@ -304,8 +305,17 @@ class ServerProcess:
             return "(no server log)"
 
 
+def _same_settings(experiment: dict, scenario: Scenario) -> bool:
+    """Whether ``experiment`` (as the API returns it) has the objective and algorithm this demo creates."""
+    overrides = dict(ALGORITHM)
+    preset = overrides.pop("preset")
+    algorithm = {"preset": preset, **AlgorithmConfig.from_preset(preset, **overrides).to_dict()}
+    return experiment["objective"] == scenario.objective().to_spec() and experiment["algorithm"] == algorithm
+
+
 def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) -> str:
-    """Create the demo experiment, resume it if paused, or start a new one if it was stopped."""
+    """Create the demo experiment, resume it if paused, or start a new one if it was stopped or made
+    with other settings by an earlier demo."""
     name = EXPERIMENT
     for attempt in range(1, 1000):
         try:
@@ -325,6 +335,16 @@ def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) 
         if [arm["name"] for arm in experiment["arms"]] != scenario.arm_names:
             raise RuntimeError(f"An experiment named {name!r} exists but is not the demo's; "
                                "use another --instance folder or database.")
+        if not _same_settings(experiment, scenario):
+            # Made by an earlier version of the demo (its like-rate penalty once put the optimum
+            # past the guardrail): resuming it would show the old story, so it is left paused.
+            if experiment["status"] == "running":
+                client.pause(name)
+            following = f"{EXPERIMENT}-{attempt + 1}"
+            log.info("Experiment %r has an earlier demo's objective or algorithm; it stays paused and "
+                     "the demo uses %r.", name, following)
+            name = following
+            continue
         if experiment["status"] == "paused":
             client.resume(name)
         if experiment["round_seconds"] != round_seconds:

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pasto.algorithm import AlgorithmConfig
 from pasto.client import Client, PastoAPIError, PastoConnectionError
-from service.demo import EXPERIMENT, build_scenario, check_scenario
+from service.demo import EXPERIMENT, build_scenario, check_scenario, ensure_experiment
 from tests.pgcluster import free_port
 
 
@@ -124,6 +125,48 @@ def test_the_scenario_check_rejects_an_optimum_past_its_guardrail():
     spec["guardrails"][0]["penalty"] = 20000.0
     with pytest.raises(RuntimeError, match="like_rate 0.0592"):
         check_scenario(dataclasses.replace(scenario, objective_spec=spec))
+
+
+class ExperimentsInMemory:
+    """The part of pasto.client.Client that ensure_experiment uses, over a dict of experiments."""
+
+    def __init__(self, experiments: dict[str, dict]) -> None:
+        self.experiments = experiments
+
+    def get_experiment(self, name: str) -> dict:
+        if name not in self.experiments:
+            raise PastoAPIError(404, "not_found", f"no experiment {name!r}")
+        return self.experiments[name]
+
+    def create_experiment(self, name, arms, metrics, objective, round_seconds, algorithm) -> None:
+        self.experiments[name] = {"status": "running", "arms": list(arms), "objective": objective,
+                                  "algorithm": algorithm, "round_seconds": round_seconds, "round": {"index": 0}}
+
+    def pause(self, name: str) -> None:
+        self.experiments[name]["status"] = "paused"
+
+    def resume(self, name: str) -> None:
+        self.experiments[name]["status"] = "running"
+
+
+def test_an_earlier_demos_experiment_is_paused_and_replaced():
+    scenario = build_scenario()
+    spec = copy.deepcopy(scenario.objective_spec)
+    spec["guardrails"][0]["penalty"] = 20000.0  # what the demo used to create
+    client = ExperimentsInMemory({})
+    client.create_experiment(EXPERIMENT, scenario.arms, (), spec, 5.0, {"preset": "default"})
+    assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
+    assert client.experiments[EXPERIMENT]["status"] == "paused"
+    assert client.experiments[f"{EXPERIMENT}-2"]["objective"] == scenario.objective_spec
+    # The next run passes over the old one again and resumes its replacement.
+    client.experiments[f"{EXPERIMENT}-2"] = {  # as the server stores it: normalised settings
+        **client.experiments[f"{EXPERIMENT}-2"], "status": "paused",
+        "objective": scenario.objective().to_spec(),
+        "algorithm": {"preset": "default", **AlgorithmConfig.from_preset("default", solve_every=1).to_dict()},
+    }
+    assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
+    assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
+    assert client.experiments[EXPERIMENT]["status"] == "paused"
 
 
 def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
