@@ -14,6 +14,20 @@ DEFAULT_MAX_CONTENT_LENGTH = 16 * 1024 * 1024
 #: Seconds between the dashboard's reads of the API.
 DEFAULT_DASHBOARD_POLL_SECONDS = 5.0
 
+#: Database deadlines in seconds, every one well under gunicorn's 30 s worker timeout: a request that
+#: meets a database which is down or stalled fails with 503 after at most about pool + connect +
+#: statement seconds instead of hanging until gunicorn kills its worker.
+DATABASE_TIMEOUTS = {
+    "PASTO_DATABASE_CONNECT_TIMEOUT": 3.0,    # opening a connection (PostgreSQL; libpq's minimum is 2)
+    "PASTO_DATABASE_STATEMENT_TIMEOUT": 10.0,  # one statement (PostgreSQL server-side, and client-side)
+    "PASTO_DATABASE_POOL_TIMEOUT": 5.0,        # waiting for a free connection of the pool
+    "PASTO_SQLITE_BUSY_TIMEOUT": 10.0,         # waiting for SQLite's write lock
+    "PASTO_HEALTHZ_TIMEOUT": 1.5,              # /healthz answers 503 when its check takes longer
+}
+
+#: ``Retry-After`` (seconds) of a 503 ``database_unavailable``.
+DEFAULT_DATABASE_RETRY_AFTER = 5
+
 
 class ConfigurationError(ValueError):
     """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
@@ -34,6 +48,10 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
     false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
     ``PASTO_DASHBOARD_POLL_SECONDS`` (how often the dashboard re-reads the API, default 5),
+    ``PASTO_DATABASE_CONNECT_TIMEOUT`` / ``PASTO_DATABASE_STATEMENT_TIMEOUT`` /
+    ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` (seconds,
+    defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
+    when the database is unavailable, whole seconds, default 5),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -48,9 +66,11 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_ANONYMOUS_LOOPBACK_READ": False,
         "PASTO_DASHBOARD_POLL_SECONDS": DEFAULT_DASHBOARD_POLL_SECONDS,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
+        **DATABASE_TIMEOUTS,
+        "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
-                "PASTO_DASHBOARD_POLL_SECONDS"):
+                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_DATABASE_RETRY_AFTER", *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
     if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
@@ -66,7 +86,25 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     config["PASTO_DASHBOARD_POLL_SECONDS"] = _seconds("PASTO_DASHBOARD_POLL_SECONDS",
                                                       config["PASTO_DASHBOARD_POLL_SECONDS"])
     config["MAX_CONTENT_LENGTH"] = _bytes("PASTO_MAX_CONTENT_LENGTH", config["MAX_CONTENT_LENGTH"])
+    for key in DATABASE_TIMEOUTS:
+        config[key] = _seconds(key, config[key])
+    config["PASTO_DATABASE_RETRY_AFTER"] = _whole_seconds("PASTO_DATABASE_RETRY_AFTER",
+                                                          config["PASTO_DATABASE_RETRY_AFTER"])
     return config
+
+
+def _whole_seconds(key: str, value: Any) -> int:
+    """``value`` (an integer, or its text from the environment) as a positive whole number of seconds."""
+    wanted = f"{key} must be a positive whole number of seconds"
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            raise ConfigurationError(f"{wanted}, got {value!r}.") from None
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1 or number > 86_400:
+        raise ConfigurationError(f"{wanted} (at most 86400), got {value!r}.")
+    return number
 
 
 def _seconds(key: str, value: Any, zero_allowed: bool = False) -> float:

@@ -291,7 +291,9 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
         MultiProcessCollector(registry)
     else:
         registry.register(PROCESS_REGISTRY)
-    registry.register(ControllerCollector(app))
+    from .health import DatabaseGuardedCollector  # adds pasto_database_up; an outage does not fail the scrape
+
+    registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     return registry
 
 
