@@ -28,6 +28,9 @@ DATABASE_TIMEOUTS = {
 #: ``Retry-After`` (seconds) of a 503 ``database_unavailable``.
 DEFAULT_DATABASE_RETRY_AFTER = 5
 
+#: Invalid tokens one client address may send per minute before it is refused 429.
+DEFAULT_AUTH_FAILURE_LIMIT = 20
+
 
 class ConfigurationError(ValueError):
     """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
@@ -51,7 +54,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_DATABASE_CONNECT_TIMEOUT`` / ``PASTO_DATABASE_STATEMENT_TIMEOUT`` /
     ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` (seconds,
     defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
-    when the database is unavailable, whole seconds, default 5),
+    when the database is unavailable, whole seconds, default 5), ``PASTO_AUTH_FAILURE_LIMIT`` (invalid
+    tokens one client address may send per minute before it is refused 429, default 20),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -68,9 +72,11 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
         **DATABASE_TIMEOUTS,
         "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
+        "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
-                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_DATABASE_RETRY_AFTER", *DATABASE_TIMEOUTS):
+                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
+                *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
     if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
@@ -90,12 +96,14 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         config[key] = _seconds(key, config[key])
     config["PASTO_DATABASE_RETRY_AFTER"] = _whole_seconds("PASTO_DATABASE_RETRY_AFTER",
                                                           config["PASTO_DATABASE_RETRY_AFTER"])
+    config["PASTO_AUTH_FAILURE_LIMIT"] = _whole_seconds("PASTO_AUTH_FAILURE_LIMIT",
+                                                        config["PASTO_AUTH_FAILURE_LIMIT"], "invalid tokens")
     return config
 
 
-def _whole_seconds(key: str, value: Any) -> int:
-    """``value`` (an integer, or its text from the environment) as a positive whole number of seconds."""
-    wanted = f"{key} must be a positive whole number of seconds"
+def _whole_seconds(key: str, value: Any, unit: str = "seconds") -> int:
+    """``value`` (an integer, or its text from the environment) as a positive whole number of ``unit``."""
+    wanted = f"{key} must be a positive whole number of {unit}"
     number = value
     if isinstance(value, str):
         try:

@@ -24,12 +24,14 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     """An error with an HTTP status, a stable machine-readable code and a sentence for humans."""
 
-    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+    def __init__(self, status: int, code: str, message: str, details: Any = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.details = details
+        self.headers = headers or {}
 
 
 def error_response(status: int, code: str, message: str, details: Any = None) -> Response:
@@ -92,6 +94,7 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(error: ApiError):
         response = error_response(error.status, error.code, error.message, error.details)
+        response.headers.update(error.headers)
         if error.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="pasto"'
         return response
