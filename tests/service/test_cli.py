@@ -12,7 +12,9 @@ import pytest
 import requests
 
 import migrations
+from pasto.cli import discover_commands
 from pasto.cli import main as pasto_main
+from service.cli import SERVICE_COMMANDS
 from tests.pgcluster import free_port
 
 PASTO = [sys.executable, "-m", "pasto.cli"]
@@ -229,14 +231,10 @@ def test_serve_watching_stdin_stops_cleanly(tmp_path, how):
 # Discovery: pasto.cli finds the service's commands in the entry-point group pasto.commands (moved here
 # from tests/pasto/test_cli.py with SERVICE_COMMANDS, which now lives in service.cli).
 
-from service.cli import SERVICE_COMMANDS  # noqa: E402
-
 EVERY_COMMAND = ("simulate", "db", "demo", "serve", "tokens", "worker")  # simulate, then by name
 
 
 def test_the_service_declares_every_command_it_parses():
-    from pasto.cli import discover_commands
-
     commands = discover_commands()
     assert set(commands) == set(SERVICE_COMMANDS)
     for name, entry_point in commands.items():
