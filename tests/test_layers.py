@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,12 @@ RULES = (
         "the client (pasto_client) imports neither the service nor its web and database stack",
         files=("pasto_client/**/*.py",),
         forbidden_imports=SERVICE_STACK,
+    ),
+    Rule(
+        "the client (pasto_client) imports only itself, the core, requests and the standard library "
+        "(requests is its one third-party dependency beyond the core)",
+        files=("pasto_client/**/*.py",),
+        allowed_imports=("pasto_client", "pasto", "requests", *sorted(sys.stdlib_module_names)),
     ),
 )
 
@@ -231,10 +238,13 @@ PLANTED = [
     ("pasto/hashing.py", "from .. import service", ("imports service", f"imports service, {NOT_ALLOWED}")),
     ("pasto/cli.py", "_write = lambda path: open(path, 'w').close()", ()),  # the CLI module may do I/O
     ("pasto/cli.py", "import sqlalchemy", ("imports sqlalchemy",)),
-    ("pasto_client/client.py", "from service import create_app", ("imports service",)),
-    ("pasto_client/client.py", "import flask", ("imports flask",)),
-    ("pasto_client/client.py", "from sqlalchemy import select", ("imports sqlalchemy",)),
-    ("pasto_client/client.py", "import pydantic", ("imports pydantic",)),
+    ("pasto_client/client.py", "from service import create_app", ("imports service", f"imports service, {NOT_ALLOWED}")),
+    ("pasto_client/client.py", "import flask", ("imports flask", f"imports flask, {NOT_ALLOWED}")),
+    ("pasto_client/client.py", "from sqlalchemy import select", ("imports sqlalchemy", f"imports sqlalchemy, {NOT_ALLOWED}")),
+    ("pasto_client/client.py", "import pydantic", ("imports pydantic", f"imports pydantic, {NOT_ALLOWED}")),
+    ("pasto_client/buffer.py", "import growthbook", (f"imports growthbook, {NOT_ALLOWED}",)),
+    ("pasto_client/buffer.py", "import threading, urllib.parse", ()),  # the standard library
+    ("pasto_client/assigner.py", "from pasto.hashing import bucket", ()),  # the core
 ]
 
 
