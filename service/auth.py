@@ -1,4 +1,6 @@
-"""Bearer tokens with three roles, ``read`` < ``ingest`` < ``admin``.
+"""Bearer tokens with four roles, ``metrics`` < ``read`` < ``ingest`` < ``admin``: ``metrics`` may
+only scrape ``/metrics`` (a Prometheus scrape token), and ``/metrics`` needs at least that unless
+``PASTO_METRICS_ANONYMOUS`` opts in to anonymous scrapes.
 
 Only the SHA-256 digest of a token is stored (the bootstrap ``PASTO_ADMIN_TOKEN`` is kept in memory as
 its digest too). Digests are compared with :func:`hmac.compare_digest`. Valid tokens are cached per
@@ -222,7 +224,10 @@ def authenticate(required_role: str) -> str:
     Raises 401 when the token is missing or unknown, 403 when its role is too low.
     """
     header = request.headers.get("Authorization", "")
-    if not header and required_role == "read" and anonymous_read_allowed():
+    if not header and required_role == "metrics" and current_app.config["PASTO_METRICS_ANONYMOUS"]:
+        g.token_role = "metrics"
+        return "metrics"
+    if not header and required_role in ("metrics", "read") and anonymous_read_allowed():
         g.token_role = "read"
         return "read"
     scheme, _, token = header.partition(" ")

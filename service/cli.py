@@ -88,7 +88,9 @@ def _build_parser() -> argparse.ArgumentParser:
     tokens = commands.add_parser("tokens", help=SERVICE_COMMANDS["tokens"])
     token_commands = tokens.add_subparsers(dest="tokens_command", required=True, metavar="action")
     create = token_commands.add_parser("create", help="create a token and print it (only its hash is stored)")
-    create.add_argument("--role", required=True, choices=("read", "ingest", "admin"))
+    create.add_argument("--role", required=True, choices=("metrics", "read", "ingest", "admin"),
+                        help="metrics: scrape /metrics only; read: every GET; ingest: assign and observe; "
+                             "admin: everything")
     create.add_argument("--name", default="", help="what the token is for (default: the role)")
     create.add_argument("--expires-in", type=_duration, default=None, metavar="DURATION",
                         help="refuse the token after this long: seconds, or a number with s, m, h or d "

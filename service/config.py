@@ -50,6 +50,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_VERSION_CHECK_SECONDS`` (how stale a worker's cached experiment may be, default 0.05),
     ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
     false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
+    ``PASTO_METRICS_ANONYMOUS`` (let anyone scrape ``/metrics`` without a token, default false: a
+    scrape needs a token with the ``metrics`` role or higher),
     ``PASTO_DASHBOARD_POLL_SECONDS`` (how often the dashboard re-reads the API, default 5),
     ``PASTO_DATABASE_CONNECT_TIMEOUT`` / ``PASTO_DATABASE_STATEMENT_TIMEOUT`` /
     ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` (seconds,
@@ -68,6 +70,7 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_CHECK_SCHEMA": True,
         "PASTO_VERSION_CHECK_SECONDS": 0.05,
         "PASTO_ANONYMOUS_LOOPBACK_READ": False,
+        "PASTO_METRICS_ANONYMOUS": False,
         "PASTO_DASHBOARD_POLL_SECONDS": DEFAULT_DASHBOARD_POLL_SECONDS,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
         **DATABASE_TIMEOUTS,
@@ -79,9 +82,9 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
                 *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
-    if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
-        config["PASTO_ANONYMOUS_LOOPBACK_READ"] = _flag("PASTO_ANONYMOUS_LOOPBACK_READ",
-                                                        os.environ["PASTO_ANONYMOUS_LOOPBACK_READ"])
+    for flag in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_METRICS_ANONYMOUS"):
+        if os.environ.get(flag):
+            config[flag] = _flag(flag, os.environ[flag])
     if os.environ.get("PASTO_MAX_CONTENT_LENGTH"):
         config["MAX_CONTENT_LENGTH"] = os.environ["PASTO_MAX_CONTENT_LENGTH"]
     if overrides:

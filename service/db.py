@@ -96,24 +96,35 @@ def is_unavailable_error(error: BaseException) -> bool:
     return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
+#: A process logs at most one outage (its start and its end) per this many seconds: a database that
+#: flaps (SQLite's write lock contended while reads still succeed) does not fill the log either.
+OUTAGE_LOG_INTERVAL_SECONDS = 60.0
+
+
 class DatabaseStatus:
-    """Whether this process last found the database usable: one log line when it stops being usable,
-    one when it is back (not one per failed request), and ``up`` for the ``pasto_database_up`` gauge."""
+    """Whether this process last found the database usable (``up``, for the ``pasto_database_up``
+    gauge), and the log of its outages: one line when the database becomes unavailable and one when
+    it is back, not one per failed request. A database that flaps (SQLite's write lock contended
+    while reads still succeed) logs at most one outage per :data:`OUTAGE_LOG_INTERVAL_SECONDS`; a
+    failure in a period not logged yet is logged once that interval has passed."""
 
     def __init__(self) -> None:
         self.up = True
         self._lock = threading.Lock()
-        self._down_since = 0.0
+        self._logged_outage_start: float | None = None  # set while a logged outage is not over
+        self._last_logged = -OUTAGE_LOG_INTERVAL_SECONDS
         self._failures = 0
 
     def failed(self, error: BaseException) -> None:
         """Record a request (or scheduler run) that failed because the database is unavailable."""
         with self._lock:
-            self._failures += 1
-            if not self.up:
-                return
             self.up = False
-            self._down_since = time.monotonic()
+            self._failures += 1
+            now = time.monotonic()
+            if self._logged_outage_start is not None or now - self._last_logged < OUTAGE_LOG_INTERVAL_SECONDS:
+                return
+            self._logged_outage_start = self._last_logged = now
+            self._failures = 1
         log.error("The database is unavailable (%s); answering 503 database_unavailable until it is back.",
                   _one_line(error))
 
@@ -125,8 +136,10 @@ class DatabaseStatus:
             if self.up:
                 return
             self.up = True
-            down_for, failures = time.monotonic() - self._down_since, self._failures
-            self._failures = 0
+            if self._logged_outage_start is None:
+                return
+            down_for, failures = time.monotonic() - self._logged_outage_start, self._failures
+            self._logged_outage_start = None
         log.warning("The database is available again after %.1f s (%d requests or runs failed meanwhile).",
                     down_for, failures)
 

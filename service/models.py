@@ -50,7 +50,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: sa.JSON, list[Any]: sa.JSON, datetime: UTCDateTime}
 
 
-ROLES = ("read", "ingest", "admin")
+ROLES = ("metrics", "read", "ingest", "admin")  # each role can do what the ones before it can
 STATUSES = ("running", "paused", "stopped")
 
 

@@ -178,7 +178,7 @@ def test_postgres_killed_and_restarted_during_a_stream(cluster, cluster_url, ser
     cluster.kill9()
     wait_until(lambda: sum(1 for a in stream.answers if a[2] == 503) >= 5 or stream.error, 60,
                "no request was answered 503 while the database was down")
-    scrape = requests.get(f"{server.url}/metrics", timeout=30)
+    scrape = requests.get(f"{server.url}/metrics", headers=HEADERS, timeout=30)
     assert scrape.status_code == 200 and "pasto_database_up 0.0" in scrape.text
     assert requests.get(f"{server.url}/healthz", timeout=30).status_code == 503
     time.sleep(2)  # an outage of a few seconds, under the stream and the scheduler's ticks
@@ -194,7 +194,7 @@ def test_postgres_killed_and_restarted_during_a_stream(cluster, cluster_url, ser
     assert len(outage_log) <= 5, "\n".join(outage_log)
     assert any("The database is unavailable" in line for line in outage_log), "\n".join(outage_log)
     assert any("The database is available again" in line for line in outage_log), "\n".join(outage_log)
-    assert "pasto_database_up 1.0" in requests.get(f"{server.url}/metrics", timeout=30).text
+    assert "pasto_database_up 1.0" in requests.get(f"{server.url}/metrics", headers=HEADERS, timeout=30).text
 
     expected = expected_statistics(stream.observations, 1)
     assert expected.counts.sum() == 30 * BATCH_SIZE * 2

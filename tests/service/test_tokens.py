@@ -98,3 +98,28 @@ def test_a_weak_admin_token_is_accepted_with_a_warning(sqlite_url, caplog):
         strong = make_app(sqlite_url, PASTO_ADMIN_TOKEN=secrets.token_urlsafe(32))
     get_db(strong).engine.dispose()
     assert not [r for r in caplog.records if "PASTO_ADMIN_TOKEN" in r.getMessage()]
+
+
+def test_metrics_needs_a_scrape_token_unless_anonymous_scrapes_are_opted_in(app, sqlite_url):
+    with get_db(app).write() as session:
+        scrape = create_token(session, "metrics", "prometheus")
+        read = create_token(session, "read", "dashboard")
+    client = app.test_client()
+    anonymous = client.get("/metrics")
+    assert anonymous.status_code == 401 and anonymous.get_json()["error"]["code"] == "unauthorized"
+    for token in (scrape, read):
+        response = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert response.status_code == 200 and "pasto_database_up 1.0" in response.get_data(as_text=True)
+    # A scrape token reads nothing else.
+    assert status(client, scrape) == 403
+    app.config["PASTO_METRICS_ANONYMOUS"] = True
+    assert client.get("/metrics").status_code == 200
+    assert client.get(LIST).status_code == 401  # the opt-in is for /metrics only
+
+
+def test_the_anonymous_scrape_opt_in_is_read_from_the_environment(monkeypatch, tmp_path):
+    from service.config import load_config
+
+    assert load_config(str(tmp_path))["PASTO_METRICS_ANONYMOUS"] is False
+    monkeypatch.setenv("PASTO_METRICS_ANONYMOUS", "1")
+    assert load_config(str(tmp_path))["PASTO_METRICS_ANONYMOUS"] is True
