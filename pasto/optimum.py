@@ -336,67 +336,6 @@ class _Problem:
         )
 
 
-def _highs_solve(problem: _Problem, hard_thresholds: np.ndarray, shortfall_variable: bool = False):
-    """Solve the problem (or, with ``shortfall_variable``, the largest-hard-shortfall LP) with HiGHS.
-
-    A soft guardrail's shortfall s_j is the variable u_j / sqrt(2 lam_j), so its penalty is u_j^2 / 2
-    (a unit Hessian): with lam_j up to 1e9 in the Hessian itself HiGHS's QP solver stalls.
-
-    Returns (status, p, extra columns, row duals) with row duals ordered soft, hard, sum.
-    """
-    k, j, h = problem.k, problem.B.shape[0], problem.D.shape[0]
-    infinity = highspy.kHighsInf
-    if shortfall_variable:
-        # max t  s.t.  D p - t >= d, sum p = 1: t* is minus the smallest largest shortfall.
-        extra = 1
-        cost = np.concatenate([np.zeros(k), [-1.0]])
-        extra_lower, extra_upper = np.array([-infinity]), np.array([infinity])
-        blocks = [np.zeros((0, k + 1)), np.hstack([problem.D, -np.ones((h, 1))]),
-                  np.concatenate([np.ones(k), [0.0]])[None, :]]
-        soft_lower = np.zeros(0)
-    else:
-        extra = j
-        cost = np.concatenate([-problem.a, np.zeros(j)])
-        extra_lower, extra_upper = np.zeros(j), np.full(j, infinity)
-        blocks = [np.hstack([problem.B, np.diag(1.0 / np.sqrt(2.0 * problem.lam))]),
-                  np.hstack([problem.D, np.zeros((h, j))]),
-                  np.concatenate([np.ones(k), np.zeros(j)])[None, :]]
-        soft_lower = problem.c
-    matrix = sparse.csc_matrix(np.vstack(blocks))
-    lp = highspy.HighsLp()
-    lp.num_col_ = k + extra
-    lp.num_row_ = matrix.shape[0]
-    lp.col_cost_ = cost
-    lp.col_lower_ = np.concatenate([problem.lower, extra_lower])
-    lp.col_upper_ = np.concatenate([np.ones(k), extra_upper])
-    lp.row_lower_ = np.concatenate([soft_lower, hard_thresholds, [1.0]])
-    lp.row_upper_ = np.concatenate([np.full(soft_lower.size + h, infinity), [1.0]])
-    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = matrix.indptr
-    lp.a_matrix_.index_ = matrix.indices
-    lp.a_matrix_.value_ = matrix.data
-    model = highspy.HighsModel()
-    model.lp_ = lp
-    if not shortfall_variable and j:
-        hessian = highspy.HighsHessian()
-        hessian.dim_ = k + j
-        hessian.format_ = highspy.HessianFormat.kTriangular
-        hessian.start_ = np.concatenate([np.zeros(k + 1, dtype=np.int32), np.arange(1, j + 1, dtype=np.int32)])
-        hessian.index_ = np.arange(k, k + j, dtype=np.int32)
-        hessian.value_ = np.ones(j)
-        model.hessian_ = hessian
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("threads", 1)
-    highs.passModel(model)
-    highs.run()
-    status = highs.getModelStatus()
-    solution = highs.getSolution()
-    columns = np.asarray(solution.col_value, dtype=float)
-    duals = np.asarray(solution.row_dual, dtype=float)
-    return status, columns[:k], columns[k:], duals
-
-
 def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_active):
     """Solve the KKT conditions exactly on a guessed active set; (p, mu, nu) or None if they fail.
 
@@ -460,34 +399,232 @@ def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_acti
     return p, np.maximum(mu, 0.0), np.maximum(nu, 0.0)
 
 
+def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_diagonal=None):
+    """Minimise cost.x (+ x^T diag(h) x / 2) s.t. row_lower <= matrix x <= row_upper, col bounds.
+
+    ``hessian_diagonal`` (n,) may be given on a trailing block of columns only (zeros elsewhere).
+    Returns (model status, x, row duals).
+    """
+    matrix = sparse.csc_matrix(matrix)
+    lp = highspy.HighsLp()
+    lp.num_col_ = matrix.shape[1]
+    lp.num_row_ = matrix.shape[0]
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.asarray(col_lower, dtype=float)
+    lp.col_upper_ = np.asarray(col_upper, dtype=float)
+    lp.row_lower_ = np.asarray(row_lower, dtype=float)
+    lp.row_upper_ = np.asarray(row_upper, dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = matrix.indptr
+    lp.a_matrix_.index_ = matrix.indices
+    lp.a_matrix_.value_ = matrix.data
+    model = highspy.HighsModel()
+    model.lp_ = lp
+    if hessian_diagonal is not None and np.any(hessian_diagonal):
+        diagonal = sparse.csc_matrix(sparse.diags(np.asarray(hessian_diagonal, dtype=float)))
+        hessian = highspy.HighsHessian()
+        hessian.dim_ = matrix.shape[1]
+        hessian.format_ = highspy.HessianFormat.kTriangular
+        hessian.start_ = diagonal.indptr
+        hessian.index_ = diagonal.indices
+        hessian.value_ = diagonal.data
+        model.hessian_ = hessian
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", 1)
+    # HiGHS's QP solver can loop for a long time where it stalls; it then reports a time limit.
+    highs.setOptionValue("time_limit", 5.0)
+    highs.passModel(model)
+    highs.run()
+    solution = highs.getSolution()
+    return (
+        highs.getModelStatus(),
+        np.asarray(solution.col_value, dtype=float),
+        np.asarray(solution.row_dual, dtype=float),
+    )
+
+
+_INFINITY = highspy.kHighsInf
+_OPTIMAL = highspy.HighsModelStatus.kOptimal
+_INFEASIBLE = highspy.HighsModelStatus.kInfeasible
+
+
+def _base_rows(problem: _Problem, hard_thresholds: np.ndarray, extra_columns: int):
+    """Rows shared by every formulation: hard guardrails then the simplex, (H + 1, K + extra)."""
+    h = problem.D.shape[0]
+    matrix = np.vstack([problem.D, np.ones((1, problem.k))])
+    matrix = np.hstack([matrix, np.zeros((h + 1, extra_columns))])
+    return matrix, np.concatenate([hard_thresholds, [1.0]]), np.concatenate([np.full(h, _INFINITY), [1.0]])
+
+
+def _largest_shortfall_margin(problem: _Problem, hard_thresholds: np.ndarray) -> float:
+    """max_p min_h (D_h p - d_h) over the lower-bounded simplex (an LP): minus the smallest largest shortfall."""
+    k, h = problem.k, problem.D.shape[0]
+    matrix, row_lower, row_upper = _base_rows(problem, hard_thresholds, 1)
+    matrix[:h, -1] = -1.0
+    cost = np.concatenate([np.zeros(k), [-1.0]])
+    status, x, _ = _highs(
+        cost, np.concatenate([problem.lower, [-_INFINITY]]), np.concatenate([np.ones(k), [_INFINITY]]),
+        matrix, row_lower, row_upper,
+    )
+    if status != _OPTIMAL:
+        raise RuntimeError(f"HiGHS did not solve the largest-shortfall problem (model status {status.name}).")
+    return float(x[-1])
+
+
+def _candidates(problem: _Problem, hard_thresholds: np.ndarray):
+    """Approximate solutions (p, soft shortfalls, mu, nu) from HiGHS, best guess first; None if infeasible.
+
+    1. The convex QP itself, a soft guardrail's shortfall written u_j / sqrt(2 lam_j) so that its
+       penalty is u_j^2 / 2 (a unit Hessian; lam up to 1e9 in the Hessian stalls HiGHS). HiGHS's
+       QP solver is not dependable at large lam (it can even report the problem unbounded), so:
+    2. Linear programs where each soft penalty is replaced by its tangents (a cutting-plane outer
+       approximation, Kelley's method), new tangents at the last shortfalls each round. Its active
+       set settles on the QP's after a few rounds; every candidate is checked exactly by the caller.
+    """
+    k, j, h = problem.k, problem.B.shape[0], problem.D.shape[0]
+    base, base_lower, base_upper = _base_rows(problem, hard_thresholds, j)
+    if j:
+        root = np.sqrt(2.0 * problem.lam)
+        soft = np.hstack([problem.B, np.diag(1.0 / root)])
+        status, x, duals = _highs(
+            np.concatenate([-problem.a, np.zeros(j)]),
+            np.concatenate([problem.lower, np.zeros(j)]),
+            np.concatenate([np.ones(k), np.full(j, _INFINITY)]),
+            np.vstack([soft, base]),
+            np.concatenate([problem.c, base_lower]),
+            np.concatenate([np.full(j, _INFINITY), base_upper]),
+            hessian_diagonal=np.concatenate([np.zeros(k), np.ones(j)]),
+        )
+        if status == _INFEASIBLE:
+            yield None
+            return
+        if status == _OPTIMAL:
+            yield x[:k], x[k:] / root, duals[:j], duals[j:j + h]
+    # Kelley: columns p (K), u (J), t (J), the shortfall s_j = u_j / sqrt(2 lam_j) as above;
+    # maximise a.p - sum t with t_j >= u0 u_j - u0^2 / 2 for every tangent point u0 so far (u0 = 0
+    # gives t_j >= 0). In u the cuts' coefficients stay moderate at any lam.
+    root = np.sqrt(2.0 * problem.lam)
+    tangents = [[0.0] for _ in range(j)]
+    for _ in range(60):
+        cuts = [(row, s0) for row in range(j) for s0 in tangents[row]]
+        n = k + 2 * j
+        soft = np.zeros((j, n))
+        soft[:, :k] = problem.B
+        soft[:, k:k + j] = np.diag(1.0 / root)
+        cut_rows = np.zeros((len(cuts), n))
+        cut_lower = np.zeros(len(cuts))
+        for position, (row, u0) in enumerate(cuts):
+            cut_rows[position, k + j + row] = 1.0
+            cut_rows[position, k + row] = -u0
+            cut_lower[position] = -0.5 * u0**2
+        matrix = np.vstack([soft, np.hstack([base, np.zeros((h + 1, j))]), cut_rows])
+        status, x, duals = _highs(
+            np.concatenate([-problem.a, np.zeros(j), np.ones(j)]),
+            np.concatenate([problem.lower, np.zeros(2 * j)]),
+            np.concatenate([np.ones(k), np.full(2 * j, _INFINITY)]),
+            matrix,
+            np.concatenate([problem.c, base_lower, cut_lower]),
+            np.concatenate([np.full(j + h, _INFINITY), base_upper, np.full(len(cuts), _INFINITY)]),
+        )
+        if status == _INFEASIBLE:
+            yield None
+            return
+        if status != _OPTIMAL:
+            return
+        scaled = x[k:k + j]
+        yield x[:k], scaled / root, duals[:j], duals[j:j + h]
+        if j == 0:
+            return
+        fresh = [row for row in range(j) if not np.any(np.isclose(tangents[row], scaled[row], rtol=1e-12, atol=0))]
+        if not fresh:
+            return  # no new tangent: the outer approximation cannot improve
+        for row in fresh:
+            tangents[row].append(float(scaled[row]))
+
+
+# Above this many arms, solve on a working set of arms and add those the optimality check prices in.
+_WORKING_SET_FROM = 400
+_WORKING_SET_STEP = 60
+
+
 def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
-    """(p, mu, nu) maximising the problem with these hard thresholds, or None if HiGHS finds it infeasible."""
-    status, p, extra, duals = _highs_solve(problem, hard_thresholds)
-    if status == highspy.HighsModelStatus.kInfeasible:
-        return None
-    if status != highspy.HighsModelStatus.kOptimal:
-        raise RuntimeError(f"HiGHS did not solve the mixture problem (model status {status.name}).")
-    j, h = problem.B.shape[0], problem.D.shape[0]
-    highs_mu, highs_nu = np.maximum(duals[:j], 0.0), np.maximum(duals[j:j + h], 0.0)
-    above = p - problem.lower
-    soft_gap = problem.c - problem.B @ p
-    hard_gap = problem.D @ p - hard_thresholds
-    # HiGHS meets its tolerances (about 1e-7) but not 1e-9 relative at lam = 1e9: its active set
-    # is exact, though, so solving the KKT system on it gives the exact optimum. Try the active
-    # set read at a few resolutions and keep the first that passes every optimality check.
-    for resolution in (1e-9, 1e-7, 1e-5, 1e-11):
-        free = above > resolution
-        if not free.any():
-            free = above >= np.max(above)
-        soft_active = (extra > resolution) | (highs_mu > resolution * problem.scale)
-        hard_active = (hard_gap < resolution * problem.row_scale) & (highs_nu > resolution * problem.scale)
-        for hard_guess in (hard_active, hard_gap < resolution * problem.row_scale):
-            polished = _kkt_polish(problem, hard_thresholds, free, soft_active, hard_guess)
-            if polished is not None:
-                return polished
-    # No active set verified (a degenerate problem): HiGHS's answer, to its own tolerance.
-    p = np.maximum(p, problem.lower)
-    return p / p.sum(), highs_mu, highs_nu
+    """(p, mu, nu, exact) maximising the problem, or None if the hard guardrails are infeasible.
+
+    With many arms, column generation: some optimum uses at most J + H + 1 arms above their lower
+    bounds (a vertex argument), so the problem is solved on a working set (the best arms by each
+    metric row, plus every arm with a lower bound) and the arms whose Lagrangian score beats the
+    simplex multiplier are added until none does; that check is the full problem's optimality
+    condition, so the answer is exact.
+    """
+    k = problem.k
+    if k <= _WORKING_SET_FROM:
+        return _solve_direct(problem, hard_thresholds)
+    rows = np.vstack([problem.a[None, :], problem.B, problem.D])
+    top = np.argpartition(-rows, _WORKING_SET_STEP, axis=1)[:, :_WORKING_SET_STEP]
+    working = np.union1d(top.ravel(), np.flatnonzero(problem.lower > 0))
+    for _ in range(50):
+        sub = _Problem(problem.a[working], problem.B[:, working], problem.c, problem.lam,
+                       problem.D[:, working], problem.d, problem.lower[working])
+        solved = _solve_direct(sub, hard_thresholds)
+        if solved is None or not solved[3]:
+            break  # infeasible on these arms, or not verified: solve the whole problem instead
+        q, mu, nu, _ = solved
+        scores = problem.scores(mu, nu)
+        free = q > sub.lower
+        tau = np.min(scores[working][free]) if free.any() else np.max(scores[working])
+        tolerance = 1e-9 * problem.scale * problem.row_scale
+        outside = np.setdiff1d(np.flatnonzero(scores > tau + tolerance), working)
+        if outside.size == 0:
+            p = problem.lower.copy()
+            p[working] = q
+            return p, mu, nu, True
+        worst = outside[np.argsort(scores[outside])[-_WORKING_SET_STEP:]]
+        working = np.union1d(working, worst)
+    return _solve_direct(problem, hard_thresholds)
+
+
+def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray):
+    """(p, mu, nu, exact) maximising the problem with these hard thresholds, or None if infeasible.
+
+    HiGHS meets its tolerances (about 1e-7) but not 1e-9 relative at lam = 1e9, and its QP solver
+    is not dependable there; the optimum's active set is what matters, though: solving the KKT
+    conditions on it gives the exact optimum, and :func:`_kkt_polish` accepts a candidate only if
+    every optimality condition holds on all K arms.
+    """
+    best = None
+    for candidate in _candidates(problem, hard_thresholds):
+        if candidate is None:
+            return None
+        p, shortfall, highs_mu, highs_nu = candidate
+        highs_mu, highs_nu = np.maximum(highs_mu, 0.0), np.maximum(highs_nu, 0.0)
+        above = p - problem.lower
+        hard_gap = problem.D @ p - hard_thresholds
+        soft_gap = problem.c - problem.B @ p
+        # Read the active set at a few resolutions; keep the first that passes every check.
+        for resolution in (1e-9, 1e-7, 1e-5, 1e-11):
+            free = above > resolution
+            if not free.any():
+                free = above >= np.max(above)
+            short = (shortfall > resolution * 1e-3) | (soft_gap > resolution * problem.row_scale)
+            # A soft guardrail can bind with a shortfall mu / (2 lam) below any resolution.
+            soft_tight = short | (soft_gap > -resolution * problem.row_scale)
+            tight = hard_gap < resolution * problem.row_scale
+            guesses = [(short, tight & (highs_nu > resolution * problem.scale)), (short, tight),
+                       (soft_tight | (highs_mu > resolution * problem.scale), tight)]
+            for soft_active, hard_active in guesses:
+                polished = _kkt_polish(problem, hard_thresholds, free, soft_active, hard_active)
+                if polished is not None:
+                    return (*polished, True)
+        p = np.maximum(p, problem.lower)
+        p = p / p.sum()
+        mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ p, 0.0)
+        if best is None or problem.value(p) > problem.value(best[0]):
+            best = (p, mu, highs_nu, False)
+    if best is None:
+        raise RuntimeError("HiGHS solved none of the formulations of the mixture problem.")
+    # No active set verified (a degenerate problem): HiGHS's best answer, to its own tolerance.
+    return best
 
 
 def solve(
@@ -587,17 +724,14 @@ def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Sol
     solved = _solve_problem(problem, hard_thresholds)
     if solved is None:
         # Phase one: the smallest largest shortfall t*, then the best mixture meeting c - t*.
-        status, _, extra, _ = _highs_solve(problem, hard_thresholds, shortfall_variable=True)
-        if status != highspy.HighsModelStatus.kOptimal:
-            raise RuntimeError("HiGHS did not solve the largest-shortfall problem.")
-        best_margin = float(extra[0])
+        best_margin = _largest_shortfall_margin(problem, hard_thresholds)
         tolerance = 1e-9 * problem.row_scale
         feasible = best_margin >= -tolerance
         hard_thresholds = problem.d + min(best_margin, 0.0) - tolerance
         solved = _solve_problem(problem, hard_thresholds)
         if solved is None:
             raise RuntimeError("HiGHS found the relaxed hard guardrails infeasible after meeting them.")
-    p, mu, nu = solved
+    p, mu, nu, exact = solved
     value = float(objective.mixture_value(means, p, thresholds))
     slack = problem.D @ p - problem.d
     largest_shortfall = float(max(0.0, -np.min(slack, initial=0.0)))
