@@ -525,7 +525,7 @@ def _candidates(problem: _Problem, hard_thresholds: np.ndarray):
             np.concatenate([np.ones(k), np.full(2 * j, _INFINITY)]),
             matrix,
             np.concatenate([problem.c, base_lower, cut_lower]),
-            np.concatenate([np.full(j + h, _INFINITY), base_upper, np.full(len(cuts), _INFINITY)]),
+            np.concatenate([np.full(j, _INFINITY), base_upper, np.full(len(cuts), _INFINITY)]),
         )
         if status == _INFEASIBLE:
             yield None
