@@ -1,13 +1,11 @@
 """Optimum tools: the best mixture max_p f(mu p) on the simplex, the best single arm, regret.
 
-:func:`mirror_ascent` is the batched exponentiated-gradient solver (entropic mirror ascent with a
-per-problem adaptive step and monotone acceptance) that the algorithm's solve-per-round mode
-uses. :func:`best_mixture` is exact: mirror ascent finds the support, then SLSQP solves the
-problem restricted to a small working set of arms, and columns violating the optimality
-condition (``g_k <= p . g`` for every arm, g = mu^T grad f(mu p)) are added until none remains.
-Some optimum of f(mu p) uses at most G + 2 arms (f depends on mu p only through the primary
-combination and the G guarded rows, a point in R^(G+1); Caratheodory), so the restricted problems
-stay small even at K = 10,000.
+:func:`solve` is the exact optimum with soft guardrails (penalties) and hard ones (constraints):
+an LP or convex QP proposed by HiGHS and made exact by solving the KKT conditions on its active set,
+checked on every arm (see docs/algorithm.md, "Hard and soft guardrails"). :func:`best_mixture`
+returns its results for a batch. :func:`mirror_ascent` is the batched exponentiated-gradient solver
+(entropic mirror ascent with a per-problem adaptive step and monotone acceptance) that the
+algorithm's solve-per-round mode uses for warm-started steps.
 """
 
 from __future__ import annotations
