@@ -10,8 +10,6 @@ algorithm's solve-per-round mode uses for warm-started steps.
 
 from __future__ import annotations
 
-import os
-import sys
 from dataclasses import dataclass
 
 import highspy
@@ -33,25 +31,6 @@ __all__ = [
     "smoothness",
 ]
 
-
-def _silence_highs_banner() -> None:
-    """Construct a first HiGHS instance with file descriptor 1 pointed at /dev/null.
-
-    HiGHS prints its copyright banner to stdout (from C++, past sys.stdout) on the first instance a
-    process creates; that would corrupt the JSON the CLI prints. Later instances print nothing.
-    """
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-_silence_highs_banner()
 
 # Log weights more than this below the largest are clamped: their probability (< e^-700) is zero
 # in float64 anyway, and keeping them finite keeps every later step free of inf - inf.
@@ -427,7 +406,10 @@ def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_dia
         hessian.index_ = diagonal.indices
         hessian.value_ = diagonal.data
         model.hessian_ = hessian
-    highs = highspy.Highs()
+    # The bare C++ class (exported as ``highspy._Highs``): the ``Highs`` wrapper installs Python
+    # callbacks, which cost time per instance and print HiGHS's banner on stdout (past sys.stdout,
+    # corrupting the CLI's JSON output).
+    highs = highspy._Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
     # HiGHS's QP solver can loop for a long time where it stalls; it then reports a time limit.
