@@ -275,15 +275,16 @@ def _as_shares(name: str, shares, k: int) -> np.ndarray:
 
 
 class _Problem:
-    """max_p a.p - sum_j lam_j (c_j - B_j p)^+^2  s.t.  D_h p >= d_h, sum p = 1, p >= lower.
+    """max_p a.p - sum_j lam_j (c_j - B_j p)^+^2  s.t.  D_h p >= d_h, sum p = total, p >= lower.
 
     a = means^T w (K,), B (J, K) the soft guardrails' rows of ``means`` with lam_j > 0, D (H, K) the
-    hard guardrails' rows of ``constraint_means``.
+    hard guardrails' rows of ``constraint_means``. ``total`` is 1 except for a working set of arms,
+    whose complement is held at its lower bounds.
     """
 
-    def __init__(self, a, soft_rows, soft_thresholds, lam, hard_rows, hard_thresholds, lower):
+    def __init__(self, a, soft_rows, soft_thresholds, lam, hard_rows, hard_thresholds, lower, total=1.0):
         self.a, self.B, self.c, self.lam = a, soft_rows, soft_thresholds, lam
-        self.D, self.d, self.lower = hard_rows, hard_thresholds, lower
+        self.D, self.d, self.lower, self.total = hard_rows, hard_thresholds, lower, float(total)
         self.k = a.shape[0]
         # Absolute tolerances, relative to the data's scale.
         self.scale = 1.0 + float(np.max(np.abs(a), initial=0.0))
@@ -307,7 +308,7 @@ class _Problem:
         lower-bounded simplex putting all free mass on the best score.
         """
         scores = self.scores(mu, nu)
-        free = 1.0 - self.lower.sum()
+        free = self.total - self.lower.sum()
         return float(
             self.lower @ scores + free * np.max(scores) - mu @ self.c - nu @ self.d + np.sum(mu**2 / (4.0 * self.lam))
         )
@@ -342,7 +343,7 @@ def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_acti
     system[nf + na:nf + na + nh, :nf] = D_H[:, free]
     rhs[nf + na:nf + na + nh] = hard_thresholds[hard_active] - D_H[:, rest] @ lower[rest]
     system[-1, :nf] = 1.0
-    rhs[-1] = 1.0 - lower[rest].sum()
+    rhs[-1] = problem.total - lower[rest].sum()
     try:
         solution = np.linalg.solve(system, rhs)
     except np.linalg.LinAlgError:
@@ -372,7 +373,7 @@ def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_acti
     if np.any(scores[rest] > tau + tolerance * problem.scale * problem.row_scale):
         return None
     p = np.maximum(p, lower)
-    p /= p.sum()
+    p *= problem.total / p.sum()
     return p, np.maximum(mu, 0.0), np.maximum(nu, 0.0)
 
 
@@ -434,7 +435,8 @@ def _base_rows(problem: _Problem, hard_thresholds: np.ndarray, extra_columns: in
     h = problem.D.shape[0]
     matrix = np.vstack([problem.D, np.ones((1, problem.k))])
     matrix = np.hstack([matrix, np.zeros((h + 1, extra_columns))])
-    return matrix, np.concatenate([hard_thresholds, [1.0]]), np.concatenate([np.full(h, _INFINITY), [1.0]])
+    total = [problem.total]
+    return matrix, np.concatenate([hard_thresholds, total]), np.concatenate([np.full(h, _INFINITY), total])
 
 
 def _largest_shortfall_margin(problem: _Problem, hard_thresholds: np.ndarray) -> float:
@@ -542,11 +544,17 @@ def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
         return _solve_direct(problem, hard_thresholds)
     rows = np.vstack([problem.a[None, :], problem.B, problem.D])
     top = np.argpartition(-rows, _WORKING_SET_STEP, axis=1)[:, :_WORKING_SET_STEP]
-    working = np.union1d(top.ravel(), np.flatnonzero(problem.lower > 0))
+    working = np.unique(top.ravel())
     for _ in range(50):
-        sub = _Problem(problem.a[working], problem.B[:, working], problem.c, problem.lam,
-                       problem.D[:, working], problem.d, problem.lower[working])
-        solved = _solve_direct(sub, hard_thresholds)
+        # Arms outside the working set sit at their lower bounds: a constant part of every row.
+        rest = np.ones(k, dtype=bool)
+        rest[working] = False
+        held = problem.lower[rest]
+        sub_hard = hard_thresholds - problem.D[:, rest] @ held
+        sub = _Problem(problem.a[working], problem.B[:, working], problem.c - problem.B[:, rest] @ held,
+                       problem.lam, problem.D[:, working], sub_hard, problem.lower[working],
+                       total=problem.total - held.sum())
+        solved = _solve_direct(sub, sub_hard)
         if solved is None or not solved[3]:
             break  # infeasible on these arms, or not verified: solve the whole problem instead
         q, mu, nu, _ = solved
@@ -597,7 +605,7 @@ def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray):
                 if polished is not None:
                     return (*polished, True)
         p = np.maximum(p, problem.lower)
-        p = p / p.sum()
+        p = p * (problem.total / p.sum())
         mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ p, 0.0)
         if best is None or problem.value(p) > problem.value(best[0]):
             best = (p, mu, highs_nu, False)
