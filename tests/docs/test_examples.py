@@ -91,7 +91,7 @@ open http://127.0.0.1:8000/
 
 
 def test_a_drifted_example_fails_and_a_good_one_passes(doc_server, tmp_path):
-    from pasto.client import Client
+    from pasto_client import Client
 
     with Client(doc_server.url, doc_server.environment["ADMIN"]) as client:
         client.create_experiment(name="doc-harness", arms=[{"name": "a"}, {"name": "b"}], metrics=["x"],
