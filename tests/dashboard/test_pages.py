@@ -265,3 +265,31 @@ def test_a_rejected_token_is_asked_for_again(live_server, browser):
     # The browser logs the one rejected request, and nothing else.
     assert len(console.problems) == 1 and "401" in console.problems[0]
     context.close()
+
+
+def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, browser, anonymous_loopback):
+    name = live_server.experiment
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"]
+    diagnostics = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    assert page.locator("#round-range").input_value() == "1000"  # the default: every round of this one
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    # A range shorter than the history (added here: the page's shortest is 50, this experiment has ~33).
+    page.evaluate("document.getElementById('round-range').add(new Option('the last 10 rounds', '10'))")
+    page.select_option("#round-range", "10")
+    last = [entry["index"] for entry in rounds[-10:]]
+    for chart in ("chart-mixture", "chart-objective", "chart-regret", "chart-observations", "chart-guardrail-0"):
+        for dataset in chart_data(page, chart):
+            assert dataset["x"] == last, (chart, dataset["label"])
+    # Cumulative regret still sums from round 0, and the observation total counts every round.
+    regret = [value for value in chart_data(page, "chart-regret")[0]["y"] if value is not None]
+    assert math.isclose(regret[-1], diagnostics["regret"]["cumulative"], rel_tol=1e-9)
+    assert page.locator("#fig-observations").inner_text().replace(",", "") == str(
+        sum(sum(entry["counts"]) for entry in rounds))
+    assert page.locator("#round-range-note").inner_text() == f"(rounds {last[0]}–{last[-1]} of {len(rounds)})"
+    page.select_option("#round-range", "all")
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
+    context.close()

@@ -164,11 +164,12 @@ function drawObjective(rounds) {
   });
 }
 
-function drawRegret(rounds) {
+// `cumulative` is over every round; only the shown `rounds` (the last of them) are drawn.
+function drawRegret(rounds, cumulative) {
   drawChart("chart-regret", {
     type: "line",
     data: {
-      datasets: [line("cumulative regret", points(rounds, cumulativeRegret(rounds)), "#CC79A7", {
+      datasets: [line("cumulative regret", points(rounds, cumulative.slice(-rounds.length)), "#CC79A7", {
         backgroundColor: withAlpha("#CC79A7", 0.15), fill: "origin",
       })],
     },
@@ -375,15 +376,30 @@ function drawFigures(experiment, rounds, diagnostics) {
 
 let latest = null;
 
+// The time range: the charts draw the last N rounds only, so thousands of rounds stay quick to draw
+// and to read; totals (observations per arm, cumulative regret) still count every round.
+const rangeSelect = document.getElementById("round-range");
+rangeSelect.addEventListener("change", () => render());
+
+function shownRounds(rounds) {
+  const limit = rangeSelect.value === "all" ? rounds.length : Number(rangeSelect.value);
+  const shown = rounds.slice(-limit);
+  document.getElementById("round-range-note").textContent = shown.length < rounds.length
+    ? `(rounds ${formatInteger(shown[0].index)}–${formatInteger(shown[shown.length - 1].index)} of ${formatInteger(rounds.length)})`
+    : "";
+  return shown;
+}
+
 function render() {
   if (!latest) return;
   const { experiment, rounds, diagnostics } = latest;
-  const colourOf = drawMixture(experiment, rounds);
+  const shown = shownRounds(rounds);
+  const colourOf = drawMixture(experiment, shown);
   drawDeployed(experiment, colourOf);
-  drawObjective(rounds);
-  drawRegret(rounds);
-  drawGuardrails(experiment, rounds, diagnostics);
-  drawObservations(rounds);
+  drawObjective(shown);
+  drawRegret(shown, cumulativeRegret(rounds));
+  drawGuardrails(experiment, shown, diagnostics);
+  drawObservations(shown);
   drawArms(experiment, rounds, diagnostics, colourOf);
   drawFigures(experiment, rounds, diagnostics);
   // Tells a reader (and the browser test) which response the page shows.
