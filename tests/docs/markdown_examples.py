@@ -40,8 +40,10 @@ import requests
 #: Info strings of the fenced blocks that are examples to run.
 SHELL_LANGUAGES = frozenset({"sh", "bash", "shell"})
 RUNNABLE_LANGUAGES = SHELL_LANGUAGES | {"console", "http"}
-#: How long one block may take (the simulator example runs 1,000 Monte-Carlo runs).
-BLOCK_TIMEOUT_SECONDS = 300.0
+#: How long one block may take: README's simulator block needs ~20 s of CPU (1,000 + 200 Monte-Carlo
+#: runs), which took 150-430 s of wall time on the 2-core machine shared by eight busy sessions; the
+#: limit sits just under pytest's per-test timeout (600 s, pyproject.toml) so a hang is reported here.
+BLOCK_TIMEOUT_SECONDS = 540.0
 DOCUMENTED_PORT = 8000
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)[^`]*$")
