@@ -473,7 +473,7 @@ class SegmentedConfig:
     algorithm: algorithm.AlgorithmConfig = field(default_factory=algorithm.AlgorithmConfig)
     scopes: tuple[str, ...] = ()
     shrink: bool = True
-    confidence_z: float = 1.0
+    confidence_z: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scopes", tuple(self.scopes))
