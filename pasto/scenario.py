@@ -575,7 +575,9 @@ def _segments(value: Any, n_metrics: int, n_arms: int, n_guardrails: int) -> Seg
         if exponent < 0:
             raise ValueError(f"segments.zipf must be >= 0, not {exponent}.")
         shares = 1.0 / np.arange(1, count + 1) ** exponent
-    shares = tuple(float(x) for x in shares / shares.sum())
+    if abs(shares.sum() - 1.0) > 1e-12:  # normalised once, so a round trip keeps the same floats
+        shares = shares / shares.sum()
+    shares = tuple(float(x) for x in shares)
     means = spread = None
     if "means" in value:
         raw = value["means"]

@@ -51,13 +51,15 @@ def draw_segment_means(scenario: Scenario, runs: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SegmentOracles:
-    """Oracle platform values per run, shape (R,), and the best global mixture (R, K)."""
+    """Oracle platform values per run, shape (R,); the best global mixture (R, K); the joint
+    optimum's shadow prices of the global guardrails (R, G), which price a segment's use of them."""
 
     best_single: np.ndarray
     best_global: np.ndarray
     independent: np.ndarray
     joint: np.ndarray
     global_mixture: np.ndarray = field(repr=False)
+    joint_prices: np.ndarray = field(repr=False, default=None)
 
 
 def _single_arm_value(objective: Objective, means, shares, scopes, thresholds) -> float:
@@ -83,6 +85,7 @@ def segment_oracles(objective: Objective, means: np.ndarray, shares: np.ndarray,
     runs = means.shape[0]
     single, tied, independent, joint = (np.empty(runs) for _ in range(4))
     mixtures = np.empty((runs, means.shape[-1]))
+    prices = np.empty((runs, len(scopes)))
     segment_scopes = ["segment"] * len(scopes)
     for run in range(runs):
         thresholds = resolve_thresholds(objective, means[run], shares, scopes)
@@ -91,8 +94,9 @@ def segment_oracles(objective: Objective, means: np.ndarray, shares: np.ndarray,
         tied_p = np.broadcast_to(mixtures[run], (means.shape[1], means.shape[-1]))
         tied[run] = segmented_values(objective, means[run], shares, tied_p, thresholds)[0]
         independent[run] = solve_joint(objective, means[run], shares, segment_scopes).value
-        joint[run] = solve_joint(objective, means[run], shares, scopes).value
-    return SegmentOracles(single, tied, independent, joint, mixtures)
+        solution = solve_joint(objective, means[run], shares, scopes)
+        joint[run], prices[run] = solution.value, solution.global_shadow_prices
+    return SegmentOracles(single, tied, independent, joint, mixtures, prices)
 
 
 @dataclass(frozen=True)

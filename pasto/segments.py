@@ -197,8 +197,30 @@ def shrink(statistics: Statistics, prior: Shrinkage | None = None) -> Statistics
 
 
 def shrunk_estimate(statistics: Statistics, enabled: bool = True) -> Estimate:
-    """Per-segment estimate (..., S, M, K): shrunk posterior means, or plain sample means if not enabled."""
-    return pooled_estimate(shrink(statistics) if enabled else statistics)
+    """Per-segment estimate (..., S, M, K): the posterior means and their standard errors.
+
+    The standard error counts both parts of the posterior mean (n ybar + n0 m) / (n + n0): the
+    segment's own sampling error, sigma^2 / (n + n0) (the pseudo-observations carry no noise of
+    their own), and the pooled mean's, (n0 / (n + n0))^2 sigma^2 / N with N the pooled count, so that a
+    fully pooled segment is as uncertain as the pooled mean and not certain. With ``enabled`` False:
+    the segments' own sample means (:func:`pasto.estimators.pooled_estimate`, the ablation).
+    """
+    if not enabled:
+        return pooled_estimate(statistics)
+    prior = shrinkage(statistics)
+    shrunk = shrink(statistics, prior)
+    means = pooled_estimate(shrunk).means
+    total = shrunk.counts
+    own = statistics.counts
+    pooled_count = statistics.counts.sum(axis=-3)[..., None, :, :]
+    variance = prior.within_variance[..., None, :, :]
+    weight = np.divide(total - own, total, out=np.ones_like(total), where=total > 0)
+    sampling = np.divide(variance, total, out=np.full_like(total, np.nan), where=total > 0)
+    pooled_part = np.divide(variance, pooled_count, out=np.full_like(total, np.nan), where=pooled_count > 0)
+    errors = np.sqrt(sampling + weight**2 * pooled_part)
+    # Fewer than two observations in all: no variance is known yet.
+    errors = np.where(pooled_count - 1 >= 1, errors, np.nan)
+    return Estimate(means=means, standard_errors=errors)
 
 
 # ----------------------------------------------------------------------------- the joint LP
@@ -466,8 +488,11 @@ class SegmentedConfig:
     shrink : bool
         Shrink segment estimates toward the pooled means (empirical Bayes); False is the ablation.
     confidence_z : float
-        The joint solve holds the guardrails on means - z * standard error (pessimism for the
-        constraints); 0 is the plug-in estimate.
+        Pessimism for the constraints (0: the plug-in estimate). A segment-scoped guardrail is held
+        on means - z * standard error; a global one on the estimate with its threshold raised by
+        z times the standard error of the platform value sum_s w_s g . (V_s p_s) at the previous
+        joint mixtures (segments' errors independent), which keeps the joint problem an LP and is
+        not S times too cautious as entrywise bounds would be.
     """
 
     algorithm: algorithm.AlgorithmConfig = field(default_factory=algorithm.AlgorithmConfig)
@@ -568,7 +593,7 @@ def segmented_update(
     solve_every = max(config.algorithm.solve_every, 1)
     joint = state.joint
     if t == 1 or t % solve_every == 0:
-        joint = _joint_step(config, objective, scopes, effective, pooled_statistics, shares)
+        joint = _joint_step(config, objective, scopes, pooled_statistics, shares, state.joint)
     eps = algorithm.exploration_rate(config.algorithm, t + 1)
     n_arms = joint.shape[-1]
     probabilities = (1.0 - eps) * joint + eps / n_arms
@@ -589,24 +614,36 @@ def segmented_update(
     return SegmentedState(controller=controller, joint=joint)
 
 
-def _joint_step(config, objective, scopes, effective, pooled_statistics, shares) -> np.ndarray:
-    """The joint LP per batch entry on the (shrunk) estimate; segments without data get the global mixture."""
-    current = pooled_estimate(effective)
+def _joint_step(config, objective, scopes, pooled_statistics, shares, previous) -> np.ndarray:
+    """The joint LP per batch entry on the (shrunk) estimate; segments without data get the global mixture.
+
+    ``previous`` (..., S, K) are the last joint mixtures, at which the platform value's standard
+    error is evaluated.
+    """
+    current = shrunk_estimate(pooled_statistics, config.shrink)
     errors = np.nan_to_num(current.standard_errors, nan=0.0)
-    # Pessimism only for the guardrails: the primary is judged on the estimate itself.
-    lower = current.means - config.confidence_z * errors
+    is_global = np.array([scope == "global" for scope in scopes], dtype=bool)
+    rows = objective.guardrail_rows
+    # Segment-scoped guardrails: entrywise lower bounds (pessimism only for the guardrails).
+    lower = current.means.copy()
+    segment_rows = rows[~is_global]
+    lower[..., segment_rows, :] -= config.confidence_z * errors[..., segment_rows, :]
+    # Global guardrails: z * sqrt(sum_s w_s^2 sum_k p_sk^2 se_sjk^2) at the previous mixtures.
+    platform_error = np.sqrt(
+        np.einsum("s,...sgk,...sk->...g", shares**2, errors[..., rows, :] ** 2, previous**2)
+    )
+    margin = np.where(is_global, config.confidence_z * platform_error, 0.0)  # (..., G)
     batch = current.means.shape[:-3]
     n_segments, _, n_arms = current.means.shape[-3:]
     no_data = pooled_statistics.counts.sum(axis=(-2, -1)) == 0  # (..., S)
-    platform_stats = pool_segments(pooled_statistics)
-    platform = pooled_estimate(platform_stats).means
+    platform = pooled_estimate(pool_segments(pooled_statistics)).means
     joint = np.empty(batch + (n_segments, n_arms))
     for index in np.ndindex(*batch):
         fixed = None
         if np.any(no_data[index]):
             tied = _solve_tied(objective, np.repeat(platform[index][None], n_segments, axis=0), shares, scopes)
             fixed = np.where(no_data[index][:, None], tied[None, :], np.nan)
-        thresholds = resolve_thresholds(objective, current.means[index], shares, scopes)
+        thresholds = resolve_thresholds(objective, current.means[index], shares, scopes) + margin[index]
         joint[index] = solve_joint(
             objective, current.means[index], shares, scopes,
             constraint_means=lower[index], thresholds=thresholds, fixed=fixed,

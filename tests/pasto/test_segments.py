@@ -233,3 +233,31 @@ def test_segmented_controller_serves_a_mixture_per_segment(seed, n_segments):
 
     for run in range(2):
         np.testing.assert_allclose(state.joint[run, -1], solve(objective, platform[run]).probabilities, atol=1e-9)
+
+
+def test_segments_key_round_trips_and_names_bad_input():
+    data = json.loads(json.dumps(SCENARIO))
+    data["segments"] = {"count": 4, "zipf": 1.0, "spread": 0.2}
+    scenario = scenario_from_dict(data)
+    np.testing.assert_allclose(scenario.segments.shares, np.array([12, 6, 4, 3]) / 25)
+    assert scenario.segments.scopes == ("global",)
+    assert scenario_from_dict(scenario.to_dict()) == scenario
+    for segments, message in (
+        ({"names": ["a"], "count": 1, "shares": [1], "spread": 0}, "exactly one of 'names' and 'count'"),
+        ({"names": ["a", "b"], "shares": [1], "spread": 0}, "segments.shares"),
+        ({"names": ["a"], "shares": [1], "spread": 0, "scopes": ["nowhere"]}, "segments.scopes"),
+        ({"names": ["a"], "shares": [1], "means": [[[0, 1]]]}, "segments"),
+    ):
+        data["segments"] = segments
+        with pytest.raises(ValueError, match=message):
+            scenario_from_dict(data)
+
+
+def test_shrunk_standard_errors_include_the_pooled_means_uncertainty():
+    rng = np.random.default_rng(5)
+    data = _segment_data(rng, np.zeros((10, 1, 2)), np.full((10, 2), 30))
+    estimate = shrunk_estimate(data)
+    pooled_error = np.sqrt(shrinkage(data).within_variance / data.counts.sum(axis=0))
+    # Segments that agree are pooled completely: as uncertain as the pooled mean, never more certain.
+    assert np.all(estimate.standard_errors >= pooled_error[None] * (1 - 1e-9))
+    assert np.all(estimate.standard_errors <= shrunk_estimate(data, enabled=False).standard_errors)
