@@ -628,11 +628,7 @@ def _joint_step(config, objective, scopes, pooled_statistics, shares, previous) 
     lower = current.means.copy()
     segment_rows = rows[~is_global]
     lower[..., segment_rows, :] -= config.confidence_z * errors[..., segment_rows, :]
-    # Global guardrails: z * sqrt(sum_s w_s^2 sum_k p_sk^2 se_sjk^2) at the previous mixtures.
-    platform_error = np.sqrt(
-        np.einsum("s,...sgk,...sk->...g", shares**2, errors[..., rows, :] ** 2, previous**2)
-    )
-    margin = np.where(is_global, config.confidence_z * platform_error, 0.0)  # (..., G)
+    # Global guardrails: threshold + z * sqrt(sum_s w_s^2 sum_k p_sk^2 se_sjk^2) (see below).
     batch = current.means.shape[:-3]
     n_segments, _, n_arms = current.means.shape[-3:]
     no_data = pooled_statistics.counts.sum(axis=(-2, -1)) == 0  # (..., S)
@@ -643,9 +639,18 @@ def _joint_step(config, objective, scopes, pooled_statistics, shares, previous) 
         if np.any(no_data[index]):
             tied = _solve_tied(objective, np.repeat(platform[index][None], n_segments, axis=0), shares, scopes)
             fixed = np.where(no_data[index][:, None], tied[None, :], np.nan)
-        thresholds = resolve_thresholds(objective, current.means[index], shares, scopes) + margin[index]
-        joint[index] = solve_joint(
-            objective, current.means[index], shares, scopes,
-            constraint_means=lower[index], thresholds=thresholds, fixed=fixed,
-        ).probabilities
+        resolved = resolve_thresholds(objective, current.means[index], shares, scopes)
+        mixtures = previous[index]
+        # The margin depends on the mixtures it constrains: evaluated at the previous joint
+        # mixtures, then once more at the answer (one fixed-point step).
+        for _ in range(2):
+            platform_error = np.sqrt(
+                np.einsum("s,sgk,sk->g", shares**2, errors[index][:, rows, :] ** 2, mixtures**2)
+            )
+            margin = np.where(is_global, config.confidence_z * platform_error, 0.0)
+            mixtures = solve_joint(
+                objective, current.means[index], shares, scopes,
+                constraint_means=lower[index], thresholds=resolved + margin, fixed=fixed,
+            ).probabilities
+        joint[index] = mixtures
     return joint
