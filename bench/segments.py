@@ -48,8 +48,8 @@ SMALL_SHARE = 0.01
 
 
 def _run_chunk(job):
-    name, row, overrides, seed, runs = job
-    scenario = load_scenario(name).with_overrides(runs=runs, seed=seed)
+    name, row, overrides, seed, runs, rounds = job
+    scenario = load_scenario(name).with_overrides(runs=runs, seed=seed, rounds=rounds)
     config = SegmentedConfig(scopes=scenario.segments.scopes, **overrides)
     started = time.perf_counter()
     result = simulate_segmented(scenario, config)
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs of the plug-in (z = 0) ablation on segments-global-guardrail (default 20)")
     parser.add_argument("--runs-2", type=int, default=20, help="runs on segments-zipf (default 20)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, help="shorten both scenarios (default: their 1000 rounds)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--print-only", action="store_true", help="do not touch docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [("segments-global-guardrail", ROWS_ONE[0], args.runs_1), ("segments-global-guardrail", ROWS_ONE[1], args.runs_ablation)]
     plan += [("segments-zipf", row, args.runs_2) for row in ROWS_TWO]
     for name, (label, overrides), runs in plan:
-        jobs += [(name, label, overrides, seed, size) for seed, size in _chunks(runs, args.seed)]
+        jobs += [(name, label, overrides, seed, size, args.rounds) for seed, size in _chunks(runs, args.seed)]
     collected: dict[tuple[str, str], list] = {}
     seconds: dict[tuple[str, str], float] = {}
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
