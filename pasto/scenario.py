@@ -315,7 +315,9 @@ def scenario_from_dict(data: Any) -> Scenario:
         where = f"objective.guardrails[{index}]"
         if not isinstance(guardrail, dict):
             raise ValueError(f"{where} must be an object, not {_describe(guardrail)}.")
-        _check_keys(guardrail, where, ("metric", "threshold"), ("penalty", "hard", "relative_to"))
+        # A soft guardrail needs its penalty; a hard one ("hard": true) is a constraint without one.
+        required = ("metric", "threshold") if guardrail.get("hard") is True else ("metric", "threshold", "penalty")
+        _check_keys(guardrail, where, required, tuple(k for k in ("penalty", "hard", "relative_to") if k not in required))
 
     scenario = Scenario(
         name=name,
