@@ -54,7 +54,7 @@ __all__ = [
     "format_table",
 ]
 
-ALGORITHMS = ("paper", "default", "scgd", "thompson")
+ALGORITHMS = ("paper", "default", "safe", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
 
 
@@ -75,7 +75,11 @@ class Policy:
     initial: Callable[..., Any] = field(repr=False)
     step: Callable[..., Any] = field(repr=False)
 
-    def initial_state(self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = ()):
+    def initial_state(
+        self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = (), objective: Objective | None = None
+    ):
+        if self.name == "safe":
+            return self.initial(self.config, n_arms, n_metrics, batch_shape, objective)
         return self.initial(self.config, n_arms, n_metrics, batch_shape)
 
     def update(self, objective, state, round_statistics, pooled_statistics, propensities, rng):
@@ -92,6 +96,13 @@ def _algorithm_update(config, objective, state, round_statistics, pooled_statist
 
     del rng
     return algorithm.update(config, objective, state, round_statistics, pooled_statistics, propensities)
+
+
+def _serving_update(config, objective, state, round_statistics, pooled_statistics, propensities, rng):
+    from pasto import serving
+
+    del rng
+    return serving.update(config, objective, state, round_statistics, pooled_statistics, propensities)
 
 
 def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
@@ -113,6 +124,11 @@ def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
                 )
         config = algorithm.AlgorithmConfig.from_preset(name, **overrides)
         return Policy(name, config, algorithm.initial_state, _algorithm_update)
+    if name == "safe":
+        from pasto import serving
+
+        config = serving.ServingConfig.from_dict(overrides)
+        return Policy(name, config, serving.initial_state, _serving_update)
     if name == "scgd":
         config = baselines.ScgdConfig.from_dict(overrides)
         return Policy(name, config, baselines.scgd_initial_state, baselines.scgd_update)
@@ -325,7 +341,7 @@ def simulate(
 
     _, simulation_seed = np.random.SeedSequence(scenario.seed).spawn(2)
     rng = np.random.default_rng(simulation_seed)
-    state = policy.initial_state(n_arms, n_metrics, (runs,))
+    state = policy.initial_state(n_arms, n_metrics, (runs,), objective)
     pooled = Statistics.zeros(n_metrics, n_arms, (runs,))
     empty = Statistics.zeros(n_metrics, n_arms, (runs,))
     in_flight: deque[tuple[Statistics, np.ndarray]] = deque()
