@@ -61,6 +61,8 @@ __all__ = [
     "ServingConfig",
     "ServingState",
     "HardConstraints",
+    "constrained_optimum",
+    "has_hard_guardrails",
     "arm_posterior",
     "hard_constraints",
     "initial_state",
@@ -194,6 +196,33 @@ class HardConstraints:
         return int(self.matrix.shape[-2])
 
 
+def has_hard_guardrails(objective: Objective) -> bool:
+    """Whether some guardrail of ``objective`` is a hard constraint."""
+    return any(_is_hard(g) for g in objective.guardrails)
+
+
+def constrained_optimum(objective: Objective, means: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact optimum under known means (M, K) with hard guardrails only (an LP).
+
+    Returns
+    -------
+    probabilities : ndarray, shape (K,)
+    value : ndarray, shape ()
+        Primary value of the optimum (nan when no mixture meets the hard guardrails).
+    best_single : ndarray, shape ()
+        Primary value of the best single arm that meets them (nan when none does).
+    """
+    if any(not _is_hard(g) for g in objective.guardrails):
+        raise ValueError("constrained_optimum handles hard guardrails only; mixed objectives need pasto.optimum.")
+    rows = hard_constraints(objective, means, means, trust_baseline=False)
+    gains = objective.primary_weights @ means
+    probabilities, feasible = served_lp(gains, rows, np.zeros(means.shape[-1]))
+    value = float(gains @ probabilities) if feasible else math.nan
+    allowed = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
+    single = float(np.max(gains[allowed])) if allowed.any() else math.nan
+    return probabilities, np.array(value), np.array(single)
+
+
 def _is_hard(guardrail) -> bool:
     return bool(getattr(guardrail, "hard", False))
 
@@ -266,7 +295,7 @@ def arm_posterior(statistics: Statistics) -> Estimate:
 
 
 def hard_constraints(
-    objective: Objective, lower: np.ndarray, upper: np.ndarray
+    objective: Objective, lower: np.ndarray, upper: np.ndarray, trust_baseline: bool = True
 ) -> HardConstraints:
     """The hard guardrails as pessimistic rows ``A p >= c`` (module docstring, step 2).
 
@@ -274,11 +303,14 @@ def hard_constraints(
     ----------
     objective : Objective
     lower, upper : ndarray, shape (..., M, K)
-        Lower and upper confidence bounds of the means.
+        Lower and upper confidence bounds of the means (both the true means for the exact problem).
+    trust_baseline : bool
+        Treat the baseline arm as meeting every absolute guardrail (serving); False for the exact
+        problem under known means.
     """
     batch = lower.shape[:-2]
     n_arms = lower.shape[-1]
-    baseline = _baseline_index(objective)
+    baseline = _baseline_index(objective) if trust_baseline else None
     rows, bounds, scales = [], [], []
     for guardrail in objective.guardrails:
         if not _is_hard(guardrail):
@@ -346,7 +378,19 @@ def served_lp(
             q = np.clip(result.x, 0.0, None)
             q /= q.sum()
         return fixed + free * q, np.array(True)
-    # Infeasible: maximise s subject to (A p - c) / scale >= s.
+    return largest_slack(constraints, fixed), np.array(False)
+
+
+def largest_slack(constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray:
+    """The mixture maximising the worst relative slack min_h (A p - c)_h / scale_h; one run, (K,).
+
+    ``p = fixed + (1 - sum fixed) q`` with q on the simplex, as in :func:`served_lp`.
+    """
+    n_arms = fixed.shape[-1]
+    free = 1.0 - fixed.sum()
+    matrix = constraints.matrix * free
+    bounds = constraints.bounds - constraints.matrix @ fixed
+    equality = np.ones((1, n_arms))
     scaled = matrix / constraints.scale[:, None]
     scaled_bounds = bounds / constraints.scale
     objective = np.zeros(n_arms + 1)
@@ -358,7 +402,7 @@ def served_lp(
     )
     q = np.clip(result.x[:n_arms], 0.0, None)
     q /= q.sum()
-    return fixed + free * q, np.array(False)
+    return fixed + free * q
 
 
 # --------------------------------------------------------------------------- the controller
@@ -536,11 +580,7 @@ def _advance(config, objective, state, round_statistics):
     served = np.empty((flat, n_arms))
     plug_in = np.empty((flat, n_arms))
     log_weights = state.log_weights.reshape((flat, n_arms)).copy()
-    rows = [HardConstraints(m, b, s) for m, b, s in zip(
-        constraints.matrix.reshape((flat,) + constraints.matrix.shape[-2:]),
-        constraints.bounds.reshape((flat, -1)),
-        constraints.scale.reshape((flat, -1)),
-    )]
+    rows = _unbatched(constraints, flat)
     if constraints.count:
         soft = [g for g in objective.guardrails if not _is_hard(g)]
         if soft:
@@ -550,8 +590,17 @@ def _advance(config, objective, state, round_statistics):
             )
         optimistic = optimistic_gains.reshape((flat, n_arms))
         plain = plain_gains.reshape((flat, n_arms))
+        # Every arm at its upper bound (the reference arm of a relative guardrail too).
+        hopeful = hard_constraints(objective, means + z_optimism * errors, means + z_optimism * errors)
+        hopeful_rows = _unbatched(hopeful, flat)
         for run in range(flat):
-            served[run], _ = served_lp(optimistic[run], rows[run], fixed)
+            # Optimistic in the objective and in the guardrails (every arm at its upper bound):
+            # the arms that could improve the objective or make room for others get traffic ...
+            hopeful_mixture, _ = served_lp(optimistic[run], hopeful_rows[run], fixed)
+            safe = largest_slack(rows[run], fixed)
+            # ... mixed with the mixture with the most pessimistic slack just enough that every
+            # hard guardrail's lower bound holds (stochastic bandits with linear constraints).
+            served[run] = _pad(hopeful_mixture, safe, rows[run])
             plug_in[run], _ = served_lp(plain[run], rows[run], np.zeros(n_arms))
         log_weights = np.log(np.maximum(plug_in, 1e-300))
     else:
@@ -588,6 +637,33 @@ def _advance(config, objective, state, round_statistics):
         block=block,
         resets=resets,
     )
+
+
+def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) -> np.ndarray:
+    """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,).
+
+    When even ``safe`` misses a row (nothing is known to be feasible), ``mixture`` is returned:
+    there is nothing safer to pad with, and exploring is the way to find out.
+    """
+    have = constraints.matrix @ mixture - constraints.bounds
+    margin = constraints.matrix @ safe - constraints.bounds
+    if np.all(have >= 0):
+        return mixture
+    if np.any(margin < 0):
+        return mixture
+    short = have < 0
+    share = np.max(-have[short] / (margin[short] - have[short]))
+    share = min(1.0, share * (1.0 + 1e-9) + 1e-12)
+    return (1.0 - share) * mixture + share * safe
+
+
+def _unbatched(constraints: HardConstraints, flat: int) -> list[HardConstraints]:
+    """One ``HardConstraints`` per run (leading batch dimensions flattened to ``flat``)."""
+    return [HardConstraints(m, b, s) for m, b, s in zip(
+        constraints.matrix.reshape((flat,) + constraints.matrix.shape[-2:]),
+        constraints.bounds.reshape((flat, -1)),
+        constraints.scale.reshape((flat, -1)),
+    )]
 
 
 def _plausible_arms(objective, means, errors, thresholds, mixture, z):
