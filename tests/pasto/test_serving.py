@@ -10,7 +10,8 @@ import pytest
 from pasto import serving
 from pasto.estimators import Statistics
 from pasto.objectives import Guardrail, Objective
-from pasto.scenario import load_scenario, scenario_from_dict
+from pasto.cli import load_scenario
+from pasto.scenario import scenario_from_dict
 from pasto.simulate import make_policy, sample_arms, round_statistics, simulate
 
 HARD_GUARDRAILS = "hard" in {field.name for field in dataclasses.fields(Guardrail)}
