@@ -64,6 +64,7 @@ __all__ = [
     "constrained_optimum",
     "has_hard_guardrails",
     "arm_posterior",
+    "choose",
     "hard_constraints",
     "initial_state",
     "update",
@@ -549,16 +550,61 @@ def _advance(config, objective, state, round_statistics):
             resets = resets + changed
         block = Statistics.zeros(*statistics.shape[-2:], batch)
 
+    observations = float(round_statistics.counts[..., 0, :].sum()) / max(1, int(np.prod(batch)))
+    choice = choose(config, objective, statistics, t, state.log_weights, observations)
+    if choice is None:
+        # No metric has the data for any bound yet: keep serving what was served (uniform at first).
+        return dataclasses.replace(state, round_index=t, statistics=statistics, block=block, resets=resets)
+    served, deployed, log_weights = choice
+    return ServingState(
+        round_index=t,
+        probabilities=served,
+        deployed=deployed,
+        log_weights=log_weights,
+        statistics=statistics,
+        block=block,
+        resets=resets,
+    )
+
+
+def choose(
+    config: ServingConfig,
+    objective: Objective,
+    statistics: Statistics,
+    round_number: int,
+    log_weights: np.ndarray,
+    observations_per_round: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The served and deployed mixtures for the next round, from the observations ``statistics``.
+
+    Parameters
+    ----------
+    config : ServingConfig
+    objective : Objective
+    statistics : Statistics, shape (..., M, K)
+        The evidence (since the last detected change, or all of it).
+    round_number : int
+        t, the round just closed (1-based): the optimism width grows like sqrt(2 ln t).
+    log_weights : ndarray, shape (..., K)
+        Warm start of the plug-in solve (the previous plug-in optimum's log).
+    observations_per_round : float
+        Observations per run and round (n), which sets the directed exploration share 1 / (n sqrt(t)).
+
+    Returns
+    -------
+    (served, deployed, log_weights), each of shape (..., K), or None when no bound is defined yet
+    for any run (fewer than two arms with data, or no arm with two observations).
+    """
+    t = round_number
+    n_arms = statistics.shape[-1]
+    batch = statistics.shape[:-2]
     posterior = arm_posterior(statistics)
     means, errors = posterior.means, posterior.standard_errors
     if not np.all(np.isfinite(errors)):
-        # Some metric lacks the data for any bound yet: keep serving what was served (uniform at
-        # first) until every arm and metric has a finite bound.
         unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))
         if unknown.all():
-            return dataclasses.replace(
-                state, round_index=t, statistics=statistics, block=block, resets=resets
-            )
+            return None
+        # Runs still without bounds borrow the widest bound of the batch (it only delays them).
         errors = np.where(np.isfinite(errors), errors, np.nanmax(np.where(np.isfinite(errors), errors, np.nan)))
     z_safe = float(ndtri(config.level))
     z_optimism = config.optimism * math.sqrt(2.0 * math.log(max(t, 2)))
@@ -579,7 +625,7 @@ def _advance(config, objective, state, round_statistics):
     flat_thresholds = thresholds.reshape((flat,) + thresholds.shape[-1:])
     served = np.empty((flat, n_arms))
     plug_in = np.empty((flat, n_arms))
-    log_weights = state.log_weights.reshape((flat, n_arms)).copy()
+    log_weights = np.asarray(log_weights, dtype=float).reshape((flat, n_arms)).copy()
     rows = _unbatched(constraints, flat)
     if constraints.count:
         soft = [g for g in objective.guardrails if not _is_hard(g)]
@@ -616,7 +662,7 @@ def _advance(config, objective, state, round_statistics):
         plug_in /= plug_in.sum(axis=-1, keepdims=True)
         plausible = _plausible_arms(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_optimism)
         plausible &= plug_in < _SUPPORT
-        per_round = max(float(round_statistics.counts[..., 0, :].sum()) / flat, 1.0)
+        per_round = max(observations_per_round, 1.0)
         share = np.minimum(0.5, plausible.sum(axis=-1) / (per_round * math.sqrt(t)))
         directed = np.divide(plausible, plausible.sum(axis=-1, keepdims=True),
                              out=np.zeros_like(plug_in), where=plausible.any(axis=-1, keepdims=True))
@@ -628,15 +674,8 @@ def _advance(config, objective, state, round_statistics):
     )
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
-    return ServingState(
-        round_index=t,
-        probabilities=served.reshape(batch + (n_arms,)),
-        deployed=deployed.reshape(batch + (n_arms,)),
-        log_weights=log_weights.reshape(batch + (n_arms,)),
-        statistics=statistics,
-        block=block,
-        resets=resets,
-    )
+    shape = batch + (n_arms,)
+    return served.reshape(shape), deployed.reshape(shape), log_weights.reshape(shape)
 
 
 def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) -> np.ndarray:

@@ -179,3 +179,37 @@ def test_holdout_and_min_share_are_kept_in_every_round():
     for state in states:
         assert np.all(state.probabilities >= 0.02 - 1e-12)
         assert np.all(state.probabilities[:, 2] >= 0.1 - 1e-12)
+
+
+# --------------------------------------------------------------------------- the algorithm's hook
+
+
+def test_the_algorithm_serves_safely_when_asked_and_the_paper_preset_never_does():
+    from pasto import algorithm
+
+    assert algorithm.AlgorithmConfig.from_preset("paper").serving == "exploration"
+    with pytest.raises(ValueError, match="serving='safe' needs estimator='pooled'"):
+        algorithm.AlgorithmConfig.from_preset("paper", serving="safe")
+    config = algorithm.AlgorithmConfig.from_preset("default", serving="safe")
+    assert algorithm.AlgorithmConfig.from_dict(config.to_dict()) == config
+    objective = hard_objective()
+    means = np.array([[2.0, 0.0, 0.2], [0.0, 1.0, 0.6]])
+    rng = np.random.default_rng(4)
+    runs, n_arms = 6, 3
+    state = algorithm.initial_state(config, n_arms, 2, (runs,), objective)
+    pooled = Statistics.zeros(2, n_arms, (runs,))
+    z = 1.6448536269514722
+    for round_number in range(40):
+        arms = sample_arms(rng, state.probabilities, 20)
+        values = np.moveaxis(means[:, arms], 0, -1) + 0.3 * rng.standard_normal((runs, 20, 2))
+        statistics = round_statistics(arms, values, n_arms)
+        pooled = pooled + statistics
+        state = algorithm.update(config, objective, state, statistics, pooled)
+        if round_number >= 5:
+            estimate = serving.arm_posterior(pooled)
+            rows = serving.hard_constraints(objective, estimate.means - z * estimate.standard_errors,
+                                            estimate.means + z * estimate.standard_errors)
+            slack = np.einsum("rhk,rk->rh", rows.matrix, state.probabilities) - rows.bounds
+            assert np.all(slack >= -1e-7)
+    assert np.all(state.probabilities @ means[1] >= 0.5 * (1 - 1e-3))
+    assert np.all(state.deployed @ means[0] > 0.8)
