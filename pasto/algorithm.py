@@ -648,8 +648,7 @@ def _advance(
     probability_sum, stage_probability_sum, deployed = _deploy_step(config, state, exploitation, t)
     if config.serving == "safe":
         probabilities, deployed, log_weights = _safe_serving_step(
-            config, objective, state, accumulators, round_statistics, pooled_statistics,
-            probabilities, deployed, log_weights, t,
+            config, objective, state, accumulators, round_statistics, pooled_statistics, log_weights, t
         )
     return ControllerState(
         round_index=t,
@@ -673,15 +672,13 @@ def _safe_serving_step(
     accumulators: Accumulators,
     round_statistics: Statistics,
     pooled_statistics: Statistics,
-    probabilities: np.ndarray,
-    deployed: np.ndarray,
     log_weights: np.ndarray,
     t: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Step 7 (``serving = "safe"``): served and deployed mixtures from :func:`pasto.serving.choose`.
 
-    Until some bound is defined (two arms with data, one of them twice), the exploration step's
-    mixtures stand.
+    Until its bounds are defined (two arms with data, one of them twice), a run is served the
+    uniform mixture and keeps its deployed one.
     """
     from pasto import serving
 
@@ -689,10 +686,9 @@ def _safe_serving_step(
     batch = max(1, int(np.prod(state.batch_shape)))
     observations = float(round_statistics.counts[..., 0, :].sum()) / batch
     rule = serving.ServingConfig(level=config.serving_level, change_level=0.0)
-    choice = serving.choose(rule, objective, statistics, t, log_weights, observations)
-    if choice is None:
-        return probabilities, deployed, log_weights
-    served, safe_deployed, plug_in_log_weights = choice
+    served, safe_deployed, plug_in_log_weights = serving.choose(
+        rule, objective, statistics, t, log_weights, observations, state.deployed
+    )
     return served, safe_deployed, np.maximum(plug_in_log_weights, plug_in_log_weights.max(axis=-1, keepdims=True) - 700.0)
 
 

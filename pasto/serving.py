@@ -551,11 +551,9 @@ def _advance(config, objective, state, round_statistics):
         block = Statistics.zeros(*statistics.shape[-2:], batch)
 
     observations = float(round_statistics.counts[..., 0, :].sum()) / max(1, int(np.prod(batch)))
-    choice = choose(config, objective, statistics, t, state.log_weights, observations)
-    if choice is None:
-        # No metric has the data for any bound yet: keep serving what was served (uniform at first).
-        return dataclasses.replace(state, round_index=t, statistics=statistics, block=block, resets=resets)
-    served, deployed, log_weights = choice
+    served, deployed, log_weights = choose(
+        config, objective, statistics, t, state.log_weights, observations, state.deployed
+    )
     return ServingState(
         round_index=t,
         probabilities=served,
@@ -574,7 +572,8 @@ def choose(
     round_number: int,
     log_weights: np.ndarray,
     observations_per_round: float,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    deployed: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The served and deployed mixtures for the next round, from the observations ``statistics``.
 
     Parameters
@@ -589,29 +588,34 @@ def choose(
         Warm start of the plug-in solve (the previous plug-in optimum's log).
     observations_per_round : float
         Observations per run and round (n), which sets the directed exploration share 1 / (n sqrt(t)).
+    deployed : ndarray, shape (..., K)
+        The mixture deployed now, kept by runs whose bounds are not defined yet.
 
     Returns
     -------
-    (served, deployed, log_weights), each of shape (..., K), or None when no bound is defined yet
-    for any run (fewer than two arms with data, or no arm with two observations).
+    (served, deployed, log_weights), each of shape (..., K). A run whose bounds are not all defined
+    (a metric with fewer than two arms with data, or no arm observed twice; after a detected change
+    too) is served the uniform mixture (with the fixed shares) and keeps its deployed mixture and
+    weights: with no evidence on some arm, exploring it is the only way to learn.
     """
     t = round_number
     n_arms = statistics.shape[-1]
     batch = statistics.shape[:-2]
     posterior = arm_posterior(statistics)
     means, errors = posterior.means, posterior.standard_errors
-    if not np.all(np.isfinite(errors)):
-        unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))
-        if unknown.all():
-            return None
-        # Runs still without bounds borrow the widest bound of the batch (it only delays them).
-        errors = np.where(np.isfinite(errors), errors, np.nanmax(np.where(np.isfinite(errors), errors, np.nan)))
+    unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))  # (...)
+    fixed = _fixed_shares(config, objective, n_arms)
+    if unknown.all():
+        uniform = np.broadcast_to(fixed + (1.0 - fixed.sum()) / n_arms, batch + (n_arms,)).copy()
+        return uniform, np.asarray(deployed, dtype=float).copy(), np.asarray(log_weights, dtype=float).copy()
+    if unknown.any():
+        # Placeholder bounds for those runs (their results are replaced below).
+        errors = np.where(np.isfinite(errors), errors, 1.0)
     z_safe = float(ndtri(config.level))
     z_optimism = config.optimism * math.sqrt(2.0 * math.log(max(t, 2)))
     z_deploy = float(ndtri(config.deploy_level))
     lower, upper = means - z_safe * errors, means + z_safe * errors
     constraints = hard_constraints(objective, lower, upper)
-    fixed = _fixed_shares(config, objective, n_arms)
     thresholds = objective.thresholds(means)
     weights = objective.primary_weights
     # Optimistic primary value of each arm: upper bound for positive weights, lower for negative.
@@ -625,7 +629,8 @@ def choose(
     flat_thresholds = thresholds.reshape((flat,) + thresholds.shape[-1:])
     served = np.empty((flat, n_arms))
     plug_in = np.empty((flat, n_arms))
-    log_weights = np.asarray(log_weights, dtype=float).reshape((flat, n_arms)).copy()
+    previous_log_weights = np.asarray(log_weights, dtype=float)
+    log_weights = previous_log_weights.reshape((flat, n_arms)).copy()
     rows = _unbatched(constraints, flat)
     if constraints.count:
         soft = [g for g in objective.guardrails if not _is_hard(g)]
@@ -669,13 +674,19 @@ def choose(
         served = (1.0 - share[:, None]) * plug_in + share[:, None] * directed
         served = fixed + (1.0 - fixed.sum()) * served
 
-    deployed = _defensible(
+    chosen = _defensible(
         objective, flat_means, flat_errors, flat_thresholds, plug_in, rows, z_safe, z_deploy
     )
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)
-    return served.reshape(shape), deployed.reshape(shape), log_weights.reshape(shape)
+    served, chosen, log_weights = served.reshape(shape), chosen.reshape(shape), log_weights.reshape(shape)
+    if unknown.any():
+        waiting = unknown[..., None]
+        served = np.where(waiting, fixed + (1.0 - fixed.sum()) / n_arms, served)
+        chosen = np.where(waiting, deployed, chosen)
+        log_weights = np.where(waiting, previous_log_weights, log_weights)
+    return served, chosen, log_weights
 
 
 def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) -> np.ndarray:
