@@ -213,3 +213,26 @@ def test_the_algorithm_serves_safely_when_asked_and_the_paper_preset_never_does(
             assert np.all(slack >= -1e-7)
     assert np.all(state.probabilities @ means[1] >= 0.5 * (1 - 1e-3))
     assert np.all(state.deployed @ means[0] > 0.8)
+
+
+# --------------------------------------------------------------------------- shipped scenarios
+
+
+def test_the_shipped_safe_serving_scenarios_load_with_their_hard_guardrails_and_drift():
+    demo = load_scenario("demo")
+    objective = demo.objective()
+    t = np.linspace(0.0, 1.0, 20)
+    # service/demo.py build_scenario()'s ground truth, production blend 10 as the baseline.
+    np.testing.assert_allclose(np.array(demo.means.fixed), np.stack([
+        4.0 + 2.0 * t**2, 0.03 + 0.07 * (1 - t) ** 2, 0.010 + 0.006 * (1 - t) ** 2,
+    ]), rtol=0, atol=1e-10)
+    assert [g.hard for g in objective.guardrails] == [True, True]
+    assert objective.baseline_index == 10 and objective.guardrails[1].relative_to == "10"
+    _, value, single = serving.constrained_optimum(objective, np.array(demo.means.fixed))
+    assert float(value) == pytest.approx(5.142857, abs=1e-5) and float(single) < float(value)
+
+    hard_b = load_scenario("setup-b-hard")
+    assert [g.hard for g in hard_b.objective().guardrails] == [True, True] and hard_b.n_arms == 100
+    drift = load_scenario("setup-a-drift")
+    assert drift.drift.at_round == 1000
+    np.testing.assert_array_equal(np.array(drift.drift.means.fixed), np.array(drift.means.fixed)[:, ::-1])
