@@ -34,9 +34,10 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    ``z_deploy`` standard errors of the difference (delta method); otherwise that single arm.
 6. **Change.** Every ``change_every`` rounds the observations of the latest block are compared with
    the earlier ones since the last reset, per arm and metric (two-sample z test at family-wise level
-   ``change_level`` over the K M pairs). A detected change drops the earlier observations: the
-   estimate starts again from the latest block. No discount constant: stale evidence is dropped
-   when the data say it is stale.
+   ``change_level`` over the K M pairs). A detected change drops every observation so far (the
+   block that raised the alarm too: it is the most extreme stretch of the data); the run is served
+   uniformly, keeping its deployed mixture, until its bounds are defined again. No discount
+   constant: stale evidence is dropped when the data say it is stale.
 
 The controller follows the contract of :mod:`pasto.algorithm` (``initial_state`` / ``update`` with
 leading batch dimensions), so :mod:`pasto.simulate` runs it like the presets.
@@ -108,8 +109,8 @@ class ServingConfig:
     min_share: float = 0.0
     holdout: float = 0.0
     deploy_level: float = 0.95
-    change_level: float = 1e-3
-    change_every: int = 50
+    change_level: float = 1e-4
+    change_every: int = 25
     mirror_steps: int = 50
 
     def __post_init__(self) -> None:
@@ -541,11 +542,14 @@ def _advance(config, objective, state, round_statistics):
     if config.change_level > 0 and t % config.change_every == 0:
         changed = _change_detected(config, statistics, block)
         if changed.any():
-            keep = changed[..., None, None]
+            # Start afresh: the block that raised the alarm is the most extreme stretch of the
+            # data, so keeping it would bias the new estimate (a false alarm on setup A kept a
+            # block where the guardrail-breaking arm looked harmless, and deployed it alone).
+            drop = changed[..., None, None]
             statistics = Statistics(
-                np.where(keep, block.counts, statistics.counts),
-                np.where(keep, block.sums, statistics.sums),
-                np.where(keep, block.sums_of_squares, statistics.sums_of_squares),
+                np.where(drop, 0.0, statistics.counts),
+                np.where(drop, 0.0, statistics.sums),
+                np.where(drop, 0.0, statistics.sums_of_squares),
             )
             resets = resets + changed
         block = Statistics.zeros(*statistics.shape[-2:], batch)
