@@ -392,7 +392,8 @@ def write_serving_subsection(subsection: str, path: Path | None = None) -> None:
     if _SERVING_SUBSECTION.search(text):
         text = _SERVING_SUBSECTION.sub(lambda _: subsection, text, count=1)
     elif "## Convergence\n" in text:
-        text = text.replace("## Convergence\n", "## Convergence\n\n" + subsection, 1)
+        head, _, rest = text.partition("## Convergence\n")
+        text = head + "## Convergence\n\n" + subsection + rest.lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n## Convergence\n\n" + subsection
     path.write_text(text.rstrip("\n") + "\n")
