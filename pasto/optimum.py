@@ -413,8 +413,9 @@ def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_dia
     highs = highspy._Highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
-    # HiGHS's QP solver can loop for a long time where it stalls; it then reports a time limit.
-    highs.setOptionValue("time_limit", 5.0)
+    # HiGHS's QP solver can stall for a long time (with lam in its Hessian it did at K = 100); it
+    # then reports a time limit and the cutting-plane LPs take over.
+    highs.setOptionValue("time_limit", 1.0 if hessian_diagonal is not None else 10.0)
     highs.passModel(model)
     highs.run()
     solution = highs.getSolution()

@@ -344,3 +344,21 @@ def test_simplex_invariants(k, seed, n_guardrails, with_shares):
                 assert solution.value >= singles[eligible].max() - 1e-9 * max(1.0, abs(solution.value))
     else:
         assert solution.largest_shortfall > 0
+
+
+def test_solving_prints_nothing_on_stdout():
+    # highspy's Python wrapper prints HiGHS's banner from C++ on the first instance of a process,
+    # which would corrupt the JSON `pasto simulate` prints; a fresh process shows whether it leaks.
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np\n"
+        "from pasto.objectives import Objective\n"
+        "from pasto.optimum import solve\n"
+        "objective = Objective.from_spec(['x', 'y'], {'primary': 'x', 'guardrails': "
+        "[{'metric': 'y', 'threshold': 0.0, 'penalty': 5.0}]})\n"
+        "solve(objective, np.array([[2.0, 0.0], [-2.0, 2.0]]))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout == ""
