@@ -1,0 +1,91 @@
+"""What the demo prints: the scenario at startup, where to look, one line per round, the goodbye.
+
+On a terminal each round overwrites the previous line (carriage return, no newline); anywhere else
+(a file, a pipe, ``--headless``) every round gets its own line, so a log stays readable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import numpy as np
+
+from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto.objectives import Objective
+
+from .groundtruth import Scenario, Solution
+
+log = logging.getLogger("pasto.demo")
+
+
+def print_scenario(scenario: Scenario, solution: Solution) -> None:
+    """The true problem: the best single blend against the best mixture and its guarded metrics."""
+    support = ", ".join(f"{scenario.arm_names[k]} {solution.mixture[k]:.2f}"
+                        for k in np.flatnonzero(solution.mixture > 0.01))
+    guardrails = ", ".join(
+        f"{guardrail.metric} {value:.4f} (threshold {threshold:.4f})"
+        for guardrail, value, threshold in zip(scenario.objective().guardrails, solution.guarded,
+                                               solution.thresholds)
+    )
+    print(f"Demo scenario: best single blend {scenario.arm_names[solution.single]} scores "
+          f"{solution.single_value:.3f}; the best mixture [{support}] scores {solution.mixture_value:.3f} "
+          f"(+{solution.mixture_value - solution.single_value:.3f}) with {guardrails}.", flush=True)
+
+
+def print_where_to_look(server_url: str, experiment: str, read_token: str, server_log: str) -> str:
+    """The dashboard's address (returned) and the experiment page, server log and how to stop."""
+    dashboard = f"{server_url}/"
+    print(f"Dashboard: {dashboard}  (read token: {read_token})\n"
+          f"Experiment page: {server_url}/experiments/{experiment}\n"
+          f"Server log: {server_log}\nPress Ctrl-C to stop.", flush=True)
+    return dashboard
+
+
+def report_round(client: Client, name: str, round_index: int, objective: Objective, scenario: Scenario,
+                 thresholds: np.ndarray, overwrite: bool, single_value: float) -> None:
+    """One line per round: the deployed mixture's true value against the best single blend."""
+    try:
+        experiment = client.get_experiment(name)
+    except (PastoAPIError, PastoConnectionError) as error:
+        log.warning("Could not read the experiment: %s", error)
+        return
+    deployed = np.asarray(experiment["deployed"])
+    true_value = float(objective.mixture_value(scenario.means, deployed, thresholds))
+    top = np.argsort(deployed)[::-1][:2]
+    mix = ", ".join(f"{scenario.arm_names[k]} {deployed[k]:.2f}" for k in top)
+    _print_round_line(f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
+                      f"(best single blend {single_value:.3f})", overwrite)
+
+
+def _print_round_line(line: str, overwrite: bool) -> None:
+    if overwrite:
+        print(f"\r{line}", end="", flush=True)
+    else:
+        print(line, flush=True)
+
+
+def end_overwritten_line() -> None:
+    """A newline after the last overwritten round line, before the closing messages."""
+    print(flush=True)
+
+
+def rounds_overwrite_one_line(headless: bool) -> bool:
+    return not headless and sys.stdout.isatty()
+
+
+def has_graphical_browser() -> bool:
+    # Without a display, webbrowser may pick a console browser (lynx, w3m) and take the terminal.
+    return sys.platform in ("darwin", "win32") or bool(
+        os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")
+    )
+
+
+def say_while_stopping(text: str) -> None:
+    """Print a message of the shutdown; after SIGHUP the terminal may be gone (writes fail with
+    EIO), which must not turn a clean stop into a traceback."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        sys.stdout = open(os.devnull, "w")  # later messages and the flush at exit go nowhere
