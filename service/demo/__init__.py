@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             with Client(server.url, admin_token) as client:
                 server.wait_until_ready(client)
                 name = ensure_experiment(client, scenario, args.round_seconds)
-                dashboard = console.print_where_to_look(server.url, name, read_token, str(server.log_path))
+                dashboard = console.print_where_to_look(server.url, server.port, read_token, database_url,
+                                                        str(server.log_path))
                 if not args.headless and console.has_graphical_browser():
                     webbrowser.open(dashboard)
                 run_traffic(client, name, scenario, args, stats)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import sys
+from pathlib import Path
+from urllib.parse import urlencode
 
 import numpy as np
 
@@ -34,12 +37,42 @@ def print_scenario(scenario: Scenario, solution: Solution) -> None:
           f"(+{solution.mixture_value - solution.single_value:.3f}) with {guardrails}.", flush=True)
 
 
-def print_where_to_look(server_url: str, experiment: str, read_token: str, server_log: str) -> str:
-    """The dashboard's address (returned) and the experiment page, server log and how to stop."""
-    dashboard = f"{server_url}/"
-    print(f"Dashboard: {dashboard}  (read token: {read_token})\n"
-          f"Experiment page: {server_url}/experiments/{experiment}\n"
-          f"Server log: {server_log}\nPress Ctrl-C to stop.", flush=True)
+def sign_in_url(server_url: str, read_token: str) -> str:
+    """The dashboard's address with the read token in the fragment, which the page's script stores
+    as its token dialog would and then removes from the address bar; a fragment is never sent to
+    the server, so the token stays out of its logs."""
+    return f"{server_url}/#{urlencode({'token': read_token})}"
+
+
+def tokens_command(database_url: str, role: str) -> str:
+    """The exact ``pasto tokens create`` command that makes a ``role`` token in the demo's database.
+
+    A database given in the environment is named as such, not printed: its URL may hold a password.
+    """
+    script = Path(sys.executable).with_name("pasto")
+    if script.exists():
+        relative = os.path.relpath(script)
+        program = relative if not relative.startswith("..") else str(script)
+    else:
+        program = "pasto"
+    command = f"{shlex.quote(program)} tokens create --role {role}"
+    if os.environ.get("PASTO_DATABASE_URL"):
+        return command
+    return f"PASTO_DATABASE_URL={shlex.quote(database_url)} {command}"
+
+
+def print_where_to_look(server_url: str, port: int, read_token: str, database_url: str, server_log: str) -> str:
+    """One line with the signed-in dashboard address (returned), then where the server listens, how to
+    get admin and ingest tokens for the same database, the server log and how to stop."""
+    dashboard = sign_in_url(server_url, read_token)
+    same_environment = " (with the same PASTO_DATABASE_URL)" if os.environ.get("PASTO_DATABASE_URL") else ""
+    print(f"Dashboard, signed in with the demo's read token: {dashboard}\n"
+          f"  The server listens on 127.0.0.1, port {port} (choose another with --port).\n"
+          f"  Admin and ingest tokens for this database{same_environment}, to use the API beside the demo:\n"
+          f"    {tokens_command(database_url, 'admin')}\n"
+          f"    {tokens_command(database_url, 'ingest')}\n"
+          f"  Server log: {server_log}\n"
+          f"Press Ctrl-C to stop.", flush=True)
     return dashboard
 
 

@@ -181,17 +181,28 @@ def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
     assert re.search(r"^Stopped after", result.stdout, flags=re.MULTILINE)
 
 
+def printed_commands(output: str) -> list[str]:
+    """The `pasto tokens create` commands the demo prints, as a shell would read them."""
+    return [line.strip() for line in output.splitlines() if "tokens create --role" in line]
+
+
 def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     port = free_port()
     first = subprocess.run(demo_command(tmp_path, port, rounds=4), capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert f"Dashboard: http://127.0.0.1:{port}/" in first.stdout
-    assert "read token:" in first.stdout
     assert "Created experiment" in first.stderr
     assert round_numbers(first.stdout) == [1, 2, 3, 4], first.stdout  # the round that ends the demo too
     assert port_is_closed(port), "the demo left its server running"
     tokens = json.loads((tmp_path / "demo-tokens.json").read_text())
     assert (tmp_path / "demo-tokens.json").stat().st_mode & 0o077 == 0
+    # One URL, signed in: the read token travels in the fragment (never sent to the server).
+    urls = re.findall(r"https?://\S+", first.stdout)
+    assert [url for url in urls if "token" in url] == [f"http://127.0.0.1:{port}/#token={tokens['read']}"], urls
+    assert f"port {port}" in first.stdout
+    database = f"sqlite:///{tmp_path.resolve() / 'pasto.sqlite'}"
+    commands = printed_commands(first.stdout)
+    assert [command.rsplit(" ", 1)[1] for command in commands] == ["admin", "ingest"], first.stdout
+    assert all(command.startswith(f"PASTO_DATABASE_URL={database} ") for command in commands), commands
 
     # Second run: resumes the same experiment; read through the API in each of rounds 20 to 24, then
     # stopped with Ctrl-C (SIGINT).
@@ -222,6 +233,17 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
                 like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
                 assert like_rate["holds"], (index, like_rate)
             assert sum(diagnostics["units"]) > 5000
+            # The commands the demo printed make working admin and ingest tokens for its database.
+            made = {command.rsplit(" ", 1)[1]: subprocess.run(command, shell=True, capture_output=True,
+                                                              text=True, timeout=60)
+                    for command in commands}
+            assert all(result.returncode == 0 for result in made.values()), made
+            with Client(f"http://127.0.0.1:{port}", made["ingest"].stdout.strip(), timeout=10) as ingest:
+                assert ingest.assign(EXPERIMENT, "a-curious-user").arm.startswith("blend-")
+            with Client(f"http://127.0.0.1:{port}", made["admin"].stdout.strip(), timeout=10) as admin:
+                admin.create_experiment(name="beside-the-demo", arms=[{"name": "a", "params": {}},
+                                        {"name": "b", "params": {}}], metrics=["x"],
+                                        objective={"primary": "x"}, round_seconds=60)
         second.send_signal(signal.SIGINT)
         output, _ = second.communicate(timeout=60)
     finally:
