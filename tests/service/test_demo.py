@@ -181,6 +181,13 @@ def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
     assert re.search(r"^Stopped after", result.stdout, flags=re.MULTILINE)
 
 
+# The live check below reads the experiment in WINDOW_ROUNDS rounds from the one where it holds
+# WINDOW_SESSIONS sessions. Windowed by data, not by round number, so that a loaded machine (fewer
+# sessions per 1-second round) does not judge the controller on less data than the bounds assume.
+WINDOW_SESSIONS = 12_000
+WINDOW_ROUNDS = 5
+
+
 def printed_commands(output: str) -> list[str]:
     """The `pasto tokens create` commands the demo prints, as a shell would read them."""
     return [line.strip() for line in output.splitlines() if "tokens create --role" in line]
@@ -204,35 +211,32 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     assert [command.rsplit(" ", 1)[1] for command in commands] == ["admin", "ingest"], first.stdout
     assert all(command.startswith(f"PASTO_DATABASE_URL={database} ") for command in commands), commands
 
-    # Second run: resumes the same experiment; read through the API in each of rounds 20 to 24, then
-    # stopped with Ctrl-C (SIGINT).
+    # The ground truth the demo serves, to judge what it deploys without the estimates' noise.
+    truth = build_scenario()
+    solution = check_scenario(truth)
+    watch_single = truth.means[0, solution.single]  # the best single blend that keeps the guardrails
+    watch_best = truth.means[0] @ solution.mixture
+    # Second run: resumes the same experiment; read through the API in WINDOW_ROUNDS rounds (see
+    # above), then stopped with Ctrl-C (SIGINT).
     second = subprocess.Popen(demo_command(tmp_path, port, rounds=1000), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         with Client(f"http://127.0.0.1:{port}", tokens["read"], timeout=10) as reader:
-            deadline = time.monotonic() + 120
-            by_round: dict[int, dict] = {}
-            index = -1
-            while time.monotonic() < deadline and second.poll() is None and index < 24:
+            deadline = time.monotonic() + 180
+            by_round: dict[int, tuple[dict, list[float]]] = {}
+            while time.monotonic() < deadline and second.poll() is None and len(by_round) < WINDOW_ROUNDS:
                 try:
                     index = reader.get_experiment(EXPERIMENT)["round"]["index"]
-                    if 20 <= index < 25 and index not in by_round:
-                        by_round[index] = reader.diagnostics(EXPERIMENT)
+                    if index not in by_round:
+                        diagnostics = reader.diagnostics(EXPERIMENT)
+                        experiment = reader.get_experiment(EXPERIMENT)
+                        if (diagnostics["round"] == experiment["round"]["index"]
+                                and (by_round or sum(diagnostics["units"]) >= WINDOW_SESSIONS)):
+                            by_round[diagnostics["round"]] = (diagnostics, experiment["deployed"])
                 except (PastoConnectionError, PastoAPIError):
                     pass  # the server is still starting
                 time.sleep(0.1)
-            assert len(by_round) >= 3, f"the demo was read in rounds {sorted(by_round)} of 20-24 only"
-            for index, diagnostics in sorted(by_round.items()):
-                # Most of the gain of mixing is had already, every round (re-solving only every 5
-                # rounds, the deployed mixture kept a quarter to a half of it between solves), with
-                # the like rate the mixture leans on at or above its guardrail. (The share-rate
-                # guardrail's threshold is relative to the production blend's estimate, which this
-                # little traffic leaves noisy.)
-                single, best = diagnostics["best_single"]["value"], diagnostics["best_mixture"]["value"]
-                assert diagnostics["objective"]["deployed"] > single + 0.7 * (best - single), (index, diagnostics)
-                like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
-                assert like_rate["holds"], (index, like_rate)
-            assert sum(diagnostics["units"]) > 5000
+            assert len(by_round) == WINDOW_ROUNDS, f"the demo was read in rounds {sorted(by_round)} only"
             # The commands the demo printed make working admin and ingest tokens for its database.
             made = {command.rsplit(" ", 1)[1]: subprocess.run(command, shell=True, capture_output=True,
                                                               text=True, timeout=60)
@@ -244,6 +248,30 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
                 admin.create_experiment(name="beside-the-demo", arms=[{"name": "a", "params": {}},
                                         {"name": "b", "params": {}}], metrics=["x"],
                                         objective={"primary": "x"}, round_seconds=60)
+        for index, (diagnostics, deployed) in sorted(by_round.items()):
+            deployed = np.asarray(deployed)
+            # Judged on the ground truth, not on the estimates. On the estimates the test once failed
+            # (deployed 4.755 against 70% of the gain, 4.857; issue 18), and it fails in about 1% of
+            # the runs of an offline replica of this window (bench/demo_test_bounds.py --estimates:
+            # 4 of 300): the estimated best mixture and best single blend are maxima over noisy
+            # estimates (biased upward), the deployed mixture hedges against that noise by design,
+            # and with the like-rate penalty of 1e6 a like-rate error of one standard error (0.0006)
+            # moves any penalised value near the threshold by 1e6 * 0.0006^2 = 0.36, more than the
+            # 70% bound's whole margin. The tolerances below come from 12,000 runs of the replica
+            # (bench/demo_test_bounds.py --runs 4000 at 300, 630 and 1,000 sessions per round):
+            # the deployed mixture's true watch time had at least 55% of the gain of mixing (0.1%
+            # quantile 57%, 1% quantile 70%, median 94%), so half the gain is asked for; ...
+            watch = float(truth.means[0] @ deployed)
+            assert watch >= watch_single + 0.5 * (watch_best - watch_single), (index, watch, deployed)
+            like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
+            # ... the like rate the mixture leans on holds on the estimate (it is solved on that
+            # estimate with a hedge: smallest margin 0.00075, about 1.3 standard errors), and its
+            # true like rate was at worst 2.6 standard errors of that estimate below the threshold,
+            # so 4 are allowed (a mixture that ignored the guardrail would be 25 or more below).
+            assert like_rate["holds"], (index, like_rate)
+            standard_error = (like_rate["interval"][1] - like_rate["interval"][0]) / (2 * 1.959964)
+            true_like_rate = float(truth.means[1] @ deployed)
+            assert true_like_rate >= like_rate["threshold"] - 4 * standard_error, (index, true_like_rate, like_rate)
         second.send_signal(signal.SIGINT)
         output, _ = second.communicate(timeout=60)
     finally:
