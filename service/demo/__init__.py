@@ -9,7 +9,7 @@
    like rate (absolute) and share rate (relative to the production blend). The true means
    (:mod:`.groundtruth`) are built so that a mixture of two blends strictly beats every single
    blend; this is checked at startup.
-4. Generates traffic through :mod:`pasto.client` exactly as a recommender would: :mod:`.traffic`.
+4. Generates traffic through :mod:`pasto_client` exactly as a recommender would: :mod:`.traffic`.
    What it prints is :mod:`.console`'s.
 
 Ctrl-C (or SIGTERM, or SIGHUP from a closed terminal) stops the traffic, flushes the buffer, then
@@ -25,7 +25,7 @@ import sys
 import webbrowser
 from pathlib import Path
 
-from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 from . import console
 from .groundtruth import build_scenario, check_scenario

@@ -15,7 +15,7 @@ from urllib.parse import urlencode
 
 import numpy as np
 
-from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 from pasto.objectives import Objective
 
 from .groundtruth import Scenario, Solution

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from pasto.algorithm import AlgorithmConfig
-from pasto.client import Client, PastoAPIError
+from pasto_client import Client, PastoAPIError
 
 from .groundtruth import METRICS, Scenario
 

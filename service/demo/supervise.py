@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 log = logging.getLogger("pasto.demo")
 

@@ -1,7 +1,7 @@
-"""The demo's synthetic traffic, sent through :mod:`pasto.client` exactly as a recommender would.
+"""The demo's synthetic traffic, sent through :mod:`pasto_client` exactly as a recommender would.
 
-A :class:`~pasto.client.LocalAssigner` picks each session's blend locally and an
-:class:`~pasto.client.ObservationBuffer` reports the session's metrics over the HTTP API.
+A :class:`~pasto_client.LocalAssigner` picks each session's blend locally and an
+:class:`~pasto_client.ObservationBuffer` reports the session's metrics over the HTTP API.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pasto.client import Client, LocalAssigner, ObservationBuffer
+from pasto_client import Client, LocalAssigner, ObservationBuffer
 from pasto.optimum import best_single
 
 from . import console
