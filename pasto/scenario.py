@@ -302,7 +302,9 @@ def scenario_from_dict(data: Any) -> Scenario:
     objective_spec = data["objective"]
     if not isinstance(objective_spec, dict):
         raise ValueError(f"objective must be an object, not {_describe(objective_spec)}.")
-    _check_keys(objective_spec, "objective", ("primary",), ("guardrails",))
+    # "baseline" (the known-safe arm) and a guardrail's "hard" flag are validated by
+    # Objective.from_spec, like every other objective key's value.
+    _check_keys(objective_spec, "objective", ("primary",), ("guardrails", "baseline"))
     guardrails = objective_spec.get("guardrails", [])
     if not isinstance(guardrails, list):
         raise ValueError(f"objective.guardrails must be a list, not {_describe(guardrails)}.")
@@ -310,7 +312,9 @@ def scenario_from_dict(data: Any) -> Scenario:
         where = f"objective.guardrails[{index}]"
         if not isinstance(guardrail, dict):
             raise ValueError(f"{where} must be an object, not {_describe(guardrail)}.")
-        _check_keys(guardrail, where, ("metric", "threshold", "penalty"), ("relative_to",))
+        # A hard guardrail is a constraint and needs no penalty; Objective.from_spec says which
+        # combinations are valid.
+        _check_keys(guardrail, where, ("metric", "threshold"), ("penalty", "relative_to", "hard"))
 
     scenario = Scenario(
         name=name,
