@@ -2,8 +2,8 @@
 
 The live test resumes the demo (default preset with ``solve_every`` 1, 1-second rounds) and reads
 it in 5 rounds from the one where the experiment holds 12,000 sessions. This replica runs the same
-controller on the demo's ground truth and session noise (gamma watch time, binomial likes and
-shares), without the service, for many runs at once, and reports over those 5 rounds:
+controller on the demo's ground truth (the shipped scenario ``demo``: means and noise), without the
+service, for many runs at once, and reports over those 5 rounds:
 
 - the deployed mixture's true watch time as a share of the gain of mixing (0 = the best single
   blend that keeps the guardrails, 1 = the best mixture): the test asks for 0.5;
@@ -27,7 +27,7 @@ from pasto.algorithm import AlgorithmConfig, estimate, initial_state, update
 from pasto.estimators import Statistics
 from pasto.optimum import best_mixture, best_single
 from pasto.simulate import round_statistics, sample_arms
-from service.demo.groundtruth import ITEMS_PER_SESSION, build_scenario
+from service.demo.groundtruth import experiment_objective, load_demo_scenario, true_means
 
 WINDOW_SESSIONS = 12_000  # as in tests/service/test_demo.py
 WINDOW_ROUNDS = 5
@@ -42,8 +42,8 @@ def main() -> None:
     parser.add_argument("--estimates", action="store_true", help="also score the old check on the estimates")
     args = parser.parse_args()
 
-    scenario = build_scenario()
-    objective, means = scenario.objective(), scenario.means
+    scenario = load_demo_scenario()
+    objective, means = experiment_objective(scenario), true_means(scenario)
     n_metrics, n_arms = means.shape
     mixture, _ = best_mixture(objective, means)
     single, _ = best_single(objective, means)
@@ -63,12 +63,8 @@ def main() -> None:
     for round_number in range(1, first + WINDOW_ROUNDS):
         served = state.probabilities
         arms = sample_arms(rng, served, queries)  # (runs, Q)
-        session_means = means[:, arms]  # (M, runs, Q)
-        values = np.stack([
-            rng.gamma(4.0, session_means[0] / 4.0),
-            rng.binomial(ITEMS_PER_SESSION, session_means[1]) / ITEMS_PER_SESSION,
-            rng.binomial(ITEMS_PER_SESSION, session_means[2]) / ITEMS_PER_SESSION,
-        ], axis=-1)
+        # As the demo draws a session: its blend's true means plus the scenario's noise.
+        values = np.moveaxis(means[:, arms], 0, -1) + scenario.noise.sample(rng, (runs, queries, n_metrics))
         statistics = round_statistics(arms, values, n_arms)
         pooled = pooled + statistics
         state = update(config, objective, state, statistics, pooled, served)

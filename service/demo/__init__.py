@@ -6,9 +6,9 @@
 2. Starts ``pasto serve`` (waitress and the round scheduler) as a child process: :mod:`.supervise`.
 3. Creates the demo experiment, or resumes it (:mod:`.setup`): a recommender with 20 ranking blends
    (weights on watch time, likes and shares), watch time as the primary metric and two guardrails,
-   like rate (absolute) and share rate (relative to the production blend). The true means
-   (:mod:`.groundtruth`) are built so that a mixture of two blends strictly beats every single
-   blend; this is checked at startup.
+   like rate (absolute) and share rate (relative to the production blend). The ground truth is the
+   shipped pasto scenario ``demo`` (:mod:`.groundtruth`), whose true means make a mixture of two
+   blends strictly beat every single blend; this is checked at startup.
 4. Generates traffic through :mod:`pasto_client` exactly as a recommender would: :mod:`.traffic`.
    What it prints is :mod:`.console`'s.
 
@@ -28,12 +28,12 @@ from pathlib import Path
 from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 from . import console
-from .groundtruth import build_scenario, check_scenario
+from .groundtruth import check_scenario, load_demo_scenario
 from .setup import EXPERIMENT, ensure_experiment, prepare_database
 from .supervise import ServerProcess, StopRequested, port_in_use, stop_signals_raise
 from .traffic import TrafficStats, run_traffic
 
-__all__ = ["EXPERIMENT", "build_scenario", "check_scenario", "ensure_experiment", "main"]
+__all__ = ["EXPERIMENT", "check_scenario", "ensure_experiment", "load_demo_scenario", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     with stop_signals_raise():
         try:
             # Solved while the server boots.
-            scenario = build_scenario()
+            scenario = load_demo_scenario()
             console.print_scenario(scenario, check_scenario(scenario))
             with Client(server.url, admin_token) as client:
                 server.wait_until_ready(client)

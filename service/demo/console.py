@@ -17,22 +17,24 @@ import numpy as np
 
 from pasto_client import Client, PastoAPIError, PastoConnectionError
 from pasto.objectives import Objective
+from pasto.scenario import Scenario
 
-from .groundtruth import Scenario, Solution
+from .groundtruth import Solution, arm_names, experiment_objective
 
 log = logging.getLogger("pasto.demo")
 
 
 def print_scenario(scenario: Scenario, solution: Solution) -> None:
     """The true problem: the best single blend against the best mixture and its guarded metrics."""
-    support = ", ".join(f"{scenario.arm_names[k]} {solution.mixture[k]:.2f}"
+    names = arm_names(scenario)
+    support = ", ".join(f"{names[k]} {solution.mixture[k]:.2f}"
                         for k in np.flatnonzero(solution.mixture > 0.01))
     guardrails = ", ".join(
         f"{guardrail.metric} {value:.4f} (threshold {threshold:.4f})"
-        for guardrail, value, threshold in zip(scenario.objective().guardrails, solution.guarded,
+        for guardrail, value, threshold in zip(experiment_objective(scenario).guardrails, solution.guarded,
                                                solution.thresholds)
     )
-    print(f"Demo scenario: best single blend {scenario.arm_names[solution.single]} scores "
+    print(f"Demo scenario: best single blend {names[solution.single]} scores "
           f"{solution.single_value:.3f}; the best mixture [{support}] scores {solution.mixture_value:.3f} "
           f"(+{solution.mixture_value - solution.single_value:.3f}) with {guardrails}.", flush=True)
 
@@ -76,8 +78,8 @@ def print_where_to_look(server_url: str, port: int, read_token: str, database_ur
     return dashboard
 
 
-def report_round(client: Client, name: str, round_index: int, objective: Objective, scenario: Scenario,
-                 thresholds: np.ndarray, overwrite: bool, single_value: float) -> None:
+def report_round(client: Client, name: str, round_index: int, objective: Objective, means: np.ndarray,
+                 names: list[str], overwrite: bool, single_value: float) -> None:
     """One line per round: the deployed mixture's true value against the best single blend."""
     try:
         experiment = client.get_experiment(name)
@@ -85,9 +87,9 @@ def report_round(client: Client, name: str, round_index: int, objective: Objecti
         log.warning("Could not read the experiment: %s", error)
         return
     deployed = np.asarray(experiment["deployed"])
-    true_value = float(objective.mixture_value(scenario.means, deployed, thresholds))
+    true_value = float(objective.mixture_value(means, deployed, objective.thresholds(means)))
     top = np.argsort(deployed)[::-1][:2]
-    mix = ", ".join(f"{scenario.arm_names[k]} {deployed[k]:.2f}" for k in top)
+    mix = ", ".join(f"{names[k]} {deployed[k]:.2f}" for k in top)
     _print_round_line(f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
                       f"(best single blend {single_value:.3f})", overwrite)
 

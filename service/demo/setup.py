@@ -8,9 +8,10 @@ import os
 from pathlib import Path
 
 from pasto.algorithm import AlgorithmConfig
+from pasto.scenario import Scenario
 from pasto_client import Client, PastoAPIError
 
-from .groundtruth import METRICS, Scenario
+from .groundtruth import arm_names, arms, experiment_objective, experiment_objective_spec
 
 log = logging.getLogger("pasto.demo")
 
@@ -82,7 +83,8 @@ def _same_settings(experiment: dict, scenario: Scenario) -> bool:
     overrides = dict(ALGORITHM)
     preset = overrides.pop("preset")
     algorithm = {"preset": preset, **AlgorithmConfig.from_preset(preset, **overrides).to_dict()}
-    return experiment["objective"] == scenario.objective().to_spec() and experiment["algorithm"] == algorithm
+    return (experiment["objective"] == experiment_objective(scenario).to_spec()
+            and experiment["algorithm"] == algorithm)
 
 
 def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) -> str:
@@ -96,15 +98,16 @@ def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) 
             if error.status != 404:
                 raise
             client.create_experiment(
-                name=name, arms=scenario.arms, metrics=METRICS, objective=scenario.objective_spec,
+                name=name, arms=arms(scenario), metrics=scenario.metrics,
+                objective=experiment_objective_spec(scenario),
                 round_seconds=round_seconds, algorithm=ALGORITHM,
             )
-            log.info("Created experiment %r (%d blends, %.0f s rounds).", name, len(scenario.arms), round_seconds)
+            log.info("Created experiment %r (%d blends, %.0f s rounds).", name, scenario.n_arms, round_seconds)
             return name
         if experiment["status"] == "stopped":
             name = f"{EXPERIMENT}-{attempt + 1}"
             continue
-        if [arm["name"] for arm in experiment["arms"]] != scenario.arm_names:
+        if [arm["name"] for arm in experiment["arms"]] != arm_names(scenario):
             raise RuntimeError(f"An experiment named {name!r} exists but is not the demo's; "
                                "use another --instance folder or database.")
         if not _same_settings(experiment, scenario):

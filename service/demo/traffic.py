@@ -15,9 +15,10 @@ import numpy as np
 
 from pasto_client import Client, LocalAssigner, ObservationBuffer
 from pasto.optimum import best_single
+from pasto.scenario import Scenario
 
 from . import console
-from .groundtruth import Scenario, simulate_session
+from .groundtruth import arm_names, experiment_objective, simulate_session, true_means
 
 log = logging.getLogger("pasto.demo")
 
@@ -34,10 +35,11 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
     """Send synthetic sessions until ``args.rounds`` rounds have closed or the demo is interrupted
     (the buffer is flushed either way); ``stats`` counts the sessions reported."""
     rng = np.random.default_rng(args.seed)
-    arm_index = {arm_name: k for k, arm_name in enumerate(scenario.arm_names)}
-    objective = scenario.objective()
-    thresholds = objective.thresholds(scenario.means)
-    _, single_value = best_single(objective, scenario.means)
+    names = arm_names(scenario)
+    arm_index = {arm_name: k for k, arm_name in enumerate(names)}
+    means = true_means(scenario)
+    objective = experiment_objective(scenario)
+    _, single_value = best_single(objective, means)
     overwrite = console.rounds_overwrite_one_line(args.headless)
     per_tick = args.sessions_per_second * TICK_SECONDS
     carry = 0.0
@@ -51,7 +53,7 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
             current_round = assigner.round_index
             if current_round != shown_round:
                 shown_round = current_round
-                console.report_round(client, name, shown_round, objective, scenario, thresholds, overwrite,
+                console.report_round(client, name, shown_round, objective, means, names, overwrite,
                                      single_value)
             if args.rounds is not None and shown_round >= first_round + args.rounds:
                 break
@@ -60,7 +62,7 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
             for _ in range(batch):
                 unit = f"user-{int(rng.integers(10**9))}"
                 assignment = assigner.assign(unit)
-                values = simulate_session(scenario, arm_index[assignment.arm], rng)
+                values = simulate_session(scenario, means, arm_index[assignment.arm], rng)
                 buffer.add(unit, assignment.round, values, arm=assignment.arm)
             stats.sessions += batch
             next_tick += TICK_SECONDS
