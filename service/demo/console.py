@@ -15,9 +15,9 @@ from urllib.parse import urlencode
 
 import numpy as np
 
-from pasto_client import Client, PastoAPIError, PastoConnectionError
 from pasto.objectives import Objective
 from pasto.scenario import Scenario
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 from .groundtruth import Solution, arm_names, experiment_objective
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pasto_client import Client, LocalAssigner, ObservationBuffer
 from pasto.optimum import best_single
 from pasto.scenario import Scenario
+from pasto_client import Client, LocalAssigner, ObservationBuffer
 
 from . import console
 from .groundtruth import arm_names, experiment_objective, simulate_session, true_means
