@@ -88,3 +88,19 @@ def test_the_printed_url_opens_the_experiment_page_signed_in(tmp_path, browser, 
                 demo.kill()
                 demo.wait()
     assert demo.returncode == 0, output.read_text()
+
+
+def test_a_rejected_token_in_the_link_falls_back_to_the_dialog(live_server, browser):
+    # A stale link (the database was reset): the page says the token was not accepted and asks for
+    # one; the address bar is clean either way.
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(f"{live_server.base_url}/experiments/{live_server.experiment}#token=not-a-token")
+    page.wait_for_selector("#token-dialog[open]")
+    assert "did not accept" in page.locator("#token-reason").inner_text()
+    assert page.evaluate("window.location.href") == f"{live_server.base_url}/experiments/{live_server.experiment}"
+    page.fill("#token-input", live_server.tokens["read"])
+    page.click("#token-form button[type=submit]")
+    page.wait_for_function("Number(document.getElementById('experiment').dataset.rounds || 0) > 30")
+    assert not page.locator("#token-dialog").evaluate("dialog => dialog.open")
+    context.close()
