@@ -21,6 +21,9 @@ import pytest
 
 from pasto.algorithm import AlgorithmConfig
 from pasto_client import Client, PastoAPIError, PastoConnectionError
+from service import create_app
+from service.auth import revoke_tokens
+from service.db import get_db
 from service.demo import EXPERIMENT, check_scenario, ensure_experiment, load_demo_scenario
 from service.demo.groundtruth import (
     GUARDRAIL_PENALTIES,
@@ -30,6 +33,7 @@ from service.demo.groundtruth import (
     simulate_session,
     true_means,
 )
+from service.demo.setup import prepare_database
 from tests.pgcluster import free_port
 
 
@@ -201,6 +205,21 @@ def test_an_earlier_demos_experiment_is_paused_and_replaced():
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
     assert client.experiments[EXPERIMENT]["status"] == "paused"
+
+
+def test_a_revoked_demo_token_is_replaced(tmp_path, monkeypatch):
+    # `pasto tokens revoke "pasto demo (read)"`: the next run must not print a sign-in link whose
+    # token the server refuses, so it makes a new read token and keeps the admin one.
+    monkeypatch.delenv("PASTO_DATABASE_URL", raising=False)
+    url, _, admin, read = prepare_database(tmp_path)
+    assert prepare_database(tmp_path)[2:] == (admin, read)  # reused while usable
+    app = create_app({"PASTO_DATABASE_URL": url, "PASTO_CHECK_SCHEMA": False})
+    with get_db(app).write() as session:
+        assert [token.role for token in revoke_tokens(session, "pasto demo (read)")] == ["read"]
+    get_db(app).engine.dispose()
+    _, _, admin_again, read_again = prepare_database(tmp_path)
+    assert admin_again == admin and read_again != read
+    assert json.loads((tmp_path / "demo-tokens.json").read_text()) == {"admin": admin, "read": read_again}
 
 
 def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
