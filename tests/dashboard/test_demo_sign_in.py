@@ -40,6 +40,16 @@ def printed_sign_in_url(demo: subprocess.Popen, output: Path, seconds: float = 1
     return signed_in[0]
 
 
+def wait_until(page, expression: str, seconds: float = 60) -> None:
+    """Poll ``expression`` with page.evaluate until it is true (page.wait_for_function evaluates a
+    string, which the dashboard's Content-Security-Policy forbids)."""
+    deadline = time.monotonic() + seconds
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{expression} stayed false for {seconds} s")
+        time.sleep(0.2)
+
+
 def test_the_printed_url_opens_the_experiment_page_signed_in(tmp_path, browser, screenshot_dir):
     port = free_port()
     output = tmp_path / "demo-output.txt"
@@ -67,8 +77,7 @@ def test_the_printed_url_opens_the_experiment_page_signed_in(tmp_path, browser, 
 
         page.click('tr[data-experiment="demo-ranking"] a')
         page.wait_for_url(f"http://127.0.0.1:{port}/experiments/demo-ranking")
-        page.wait_for_function(
-            f"Number(document.getElementById('experiment').dataset.rounds || 0) > {ROUNDS_SHOWN}", timeout=60_000)
+        wait_until(page, f"() => Number(document.getElementById('experiment').dataset.rounds || 0) > {ROUNDS_SHOWN}")
         assert not page.locator("#token-dialog").evaluate("dialog => dialog.open")
         assert page.locator("#error-banner").is_hidden()
         assert page.locator("#fig-round").inner_text() not in ("", "–")
@@ -101,6 +110,6 @@ def test_a_rejected_token_in_the_link_falls_back_to_the_dialog(live_server, brow
     assert page.evaluate("window.location.href") == f"{live_server.base_url}/experiments/{live_server.experiment}"
     page.fill("#token-input", live_server.tokens["read"])
     page.click("#token-form button[type=submit]")
-    page.wait_for_function("Number(document.getElementById('experiment').dataset.rounds || 0) > 30")
+    wait_until(page, "() => Number(document.getElementById('experiment').dataset.rounds || 0) > 30")
     assert not page.locator("#token-dialog").evaluate("dialog => dialog.open")
     context.close()
