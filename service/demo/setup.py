@@ -82,12 +82,16 @@ def _ensure_tokens(app, path: Path) -> tuple[str, str]:
 
 
 def _same_settings(experiment: dict, scenario: Scenario) -> bool:
-    """Whether ``experiment`` (as the API returns it) has the objective and algorithm this demo creates."""
+    """Whether ``experiment`` (as the API returns it) has the objective and algorithm this demo creates.
+
+    The algorithm is compared option by option; a ``preset`` key is left out, as the server may or
+    may not echo the preset name beside the options it resolved (issue 13 drops it).
+    """
     overrides = dict(ALGORITHM)
     preset = overrides.pop("preset")
-    algorithm = {"preset": preset, **AlgorithmConfig.from_preset(preset, **overrides).to_dict()}
-    return (experiment["objective"] == experiment_objective(scenario).to_spec()
-            and experiment["algorithm"] == algorithm)
+    algorithm = AlgorithmConfig.from_preset(preset, **overrides).to_dict()
+    served = {key: value for key, value in experiment["algorithm"].items() if key != "preset"}
+    return experiment["objective"] == experiment_objective(scenario).to_spec() and served == algorithm
 
 
 def ensure_experiment(client: Client, scenario: Scenario, round_seconds: float) -> str:

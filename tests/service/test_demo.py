@@ -205,6 +205,11 @@ def test_an_earlier_demos_experiment_is_paused_and_replaced():
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
     assert client.experiments[EXPERIMENT]["status"] == "paused"
+    # A server that stores only the resolved options (no preset name) is resumed the same way.
+    del client.experiments[f"{EXPERIMENT}-2"]["algorithm"]["preset"]
+    client.experiments[f"{EXPERIMENT}-2"]["status"] = "paused"
+    assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
+    assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
 
 
 def test_a_revoked_demo_token_is_replaced(tmp_path, monkeypatch):
