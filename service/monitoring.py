@@ -1,4 +1,4 @@
-"""Prometheus metrics: ``GET /metrics`` (no token, like ``/healthz``).
+"""Prometheus metrics, served by ``GET /metrics`` (``service.routes.monitoring``; no token, like ``/healthz``).
 
 Two kinds of series, each from the source that knows it:
 
@@ -24,18 +24,15 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import sqlalchemy as sa
-from flask import Blueprint, Flask, Response, current_app, g, request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from flask import Flask, Response, g, request
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
+from .controller import reports
 from .db import get_db
-from .diagnostics import traffic_report
-from .models import STATUSES, Arm, ArmRoundCount, Experiment, Round, SchedulerHeartbeat, utcnow
-
-bp = Blueprint("monitoring", __name__)
+from .models import STATUSES, utcnow
 
 # Event metrics of this process. A registry of their own rather than the global default, so that
 # several apps in one process (tests) never register anything twice. In multiprocess mode their
@@ -187,37 +184,11 @@ class ControllerCollector:
                            "Seconds since the newest scheduler heartbeat (absent before the first one).")
 
         now = utcnow()
-        with get_db(self.app).read() as session:
-            experiments = session.execute(
-                sa.select(Experiment.id, Experiment.name, Experiment.status, Experiment.round_index,
-                          Experiment.applied_rounds, Experiment.config, Experiment.state,
-                          Experiment.updated_at).order_by(Experiment.id)
-            ).all()
-            # Rounds still open or waiting for their update (usually one or two per experiment), and
-            # the latest applied one, whose summary holds the newest estimates.
-            rounds = session.execute(
-                sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
-                .join(Experiment, Experiment.id == Round.experiment_id)
-                .where(Round.index >= Experiment.applied_rounds - 1)
-            ).all()
-            regret_sums = dict(session.execute(
-                sa.select(Round.experiment_id, sa.func.sum(Round.summary["regret"].as_float()))
-                .group_by(Round.experiment_id)
-            ).all())
-            stored = dict(session.execute(
-                sa.select(ArmRoundCount.experiment_id, sa.func.sum(ArmRoundCount.observations))
-                .group_by(ArmRoundCount.experiment_id)
-            ).all())
-            arm_names: dict[int, list[str]] = {}
-            for experiment_id, arm_name in session.execute(
-                sa.select(Arm.experiment_id, Arm.name).order_by(Arm.experiment_id, Arm.position)
-            ):
-                arm_names.setdefault(experiment_id, []).append(arm_name)
-            traffic = {row.id: traffic_report(session, row.id, len(arm_names.get(row.id, ())))
-                       for row in experiments}
-            last_beat = session.execute(sa.select(sa.func.max(SchedulerHeartbeat.beat_at))).scalar_one_or_none()
+        data = reports.controller_metrics(get_db(self.app))
+        experiments, rounds, regret_sums = data["experiments"], data["rounds"], data["regret_sums"]
+        stored, arm_names, traffic, last_beat = data["stored"], data["arm_names"], data["traffic"], data["last_heartbeat"]
 
-        by_experiment: dict[int, dict[int, sa.Row]] = {}
+        by_experiment: dict[int, dict[int, Any]] = {}
         for row in rounds:
             by_experiment.setdefault(row.experiment_id, {})[row.index] = row
 
@@ -268,7 +239,7 @@ class ControllerCollector:
                     srm, srm_ok, observations, late, lag, last_update, heartbeat)
 
 
-def _overdue_seconds(experiment, rounds: Mapping[int, sa.Row], now) -> float:
+def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:
     """How long the oldest due work of a running experiment has waited: closing the current round
     after its end, or applying an ended round's update after its settle time."""
     if experiment.status != "running":
@@ -298,12 +269,6 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
 # ------------------------------------------------------------------------------ Flask wiring
 
 
-@bp.get("/metrics")
-def metrics() -> Response:
-    return Response(generate_latest(scrape_registry(current_app._get_current_object())),
-                    mimetype=CONTENT_TYPE_LATEST)
-
-
 def _start_timer() -> None:
     g.pasto_request_started = time.perf_counter()
 
@@ -319,10 +284,9 @@ def _count_request(response: Response) -> Response:
 
 
 def init_app(app: Flask) -> None:
-    """Count requests, listen to the service's events, and serve ``GET /metrics``."""
+    """Count requests and listen to the service's events (``GET /metrics`` is ``service.routes.monitoring``)."""
     app.before_request(_start_timer)
     app.after_request(_count_request)
     events.assigned.connect(record_assignments)
     events.observed.connect(record_observations)
     events.round_closed.connect(record_round_closed)
-    app.register_blueprint(bp)

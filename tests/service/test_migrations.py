@@ -3,6 +3,8 @@ to start on an un-migrated database."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sqlalchemy as sa
 
@@ -164,3 +166,34 @@ def test_healthz_reports_an_unmigrated_database(sqlite_url):
     assert body["status"] == "unavailable"
     assert body["database"]["reachable"] is True
     assert body["schema"] == {"current": None, "head": migrations.head_revision()}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0005_stores_the_resolved_algorithm_without_its_preset(backend, request):
+    """Rows written before 0005 kept the preset beside the resolved fields; after it they hold exactly
+    the configuration the experiment runs, and the downgrade leaves them readable as they are."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0004")
+    resolved = {"estimator": "pooled", "solve_every": 1}
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for name, algorithm in (("old", {"preset": "paper", **resolved}), ("new", dict(resolved))):
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
+                    "version, created_at, updated_at) VALUES (:name, :config, 'running', 1, 0, 0, '{}', 1, "
+                    ":now, :now)"),
+                    {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
+                     "now": "2026-01-01 00:00:00"})
+        migrations.upgrade(url)
+
+        def algorithms():
+            with engine.connect() as connection:
+                return {name: json.loads(config) if isinstance(config, str) else config for name, config in
+                        connection.execute(sa.text("SELECT name, config FROM experiments"))}
+
+        assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+        migrations.downgrade(url, "0004")
+        assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+    finally:
+        engine.dispose()

@@ -1,5 +1,5 @@
-"""``service.db``: PostgreSQL array literals read back as exactly the values they were made from, and
-``Database.insert_new`` reports exactly the new rows, or with ``expect_new`` refuses as a whole."""
+"""``service.store``'s bulk statements: PostgreSQL array literals read back as exactly the values they were made from, and
+``insert_new`` reports exactly the new rows, or with ``expect_new`` refuses as a whole."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.db import Database, KeysExist, _array_literal, make_engine
+from service.db import Database, make_engine
+from service.store import KeysExist, _array_literal, insert_new
 from service.models import ObservationId
 
 texts = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12)
@@ -60,7 +61,7 @@ def stored_ids(database: Database) -> list[str]:
 
 def insert_ids(database: Database, client_ids: list[str], expect_new: bool) -> list[str]:
     with database.write() as session:
-        inserted = database.insert_new(
+        inserted = insert_new(
             session.connection(), ObservationId.__table__, COLUMNS,
             [(1, client_id, 0, 0) for client_id in sorted(client_ids)], returning=("client_id",),
             expect_new=expect_new)
