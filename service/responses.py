@@ -147,7 +147,10 @@ class Regret(_Response):
 
 
 class Guardrail(_Response):
-    """One guardrail's estimate (``pasto.diagnostics.guardrail_report``)."""
+    """One guardrail's estimate (``pasto.diagnostics.guardrail_report``; keys it may add later are left
+    out until they are documented here)."""
+
+    model_config = ConfigDict(extra="ignore")
 
     metric: str
     threshold: Finite
