@@ -215,6 +215,28 @@ MODELS = (Error, Experiment, ExperimentList, Assignment, AssignmentBatch, Ingest
           Diagnostics, Health)
 
 
+def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],
+                arm_params: tuple[dict[str, Any], ...], round_index: int) -> list[dict[str, Any]]:
+    """:class:`Assignment` objects on the wire: unit ``units[i]`` got arm position ``arms[i]`` with
+    propensity ``probabilities[i]`` in round ``round_index``.
+
+    Plain dicts with the model's fields in its order (``tests/service/test_openapi.py`` checks both
+    against the model and the published schema), not model instances: assignment is the hottest
+    path, and building and dumping a model per unit costs about 12 ms per 1,000 units, when the whole
+    request takes about 4 ms without.
+    """
+    return [{"unit": unit, "arm": arm_names[arm], "params": arm_params[arm], "round": round_index,
+             "probability": probability}
+            for unit, arm, probability in zip(units, arms, probabilities)]
+
+
+def respond_json(body: dict[str, Any] | list[Any], status: int = 200) -> Response:
+    """A body already in wire form (:func:`assignments`) as the JSON response."""
+    response = jsonify(body)
+    response.status_code = status
+    return response
+
+
 def respond(body: BaseModel, status: int = 200) -> Response:
     """``body`` as the JSON response (through Flask's JSON provider: its key order and separators).
 

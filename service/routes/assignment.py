@@ -1,4 +1,5 @@
-"""``POST .../assign``: one unit (``{"unit": ...}``) or a batch (``{"units": [...]}``)."""
+"""``POST .../assign``: one unit (``{"unit": ...}``, answered with a ``responses.Assignment``) or a batch
+(``{"units": [...]}``, a ``responses.AssignmentBatch``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from flask import Blueprint
 from ..auth import require_role
 from ..controller import assignment
 from ..errors import invalid
-from ..responses import Assignment, AssignmentBatch, respond
+from ..responses import assignments, respond_json
 from ..schemas import AssignMany, AssignOne, json_body, parse
 
 bp = Blueprint("assignment", __name__, url_prefix="/api/v1/experiments")
@@ -23,15 +24,13 @@ def assign(name: str):
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         units = parse(AssignMany, body).units
         snapshot, arms = assignment.assign_many(name, units)
-        probabilities = snapshot.serving[arms].tolist()
-        names, params, round_index = snapshot.arm_names, snapshot.arm_params, snapshot.round_index
-        return respond(AssignmentBatch(assignments=[
-            Assignment(unit=unit, arm=names[arm], params=params[arm], round=round_index, probability=probability)
-            for unit, arm, probability in zip(units, arms.tolist(), probabilities)
-        ]))
+        return respond_json({"assignments": assignments(units, arms.tolist(), snapshot.serving[arms].tolist(),
+                                                        snapshot.arm_names, snapshot.arm_params,
+                                                        snapshot.round_index)})
     if isinstance(body, dict) and "unit" not in body:
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     unit = parse(AssignOne, body).unit
     snapshot, arm = assignment.assign_one(name, unit)
-    return respond(Assignment(unit=unit, arm=snapshot.arm_names[arm], params=snapshot.arm_params[arm],
-                              round=snapshot.round_index, probability=float(snapshot.serving[arm])))
+    (answer,) = assignments([unit], [arm], [float(snapshot.serving[arm])], snapshot.arm_names, snapshot.arm_params,
+                            snapshot.round_index)
+    return respond_json(answer)
