@@ -15,8 +15,7 @@ from datetime import datetime, timezone
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
-from . import store
-from .controller.rounds import RoundAdvance, close_due_rounds
+from .controller.rounds import RoundAdvance, close_due_rounds, record_heartbeat
 from .db import Database, get_db
 from .models import utcnow
 
@@ -28,7 +27,8 @@ def scheduler_name() -> str:
 
 
 def heartbeat(database: Database, name: str, now: datetime) -> None:
-    store.write_heartbeat(database, name, now)
+    """Record that scheduler ``name`` is alive (``/healthz`` reads the newest heartbeat)."""
+    record_heartbeat(database, name, now)
 
 
 def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:

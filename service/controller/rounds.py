@@ -133,6 +133,12 @@ def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = N
     return advances
 
 
+def record_heartbeat(database: Database, scheduler: str, now: datetime) -> None:
+    """The scheduler ``scheduler`` (``host:pid``) ran at ``now`` (``/healthz`` tells from the newest
+    heartbeat whether one is alive)."""
+    store.write_heartbeat(database, scheduler, now)
+
+
 def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
              expected_round_index: int | None = None) -> RoundAdvance | None:
     started = time.perf_counter()
