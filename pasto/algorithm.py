@@ -1,16 +1,20 @@
 """The PASTO update: exponentiated gradient on the simplex with exploration (paper Algorithm 1).
 
-One call of :func:`update` closes round t (1-based; ``state.round_index = t - 1``):
+One call of :func:`update` closes round t (1-based; ``state.round_index = t - 1``) in named steps:
 
-1. the estimator's accumulators take in the round's observations (Eq. 5-6 for ``ips``);
-2. V = the current M x K estimate, c = thresholds resolved on V;
-3. g_t = V^T grad f(V p_t) (Eq. 7) at the probabilities p_t served in round t;
-4. log w_t = log w_{t-1} + gamma_t g_t (Algorithm 1 line 7, in log space), normalised by logsumexp;
-   in solve-per-round mode, every ``solve_every`` rounds the weights are then moved to the
-   maximiser of f(V p) by warm-started mirror ascent (:func:`pasto.optimum.mirror_ascent`);
-5. p_{t+1} = (1 - eps_{t+1}) w_t / ||w_t||_1 + eps_{t+1} / K (line 3);
-6. the deployed mixture is updated (the paper's average of p_1..p_t, the average over the current
-   stage, or the current exploitation mixture w_t / ||w_t||_1).
+1. estimate (``_estimate_step``): the estimator object (:func:`pasto.estimators.make_estimator`,
+   chosen once from ``config.estimator``) takes in the round's observations (Eq. 5-6 for ``ips``);
+   V = its current M x K estimate, c = thresholds resolved on V;
+2. gradient step (``_gradient_step``): g_t = V^T grad f(V p_t) (Eq. 7) at the probabilities p_t
+   served in round t, then log w_t = log w_{t-1} + gamma_t g_t (Algorithm 1 line 7, in log space),
+   normalised by logsumexp;
+3. solve (``_solve_step``): in solve-per-round mode, every ``solve_every`` rounds the weights are
+   moved to the maximiser of f(V p) by warm-started mirror ascent (:func:`pasto.optimum.mirror_ascent`);
+4. guardrail weights (``_dual_ascent_step``, ``dual_ascent`` only);
+5. exploration (``_exploration_step``): p_{t+1} = (1 - eps_{t+1}) w_t / ||w_t||_1 + eps_{t+1} / K
+   (line 3), part of the exploitation mass optionally directed at plausible arms;
+6. deploy (``_deploy_step``): the deployed mixture is updated (the paper's average of p_1..p_t, the
+   average over the current stage, or the current exploitation mixture w_t / ||w_t||_1).
 
 Configuration (:class:`AlgorithmConfig`) is separate from learned state (:class:`ControllerState`);
 both round-trip through JSON-friendly dicts. Every array carries optional leading batch dimensions
@@ -28,16 +32,13 @@ import numpy as np
 from scipy.special import logsumexp, softmax
 
 from pasto.estimators import (
+    ESTIMATOR_NAMES,
+    Accumulators,
     Estimate,
+    Estimator,
     History,
     Statistics,
-    control_variate_round_estimate,
-    discount_statistics,
-    empty_history,
-    history_estimate,
-    history_update,
-    ips_round_estimate,
-    pooled_estimate,
+    make_estimator,
 )
 from pasto.objectives import Objective
 from pasto.optimum import mirror_ascent
@@ -55,7 +56,7 @@ __all__ = [
     "stage_of",
 ]
 
-ESTIMATORS = ("ips", "pooled", "control_variate")
+ESTIMATORS = ESTIMATOR_NAMES
 STEP_SCHEDULES = ("constant", "per_arm", "horizon", "doubling", "adagrad")
 EXPLORATION_SCHEDULES = ("paper", "sqrt", "constant")
 DEPLOY_RULES = ("average", "stage", "last")
@@ -72,6 +73,9 @@ _MAX_LOG_STEP = 1e6
 @dataclass(frozen=True)
 class AlgorithmConfig:
     """Configuration of the controller (no learned state).
+
+    The field defaults are the ``default`` preset; every other preset in :data:`PRESETS` is a set of
+    overrides of them.
 
     Attributes
     ----------
@@ -127,12 +131,12 @@ class AlgorithmConfig:
     exploration: str = "sqrt"
     exploration_scale: float = 1.0
     exploration_floor: float = 0.05
-    directed_share: float = 0.0
+    directed_share: float = 0.2
     directed_z: float = 2.0
     deploy: str = "last"
     solve_every: int = 5
     solve_steps: int = 100
-    solve_objective: str = "plug_in"
+    solve_objective: str = "expected"
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
 
@@ -205,12 +209,18 @@ class AlgorithmConfig:
         return cls(**data)
 
 
+# Every preset is a set of overrides of the field defaults above, which are the ``default`` preset
+# (one source of truth: ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
 PRESETS: dict[str, dict[str, Any]] = {
+    # Estimate-then-solve: pooled means, the expected objective under the estimate's uncertainty
+    # re-solved every few rounds (AdaGrad EG steps in between), exploration max(0.05, 1/sqrt(t))
+    # plus a 20% share directed at plausible arms, deploy the exploitation mixture.
+    "default": {},
     # Algorithm 1 with the paper's simulation settings (section 6): IPS history average with
-    # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), deploy the average of p_1..p_t.
+    # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), no directed exploration, no solve,
+    # deploy the average of p_1..p_t.
     "paper": dict(
         estimator="ips",
-        discount=1.0,
         step_schedule="per_arm",
         step_size=0.1,
         exploration="paper",
@@ -221,26 +231,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         solve_every=0,
         solve_steps=0,
         solve_objective="plug_in",
-        guardrail_weights="fixed",
-    ),
-    # Estimate-then-solve: pooled means, the expected objective under the estimate's uncertainty
-    # re-solved every few rounds, exploration max(0.05, 1/sqrt(t)) plus a 20% share directed at
-    # plausible arms, deploy the exploitation mixture.
-    "default": dict(
-        estimator="pooled",
-        discount=1.0,
-        step_schedule="adagrad",
-        step_size=1.0,
-        exploration="sqrt",
-        exploration_scale=1.0,
-        exploration_floor=0.05,
-        directed_share=0.2,
-        directed_z=2.0,
-        deploy="last",
-        solve_every=5,
-        solve_steps=100,
-        solve_objective="expected",
-        guardrail_weights="fixed",
     ),
 }
 
@@ -294,6 +284,11 @@ class ControllerState:
     @property
     def batch_shape(self) -> tuple[int, ...]:
         return tuple(self.log_weights.shape[:-1])
+
+    @property
+    def accumulators(self) -> Accumulators:
+        """The estimator's accumulators (``history``, ``baseline``, ``discounted``) as one value."""
+        return Accumulators(history=self.history, baseline=self.baseline, discounted=self.discounted)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (nested lists of floats)."""
@@ -439,16 +434,7 @@ def initial_state(
     vector_shape = batch_shape + (int(n_arms),)
     uniform = np.full(vector_shape, 1.0 / n_arms)
     penalties = np.zeros(0) if objective is None else objective.penalties
-    history = None
-    if config.estimator in ("ips", "control_variate"):
-        # The paper's V_0 = U_0 = 0 enters the average as one round (Algorithm 1 line 5).
-        history = empty_history(
-            n_metrics, n_arms, batch_shape, prior_weight=1.0 if config.estimator == "ips" else 0.0
-        )
-    baseline = np.zeros(batch_shape + (n_metrics, n_arms)) if config.estimator == "control_variate" else None
-    discounted = None
-    if config.estimator == "pooled" and config.discount < 1.0:
-        discounted = Statistics.zeros(n_metrics, n_arms, batch_shape)
+    accumulators = _estimator(config).start(n_metrics, n_arms, batch_shape)
     return ControllerState(
         round_index=0,
         probabilities=uniform,
@@ -458,9 +444,9 @@ def initial_state(
         stage_probability_sum=np.zeros(vector_shape),
         gradient_square_sum=np.zeros(batch_shape),
         guardrail_weights=np.broadcast_to(penalties, batch_shape + penalties.shape).copy(),
-        history=history,
-        baseline=baseline,
-        discounted=discounted,
+        history=accumulators.history,
+        baseline=accumulators.baseline,
+        discounted=accumulators.discounted,
     )
 
 
@@ -486,15 +472,12 @@ def estimate(config: AlgorithmConfig, state: ControllerState, pooled_statistics:
     pooled_statistics : Statistics
         Observations over every round so far, shape (..., M, K) (used by ``pooled``).
     """
-    if config.estimator in ("ips", "control_variate"):
-        if state.history is None:
-            raise ValueError(f"The state carries no history, which the {config.estimator!r} estimator needs.")
-        return history_estimate(state.history)
-    if config.discount < 1.0:
-        if state.discounted is None:
-            raise ValueError("The state carries no discounted statistics, which a discount < 1 needs.")
-        return pooled_estimate(state.discounted)
-    return pooled_estimate(pooled_statistics)
+    return _estimator(config).estimate(state.accumulators, pooled_statistics)
+
+
+def _estimator(config: AlgorithmConfig) -> Estimator:
+    """The estimator object of ``config`` (its name and discount)."""
+    return make_estimator(config.estimator, config.discount)
 
 
 def _exploitation(log_weights: np.ndarray) -> np.ndarray:
@@ -618,36 +601,82 @@ def _advance(
     pooled_statistics: Statistics,
     propensities: np.ndarray,
 ) -> ControllerState:
-    n_arms = state.n_arms
-    served = state.probabilities
-    t = state.round_index + 1
-    history, baseline, discounted = state.history, state.baseline, state.discounted
-    observed = round_statistics.counts.sum(axis=-1) > 0  # (..., M)
-    if config.estimator == "ips":
-        u = ips_round_estimate(round_statistics, propensities)
-        history = history_update(history, u, observed, config.discount)
-    elif config.estimator == "control_variate":
-        u = control_variate_round_estimate(round_statistics, propensities, baseline)
-        history = history_update(history, u, observed, config.discount)
-        # The next round's baseline is fixed now, before it is sampled, which keeps U unbiased.
-        baseline = pooled_estimate(pooled_statistics).means
-    elif config.discount < 1.0:
-        discounted = discount_statistics(discounted, round_statistics, config.discount)
-    interim = dataclasses.replace(state, history=history, baseline=baseline, discounted=discounted)
-    current = estimate(config, interim, pooled_statistics)
-    means = current.means
-    thresholds = objective.thresholds(means)
-    dual = config.guardrail_weights == "dual_ascent"
-    guardrail_weights = state.guardrail_weights
-    if guardrail_weights.shape[-1:] != objective.penalties.shape:
-        # A state made without the objective starts from the objective's penalties.
-        guardrail_weights = np.broadcast_to(
-            objective.penalties, state.batch_shape + objective.penalties.shape
-        ).copy()
-    penalties = guardrail_weights if dual else None
+    """Close round t = ``state.round_index + 1`` (inputs already validated by :func:`update`).
 
-    # Eq. 7 at the probabilities served in the closing round.
-    x = np.einsum("...mk,...k->...m", means, served)
+    The steps, in order: estimate, gradient step, solve, guardrail weights, exploration, deploy.
+    """
+    t = state.round_index + 1
+    dual = config.guardrail_weights == "dual_ascent"
+    accumulators, current = _estimate_step(
+        config, state, round_statistics, pooled_statistics, propensities
+    )
+    thresholds = objective.thresholds(current.means)
+    guardrail_weights = _starting_guardrail_weights(objective, state)
+    penalties = guardrail_weights if dual else None
+    log_weights, gradient_square_sum = _gradient_step(
+        config, objective, state, current.means, thresholds, penalties, t
+    )
+    log_weights = _solve_step(config, objective, current, thresholds, penalties, log_weights, t)
+    exploitation = _exploitation(log_weights)
+    if dual:
+        guardrail_weights = _dual_ascent_step(
+            config, objective, current.means, thresholds, guardrail_weights, exploitation
+        )
+    probabilities = _exploration_step(config, objective, current, thresholds, penalties, exploitation, t)
+    probability_sum, stage_probability_sum, deployed = _deploy_step(config, state, exploitation, t)
+    return ControllerState(
+        round_index=t,
+        probabilities=probabilities,
+        deployed=deployed,
+        log_weights=log_weights,
+        probability_sum=probability_sum,
+        stage_probability_sum=stage_probability_sum,
+        gradient_square_sum=gradient_square_sum,
+        guardrail_weights=guardrail_weights,
+        history=accumulators.history,
+        baseline=accumulators.baseline,
+        discounted=accumulators.discounted,
+    )
+
+
+def _estimate_step(
+    config: AlgorithmConfig,
+    state: ControllerState,
+    round_statistics: Statistics,
+    pooled_statistics: Statistics,
+    propensities: np.ndarray,
+) -> tuple[Accumulators, Estimate]:
+    """Step 1: the estimator takes in the closing round; returns its accumulators and V_t (M x K)."""
+    estimator = _estimator(config)
+    accumulators = estimator.absorb(state.accumulators, round_statistics, pooled_statistics, propensities)
+    return accumulators, estimator.estimate(accumulators, pooled_statistics)
+
+
+def _starting_guardrail_weights(objective: Objective, state: ControllerState) -> np.ndarray:
+    """The penalties lambda (..., G) in force for this round.
+
+    A state made without the objective (as the service and the simulator make it) carries no
+    penalties yet and starts from the objective's.
+    """
+    if state.guardrail_weights.shape[-1:] != objective.penalties.shape:
+        return np.broadcast_to(objective.penalties, state.batch_shape + objective.penalties.shape).copy()
+    return state.guardrail_weights
+
+
+def _gradient_step(
+    config: AlgorithmConfig,
+    objective: Objective,
+    state: ControllerState,
+    means: np.ndarray,
+    thresholds: np.ndarray,
+    penalties: np.ndarray | None,
+    t: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 2-3: g_t = V^T grad f(V p_t) (Eq. 7) at the served p_t, then one EG step in log space.
+
+    Returns the normalised log weights (..., K) and the new sum of squared gradient spreads (...).
+    """
+    x = np.einsum("...mk,...k->...m", means, state.probabilities)
     gradient = np.einsum("...mk,...m->...k", means, objective.gradient(x, thresholds, penalties))
     # EG ignores constants added to g, so the centred gradient is used; it is handled as
     # scale * direction (|direction| <= 2) so that absurd metric scales cannot overflow to inf/nan.
@@ -658,52 +687,83 @@ def _advance(
     direction = direction - direction.mean(axis=-1, keepdims=True)
     spread = np.max(np.abs(direction), axis=-1) * scale
     gradient_square_sum = state.gradient_square_sum + spread**2
-    gamma = step_size(config, t, n_arms, gradient_square_sum)
+    gamma = step_size(config, t, state.n_arms, gradient_square_sum)
     # No log weight moves by more than _MAX_LOG_STEP in one round (only reachable with
     # gradients of absurd size; the order of the arms' moves is kept).
     move = np.minimum(gamma * scale, _MAX_LOG_STEP)
     log_weights = state.log_weights + move[..., None] * direction
     log_weights = log_weights - logsumexp(log_weights, axis=-1, keepdims=True)
+    return log_weights, gradient_square_sum
 
+
+def _solve_step(
+    config: AlgorithmConfig,
+    objective: Objective,
+    current: Estimate,
+    thresholds: np.ndarray,
+    penalties: np.ndarray | None,
+    log_weights: np.ndarray,
+    t: int,
+) -> np.ndarray:
+    """Step 4: in solve-per-round mode, every ``solve_every`` rounds, move the log weights (..., K)
+    to the maximiser of f(V p) (or of the expected objective) by warm-started mirror ascent.
+
+    In every round the log weights are then floored so that they stay finite.
+    """
     if config.solve_every and t % config.solve_every == 0 and config.solve_steps > 0:
         lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - _SOLVE_LOG_WEIGHT_FLOOR)
         errors = current.standard_errors if config.solve_objective == "expected" else None
         log_weights = mirror_ascent(
-            objective, means, thresholds, lifted, config.solve_steps, penalties, standard_errors=errors
+            objective, current.means, thresholds, lifted, config.solve_steps, penalties, standard_errors=errors
         )
     # Arms far below the best keep a finite log weight (their mass, < e^-700, is zero anyway).
-    log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
-    exploitation = _exploitation(log_weights)
+    return np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
 
-    if dual:
-        y = np.einsum("...mk,...k->...m", means, exploitation)[..., objective.guardrail_rows]
-        raised = guardrail_weights + config.dual_step * (thresholds - y)
-        raised = np.where(np.isnan(raised), guardrail_weights, raised)
-        guardrail_weights = np.clip(raised, 0.0, _LARGEST)
 
+def _dual_ascent_step(
+    config: AlgorithmConfig,
+    objective: Objective,
+    means: np.ndarray,
+    thresholds: np.ndarray,
+    guardrail_weights: np.ndarray,
+    exploitation: np.ndarray,
+) -> np.ndarray:
+    """Step 5 (``dual_ascent`` only): lambda <- max(0, lambda + dual_step (c - y)), shape (..., G),
+    with y the estimated guardrail metrics of the exploitation mixture."""
+    y = np.einsum("...mk,...k->...m", means, exploitation)[..., objective.guardrail_rows]
+    raised = guardrail_weights + config.dual_step * (thresholds - y)
+    raised = np.where(np.isnan(raised), guardrail_weights, raised)
+    return np.clip(raised, 0.0, _LARGEST)
+
+
+def _exploration_step(
+    config: AlgorithmConfig,
+    objective: Objective,
+    current: Estimate,
+    thresholds: np.ndarray,
+    penalties: np.ndarray | None,
+    exploitation: np.ndarray,
+    t: int,
+) -> np.ndarray:
+    """Step 6: p_{t+1} = (1 - eps_{t+1}) ((1 - rho) w + rho d) + eps_{t+1} / K, shape (..., K)
+    (Algorithm 1 line 3; d uniform over the plausible arms, rho = ``directed_share``)."""
     eps = exploration_rate(config, t + 1)
     target = exploitation
     if config.directed_share > 0:
         directed = _plausible_arms(objective, current, exploitation, thresholds, penalties, config.directed_z)
         target = (1.0 - config.directed_share) * exploitation + config.directed_share * directed
-    probabilities = (1.0 - eps) * target + eps / n_arms
+    return (1.0 - eps) * target + eps / exploitation.shape[-1]
 
+
+def _deploy_step(
+    config: AlgorithmConfig, state: ControllerState, exploitation: np.ndarray, t: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 7: add the served p_t to the running sums; returns them and the deployed mixture (..., K)."""
+    served = state.probabilities
     probability_sum = state.probability_sum + served
     if t == 1 or stage_of(config, t) != stage_of(config, t - 1):
         stage_probability_sum = served.copy()
     else:
         stage_probability_sum = state.stage_probability_sum + served
     deployed = _deployed(config.deploy, t, probability_sum, stage_probability_sum, exploitation)
-    return ControllerState(
-        round_index=t,
-        probabilities=probabilities,
-        deployed=deployed,
-        log_weights=log_weights,
-        probability_sum=probability_sum,
-        stage_probability_sum=stage_probability_sum,
-        gradient_square_sum=gradient_square_sum,
-        guardrail_weights=guardrail_weights,
-        history=history,
-        baseline=baseline,
-        discounted=discounted,
-    )
+    return probability_sum, stage_probability_sum, deployed

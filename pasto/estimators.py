@@ -23,6 +23,12 @@ the discounted number of rounds), so an update costs O(M K). A discount factor d
 down-weights old rounds (delta = 1: none): ``S <- delta S + U``, ``W <- delta W + 1``, estimate
 S / W. The pooled estimator is discounted the same way through :func:`discount_statistics`.
 
+Estimator objects
+    The controller uses each estimator through one small frozen dataclass (:class:`IpsEstimator`,
+    :class:`ControlVariateEstimator`, :class:`PooledEstimator`, chosen once by :func:`make_estimator`)
+    with the three operations an update needs: ``start`` (the :class:`Accumulators` before round 1),
+    ``absorb`` (take in one closed round) and ``estimate`` (the current :class:`Estimate`).
+
 Arms without data
     An arm with no observation of a metric gets the mean of that metric over the arms that have
     data (0 if no arm has any); its standard error is nan. Under ``ips`` no fallback is needed:
@@ -37,6 +43,7 @@ Standard errors
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -52,6 +59,13 @@ __all__ = [
     "history_estimate",
     "discount_statistics",
     "fill_missing",
+    "Accumulators",
+    "Estimator",
+    "IpsEstimator",
+    "ControlVariateEstimator",
+    "PooledEstimator",
+    "ESTIMATOR_NAMES",
+    "make_estimator",
 ]
 
 
@@ -333,3 +347,182 @@ def discount_statistics(
         discount * accumulated.sums + round_statistics.sums,
         discount * accumulated.sums_of_squares + round_statistics.sums_of_squares,
     )
+
+
+# ---------------------------------------------------------------------------- estimator objects
+@dataclass(frozen=True)
+class Accumulators:
+    """What an estimator carries from one round to the next (each field only where it is used).
+
+    Attributes
+    ----------
+    history : History or None
+        Running sums of the per-round estimates U_t (``ips``, ``control_variate``).
+    baseline : ndarray, shape (..., M, K), or None
+        Control-variate baseline B for the round being served (``control_variate``).
+    discounted : Statistics or None
+        Discounted pooled statistics (``pooled`` with discount < 1).
+    """
+
+    history: History | None = None
+    baseline: np.ndarray | None = None
+    discounted: Statistics | None = None
+
+
+class Estimator(Protocol):
+    """The operations the controller's update needs from an estimator (see module doc)."""
+
+    name: str
+    discount: float
+
+    def start(self, n_metrics: int, n_arms: int, batch_shape: tuple[int, ...] = ()) -> Accumulators:
+        """The accumulators before round 1, arrays with leading ``batch_shape``."""
+        ...
+
+    def absorb(
+        self,
+        accumulators: Accumulators,
+        round_statistics: Statistics,
+        pooled_statistics: Statistics,
+        propensities: np.ndarray,
+    ) -> Accumulators:
+        """The accumulators after one closed round (statistics (..., M, K), propensities (..., K))."""
+        ...
+
+    def estimate(self, accumulators: Accumulators, pooled_statistics: Statistics) -> Estimate:
+        """The current estimate of the M x K means."""
+        ...
+
+
+def _history_of(accumulators: Accumulators, name: str) -> History:
+    if accumulators.history is None:
+        raise ValueError(f"The state carries no history, which the {name!r} estimator needs.")
+    return accumulators.history
+
+
+def _observed_metrics(round_statistics: Statistics) -> np.ndarray:
+    """(..., M) whether each metric has an observation in the round (others are not a round)."""
+    return round_statistics.counts.sum(axis=-1) > 0
+
+
+@dataclass(frozen=True)
+class IpsEstimator:
+    """The paper's history average of inverse-propensity estimates, U_0 = 0 counted as a round.
+
+    Attributes
+    ----------
+    discount : float
+        delta in (0, 1] applied to the history each round.
+    """
+
+    discount: float = 1.0
+    name: ClassVar[str] = "ips"
+
+    def start(self, n_metrics: int, n_arms: int, batch_shape: tuple[int, ...] = ()) -> Accumulators:
+        # The paper's V_0 = U_0 = 0 enters the average as one round (Algorithm 1 line 5).
+        return Accumulators(history=empty_history(n_metrics, n_arms, batch_shape, prior_weight=1.0))
+
+    def absorb(
+        self,
+        accumulators: Accumulators,
+        round_statistics: Statistics,
+        pooled_statistics: Statistics,
+        propensities: np.ndarray,
+    ) -> Accumulators:
+        u = ips_round_estimate(round_statistics, propensities)
+        history = history_update(
+            _history_of(accumulators, self.name), u, _observed_metrics(round_statistics), self.discount
+        )
+        return Accumulators(history=history, baseline=accumulators.baseline, discounted=accumulators.discounted)
+
+    def estimate(self, accumulators: Accumulators, pooled_statistics: Statistics) -> Estimate:
+        return history_estimate(_history_of(accumulators, self.name))
+
+
+@dataclass(frozen=True)
+class ControlVariateEstimator:
+    """History average of control-variate estimates, the baseline being the previous pooled means.
+
+    Attributes
+    ----------
+    discount : float
+        delta in (0, 1] applied to the history each round.
+    """
+
+    discount: float = 1.0
+    name: ClassVar[str] = "control_variate"
+
+    def start(self, n_metrics: int, n_arms: int, batch_shape: tuple[int, ...] = ()) -> Accumulators:
+        return Accumulators(
+            history=empty_history(n_metrics, n_arms, batch_shape, prior_weight=0.0),
+            baseline=np.zeros(tuple(batch_shape) + (n_metrics, n_arms)),
+        )
+
+    def absorb(
+        self,
+        accumulators: Accumulators,
+        round_statistics: Statistics,
+        pooled_statistics: Statistics,
+        propensities: np.ndarray,
+    ) -> Accumulators:
+        u = control_variate_round_estimate(round_statistics, propensities, accumulators.baseline)
+        history = history_update(
+            _history_of(accumulators, self.name), u, _observed_metrics(round_statistics), self.discount
+        )
+        # The next round's baseline is fixed now, before it is sampled, which keeps U unbiased.
+        baseline = pooled_estimate(pooled_statistics).means
+        return Accumulators(history=history, baseline=baseline, discounted=accumulators.discounted)
+
+    def estimate(self, accumulators: Accumulators, pooled_statistics: Statistics) -> Estimate:
+        return history_estimate(_history_of(accumulators, self.name))
+
+
+@dataclass(frozen=True)
+class PooledEstimator:
+    """Per-arm sample means over every observation, or over discounted statistics when discount < 1.
+
+    Attributes
+    ----------
+    discount : float
+        delta in (0, 1]; below 1 the estimator keeps its own discounted statistics.
+    """
+
+    discount: float = 1.0
+    name: ClassVar[str] = "pooled"
+
+    def start(self, n_metrics: int, n_arms: int, batch_shape: tuple[int, ...] = ()) -> Accumulators:
+        if self.discount < 1.0:
+            return Accumulators(discounted=Statistics.zeros(n_metrics, n_arms, batch_shape))
+        return Accumulators()
+
+    def absorb(
+        self,
+        accumulators: Accumulators,
+        round_statistics: Statistics,
+        pooled_statistics: Statistics,
+        propensities: np.ndarray,
+    ) -> Accumulators:
+        if self.discount == 1.0:
+            return accumulators
+        discounted = discount_statistics(accumulators.discounted, round_statistics, self.discount)
+        return Accumulators(history=accumulators.history, baseline=accumulators.baseline, discounted=discounted)
+
+    def estimate(self, accumulators: Accumulators, pooled_statistics: Statistics) -> Estimate:
+        if self.discount == 1.0:
+            return pooled_estimate(pooled_statistics)
+        if accumulators.discounted is None:
+            raise ValueError("The state carries no discounted statistics, which a discount < 1 needs.")
+        return pooled_estimate(accumulators.discounted)
+
+
+_ESTIMATOR_TYPES = {"ips": IpsEstimator, "control_variate": ControlVariateEstimator, "pooled": PooledEstimator}
+ESTIMATOR_NAMES: tuple[str, ...] = ("ips", "pooled", "control_variate")
+
+
+def make_estimator(name: str, discount: float = 1.0) -> Estimator:
+    """The estimator object called ``name`` (one of :data:`ESTIMATOR_NAMES`) with discount delta."""
+    if name not in _ESTIMATOR_TYPES:
+        raise ValueError(f"Unknown estimator {name!r}; the estimators are {list(ESTIMATOR_NAMES)}.")
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"The discount must be in (0, 1], got {discount}.")
+    return _ESTIMATOR_TYPES[name](discount=float(discount))

@@ -1,8 +1,8 @@
 """Reports: round summaries, round history, diagnostics, the controller state behind ``/metrics``, health.
 
-Round summaries (stored at each update) and diagnostics (computed on request) evaluate the current
-estimate with ONE function, :func:`evaluate`: estimate -> objective of the served and deployed
-mixtures, best mixture, best single arm, guardrails.
+Round summaries (stored at each update) and diagnostics (computed on request) both come from ONE core
+function, ``pasto.report.round_report``: estimate -> objective of the served and deployed mixtures,
+best mixture, best single arm, regret, guardrails.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from pasto import optimum
-from pasto.algorithm import AlgorithmConfig, ControllerState, estimate
-from pasto.diagnostics import guardrail_report, sample_ratio_mismatch
-from pasto.estimators import Estimate, Statistics
+from pasto.algorithm import AlgorithmConfig, ControllerState
+from pasto.diagnostics import sample_ratio_mismatch
+from pasto.estimators import Statistics
 from pasto.objectives import Objective
+from pasto.report import RoundReport, round_report
 
 from .. import store
 from ..cache import Snapshot, get_cache
@@ -27,52 +27,18 @@ from ..models import utcnow
 from .experiments import algorithm_and_objective
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    """How mixtures do under the algorithm's current estimate (values may be nan or infinite)."""
-
-    estimate: Estimate
-    served: float  # f(V p) of the served mixture p
-    deployed: float  # f(V d) of the deployed mixture d
-    best_mixture: np.ndarray  # (K,)
-    best_value: float
-    best_arm: int
-    best_single_value: float
-    guardrails: list[dict[str, Any]]  # pasto.diagnostics.guardrail_report, JSON-safe
-
-
-def evaluate(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState, pooled: Statistics,
-             served: np.ndarray, deployed: np.ndarray, guardrails_under: np.ndarray) -> Evaluation:
-    """The one evaluation behind round summaries and diagnostics (a switch to ``pasto.report`` is made
-    here). ``served``, ``deployed``, ``guardrails_under``: (K,) mixtures; the guardrails are reported
-    under ``guardrails_under``."""
-    current = estimate(algorithm, state, pooled)
-    means = current.means
-    thresholds = objective.thresholds(means)
-    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
-    best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
-    return Evaluation(
-        estimate=current,
-        served=float(objective.mixture_value(means, served, thresholds)),
-        deployed=float(objective.mixture_value(means, deployed, thresholds)),
-        best_mixture=np.asarray(best_probabilities), best_value=float(best_value), best_arm=int(best_arm),
-        best_single_value=float(best_single_value),
-        guardrails=json_safe(guardrail_report(objective, current, guardrails_under)),
-    )
-
-
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
                   pooled: Statistics, propensities: np.ndarray) -> dict[str, Any]:
     """Estimated quality of a round's mixture, on the estimate available right after its update
-    (stored with the round)."""
-    result = evaluate(algorithm, objective, state, pooled, propensities, state.deployed, propensities)
+    (stored with the round): ``pasto.report.round_report`` with the propensities round t was served."""
+    report = round_report(algorithm, objective, state, pooled, served=propensities)
     return {
-        "objective": finite(result.served),
-        "objective_deployed": finite(result.deployed),
-        "best_mixture": finite(result.best_value),
-        "best_single": {"arm_index": result.best_arm, "value": finite(result.best_single_value)},
-        "regret": finite(max(0.0, result.best_value - result.served)),
-        "guardrails": result.guardrails,
+        "objective": finite(report.served.value),
+        "objective_deployed": finite(report.deployed.value),
+        "best_mixture": finite(report.best_mixture_value),
+        "best_single": {"arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
+        "regret": finite(report.served.regret),
+        "guardrails": json_safe(list(report.served.guardrails)),
     }
 
 
@@ -101,7 +67,7 @@ def json_safe(value: Any) -> Any:
 @dataclass(frozen=True)
 class Diagnostics:
     snapshot: Snapshot
-    evaluation: Evaluation
+    report: RoundReport  # served: the current round's p_t; deployed: the recommended mixture
     regret_per_round: list[float | None]
     units: np.ndarray  # (K,)
     late_observations: int
@@ -118,9 +84,8 @@ def diagnostics(name: str) -> Diagnostics:
         summaries = store.round_summaries(session, snapshot.id)
         units, late, srm = traffic_report(session, snapshot.id, n_arms)
     state = ControllerState.from_dict(snapshot.state)
-    evaluation = evaluate(algorithm, objective, state, pooled, snapshot.probabilities, snapshot.deployed,
-                          snapshot.deployed)
-    return Diagnostics(snapshot=snapshot, evaluation=evaluation,
+    report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
+    return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
                        units=units, late_observations=late, srm=srm)
 

@@ -6,6 +6,7 @@ from flask import Blueprint
 
 from ..auth import require_role
 from ..controller import reports
+from ..controller.reports import json_safe
 from ..responses import (BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, MixtureValues, Regret,
                          SampleRatioMismatch, respond)
 
@@ -15,24 +16,23 @@ bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 @bp.get("/<name>/diagnostics")
 @require_role("read")
 def diagnostics(name: str):
-    report = reports.diagnostics(name)
-    snapshot, evaluation = report.snapshot, report.evaluation
+    diagnostics = reports.diagnostics(name)
+    snapshot, report = diagnostics.snapshot, diagnostics.report
     metrics = snapshot.metrics
     return respond(Diagnostics(
         round=snapshot.round_index,
-        objective=MixtureValues(probabilities=evaluation.served, deployed=evaluation.deployed),
-        best_mixture=BestMixture(probabilities=evaluation.best_mixture.tolist(), value=evaluation.best_value),
-        best_single=BestSingle(arm=snapshot.arm_names[evaluation.best_arm], value=evaluation.best_single_value),
-        mixing_gain=evaluation.best_value - evaluation.best_single_value,
-        regret=Regret(cumulative=float(sum(value for value in report.regret_per_round if value is not None)),
-                      per_round=report.regret_per_round),
-        guardrails=[Guardrail(**item) for item in evaluation.guardrails],
-        srm=SampleRatioMismatch(**report.srm),
-        late_observations=report.late_observations,
-        units=report.units.astype(int).tolist(),
+        objective=MixtureValues(probabilities=report.served.value, deployed=report.deployed.value),
+        best_mixture=BestMixture(probabilities=report.best_mixture.tolist(), value=report.best_mixture_value),
+        best_single=BestSingle(arm=snapshot.arm_names[report.best_single_arm], value=report.best_single_value),
+        mixing_gain=report.mixing_gain,
+        regret=Regret(cumulative=float(sum(value for value in diagnostics.regret_per_round if value is not None)),
+                      per_round=diagnostics.regret_per_round),
+        guardrails=[Guardrail(**item) for item in json_safe(list(report.deployed.guardrails))],
+        srm=SampleRatioMismatch(**diagnostics.srm),
+        late_observations=diagnostics.late_observations,
+        units=diagnostics.units.astype(int).tolist(),
         estimate=EstimateView(
-            means={metric: evaluation.estimate.means[m].tolist() for m, metric in enumerate(metrics)},
-            standard_errors={metric: evaluation.estimate.standard_errors[m].tolist()
-                             for m, metric in enumerate(metrics)},
+            means={metric: report.estimate.means[m].tolist() for m, metric in enumerate(metrics)},
+            standard_errors={metric: report.estimate.standard_errors[m].tolist() for m, metric in enumerate(metrics)},
         ),
     ))

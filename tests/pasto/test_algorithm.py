@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pasto.algorithm import (
+    PRESETS,
     AlgorithmConfig,
     ControllerState,
     estimate,
@@ -107,10 +108,39 @@ def test_unknown_preset_and_bad_values():
         AlgorithmConfig.from_preset("default", solve_every=-1)
 
 
-@pytest.mark.parametrize("preset", ["paper", "default"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_config_dict_round_trip(preset):
     config = AlgorithmConfig.from_preset(preset)
+    assert AlgorithmConfig.from_dict(config.to_dict()) == config
     assert AlgorithmConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+
+
+def test_field_defaults_are_the_default_preset():
+    # One source of truth: the field defaults are the default preset, and what from_dict fills in
+    # for an option a stored configuration lacks is the default preset's value.
+    assert PRESETS["default"] == {}
+    assert AlgorithmConfig() == AlgorithmConfig.from_preset("default")
+    assert AlgorithmConfig.from_preset() == AlgorithmConfig()
+    assert AlgorithmConfig.from_dict({"estimator": "ips"}) == AlgorithmConfig.from_preset("default", estimator="ips")
+    assert AlgorithmConfig().to_dict() == {
+        "estimator": "pooled", "discount": 1.0, "step_schedule": "adagrad", "step_size": 1.0, "horizon": None,
+        "stage_length": 10, "exploration": "sqrt", "exploration_scale": 1.0, "exploration_floor": 0.05,
+        "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
+        "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
+    }
+
+
+def test_paper_preset_overrides_only_what_algorithm_1_changes():
+    # Every override differs from the default (no restated defaults), and the result is Algorithm 1
+    # with the paper's section 6 settings.
+    defaults = AlgorithmConfig().to_dict()
+    assert all(defaults[name] != value for name, value in PRESETS["paper"].items())
+    assert AlgorithmConfig.from_preset("paper").to_dict() == {
+        "estimator": "ips", "discount": 1.0, "step_schedule": "per_arm", "step_size": 0.1, "horizon": None,
+        "stage_length": 10, "exploration": "paper", "exploration_scale": 0.1, "exploration_floor": 0.0,
+        "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
+        "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
+    }
 
 
 @pytest.mark.parametrize(

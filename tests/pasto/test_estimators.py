@@ -6,6 +6,11 @@ import numpy as np
 import pytest
 
 from pasto.estimators import (
+    ESTIMATOR_NAMES,
+    Accumulators,
+    ControlVariateEstimator,
+    IpsEstimator,
+    PooledEstimator,
     Statistics,
     control_variate_round_estimate,
     discount_statistics,
@@ -13,6 +18,7 @@ from pasto.estimators import (
     history_estimate,
     history_update,
     ips_round_estimate,
+    make_estimator,
     pooled_estimate,
 )
 
@@ -135,3 +141,78 @@ def test_estimators_accept_batch_dimensions():
     np.testing.assert_allclose(
         pooled_estimate(batched).means.reshape(6, 2, 3), pooled_estimate(stats).means
     )
+
+
+# ---------------------------------------------------------------------------- estimator objects
+def _one_round(arms, values):
+    return Statistics.from_observations(np.asarray(arms), np.asarray(values, dtype=float), n_arms=3)
+
+
+def test_make_estimator_chooses_by_name_and_rejects_unknown_names_and_discounts():
+    assert ESTIMATOR_NAMES == ("ips", "pooled", "control_variate")
+    assert make_estimator("ips", 0.5) == IpsEstimator(discount=0.5)
+    assert make_estimator("pooled") == PooledEstimator(discount=1.0)
+    assert make_estimator("control_variate").name == "control_variate"
+    with pytest.raises(ValueError, match="the estimators are"):
+        make_estimator("magic")
+    with pytest.raises(ValueError, match="discount must be in"):
+        make_estimator("ips", 0.0)
+
+
+def test_ips_estimator_counts_u0_and_averages_round_estimates():
+    estimator = make_estimator("ips")
+    accumulators = estimator.start(2, 3)
+    np.testing.assert_array_equal(accumulators.history.weights, [1.0, 1.0])  # U_0 = 0 is one round
+    assert accumulators.baseline is None and accumulators.discounted is None
+    first = _one_round([0, 1], [[2.0, 1.0], [4.0, np.nan]])
+    p = np.array([0.5, 0.25, 0.25])
+    accumulators = estimator.absorb(accumulators, first, first, p)
+    # Metric 0: two observations, U_1 = [2 / (2 * 0.5), 4 / (2 * 0.25), 0]; V_1 = U_1 / 2.
+    # Metric 1: one observation, U_1 = [1 / (1 * 0.5), 0, 0]; V_1 = U_1 / 2.
+    result = estimator.estimate(accumulators, Statistics.zeros(2, 3))
+    np.testing.assert_allclose(result.means, [[1.0, 4.0, 0.0], [1.0, 0.0, 0.0]])
+    empty = Statistics.zeros(2, 3)
+    unchanged = estimator.absorb(accumulators, empty, first, p)  # a round without data is no round
+    np.testing.assert_array_equal(unchanged.history.weights, accumulators.history.weights)
+
+
+def test_control_variate_estimator_fixes_the_next_baseline_from_pooled_means():
+    estimator = make_estimator("control_variate")
+    accumulators = estimator.start(2, 3, (4,))
+    assert accumulators.history.weights.shape == (4, 2)
+    np.testing.assert_array_equal(accumulators.baseline, np.zeros((4, 2, 3)))
+    round_statistics = _one_round([0, 0, 2], [[1.0, 0.0], [3.0, 0.0], [5.0, 1.0]])
+    pooled = round_statistics + _one_round([1], [[7.0, 2.0]])
+    p = np.array([0.5, 0.25, 0.25])
+    accumulators = estimator.absorb(estimator.start(2, 3), round_statistics, pooled, p)
+    np.testing.assert_allclose(accumulators.baseline, pooled_estimate(pooled).means)
+    # With B = 0 the first U is the IPS estimate, and without U_0 it is the estimate itself.
+    np.testing.assert_allclose(
+        estimator.estimate(accumulators, pooled).means, ips_round_estimate(round_statistics, p)
+    )
+
+
+def test_pooled_estimator_uses_pooled_statistics_or_its_own_discounted_ones():
+    first = _one_round([0, 1], [[1.0, 0.0], [3.0, 0.0]])
+    second = _one_round([0, 1], [[3.0, 0.0], [3.0, 0.0]])
+    plain = make_estimator("pooled")
+    assert plain.start(2, 3) == Accumulators()
+    assert plain.absorb(Accumulators(), first, first, np.full(3, 1 / 3)) == Accumulators()
+    np.testing.assert_allclose(plain.estimate(Accumulators(), first + second).means[0], [2.0, 3.0, 2.5])
+    discounted = make_estimator("pooled", 0.5)
+    accumulators = discounted.start(2, 3)
+    for round_statistics in (first, second):
+        accumulators = discounted.absorb(accumulators, round_statistics, first + second, np.full(3, 1 / 3))
+    # Arm 0: (0.5 * 1 + 3) / (0.5 + 1) = 7/3; the pooled statistics are not used.
+    result = discounted.estimate(accumulators, Statistics.zeros(2, 3))
+    assert result.means[0, 0] == pytest.approx(7 / 3)
+
+
+@pytest.mark.parametrize(
+    "estimator, message",
+    [(IpsEstimator(), "no history"), (ControlVariateEstimator(), "no history"),
+     (PooledEstimator(discount=0.9), "no discounted statistics")],
+)
+def test_estimators_name_the_accumulator_they_miss(estimator, message):
+    with pytest.raises(ValueError, match=message):
+        estimator.estimate(Accumulators(), Statistics.zeros(2, 3))

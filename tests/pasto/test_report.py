@@ -1,0 +1,128 @@
+"""pasto.report.round_report against values worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from pasto.algorithm import AlgorithmConfig, initial_state, update
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+from pasto.report import round_report
+
+# f(x) = x_0 - 5 min(0, x_1)^2. With p = (q, 1 - q): x = (2q, 2 - 4q); for q > 1/2 the guardrail is
+# short by 4q - 2, f = 2q - 5 (4q - 2)^2, maximal at 4q - 2 = 0.05: p* = (0.5125, 0.4875), f = 1.0125.
+OBJECTIVE = Objective.from_spec(
+    ["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]}
+)
+MU = np.array([[2.0, 0.0], [-2.0, 2.0]])
+Z_95 = 1.959963984540054  # the 97.5% quantile of the standard normal
+
+
+def _exact_statistics(means: np.ndarray, count: int) -> Statistics:
+    """Statistics with sample means ``means`` and sample variance count / (count - 1) per cell."""
+    counts = np.full(means.shape, float(count))
+    return Statistics(counts, count * means, count * means**2 + counts)
+
+
+def test_report_of_served_and_deployed_mixtures_by_hand():
+    config = AlgorithmConfig.from_preset("default")
+    # 101 observations per cell: variance 101/100, standard error sqrt(1.01/101) = 0.1.
+    pooled = _exact_statistics(MU, 101)
+    state = dataclasses.replace(initial_state(config, 2, 2), deployed=np.array([0.6, 0.4]))
+    report = round_report(config, OBJECTIVE, state, pooled)
+
+    assert report.round_index == 0
+    np.testing.assert_allclose(report.estimate.means, MU)
+    np.testing.assert_allclose(report.estimate.standard_errors, np.full((2, 2), 0.1))
+    np.testing.assert_allclose(report.thresholds, [0.0])
+    np.testing.assert_allclose(report.best_mixture, [0.5125, 0.4875], atol=1e-6)
+    assert report.best_mixture_value == pytest.approx(1.0125, abs=1e-9)
+    # Single arms: arm 0 has f = 2 - 5 * 2^2 = -18, arm 1 has f = 0.
+    assert report.best_single_arm == 1
+    assert report.best_single_value == 0.0
+    assert report.mixing_gain == pytest.approx(1.0125, abs=1e-9)
+
+    # Served: the uniform p_1, x = (1, 0), no shortfall.
+    np.testing.assert_array_equal(report.served.probabilities, [0.5, 0.5])
+    assert report.served.value == pytest.approx(1.0)
+    assert report.served.regret == pytest.approx(0.0125, abs=1e-9)
+    (served_guardrail,) = report.served.guardrails
+    served_se = math.sqrt(0.25 * 0.01 + 0.25 * 0.01)
+    assert served_guardrail["metric"] == "y" and served_guardrail["threshold"] == 0.0
+    assert served_guardrail["estimate"] == pytest.approx(0.0)
+    assert served_guardrail["interval"] == pytest.approx([-Z_95 * served_se, Z_95 * served_se])
+    assert served_guardrail["holds"] and not served_guardrail["confidently_holds"]
+
+    # Deployed (0.6, 0.4): x = (1.2, -0.4), f = 1.2 - 5 * 0.16 = 0.4.
+    np.testing.assert_array_equal(report.deployed.probabilities, [0.6, 0.4])
+    assert report.deployed.value == pytest.approx(0.4)
+    assert report.deployed.regret == pytest.approx(0.6125, abs=1e-9)
+    (deployed_guardrail,) = report.deployed.guardrails
+    deployed_se = math.sqrt(0.36 * 0.01 + 0.16 * 0.01)
+    assert deployed_guardrail["estimate"] == pytest.approx(-0.4)
+    assert deployed_guardrail["interval"] == pytest.approx([-0.4 - Z_95 * deployed_se, -0.4 + Z_95 * deployed_se])
+    assert not deployed_guardrail["holds"] and not deployed_guardrail["confidently_holds"]
+
+
+def test_served_mixture_can_be_the_closed_rounds_propensities():
+    # A summary written after round t's update reports p_t, not the p_{t+1} the state now serves.
+    config = AlgorithmConfig.from_preset("default")
+    pooled = _exact_statistics(MU, 101)
+    state = initial_state(config, 2, 2)
+    report = round_report(config, OBJECTIVE, state, pooled, served=np.array([0.5125, 0.4875]))
+    assert report.served.value == pytest.approx(1.0125, abs=1e-9)
+    assert report.served.regret == pytest.approx(0.0, abs=1e-9)
+    assert report.deployed.value == pytest.approx(1.0)  # the uniform initial deployed mixture
+
+
+def test_report_uses_the_configured_estimator_not_the_pooled_means():
+    # Paper preset (IPS, U_0 = 0): one observation (1, 1) on arm 0 served with p = (0.5, 0.5)
+    # gives U_1[:, 0] = 1 / 0.5 = 2 and V_1 = (U_0 + U_1) / 2 = [[1, 0], [1, 0]]; pooled means would be
+    # [[1, 1], [1, 1]] (the unobserved arm takes the observed arm's mean).
+    config = AlgorithmConfig.from_preset("paper")
+    state = initial_state(config, 2, 2)
+    stats = Statistics.from_observations(np.array([0]), np.array([[1.0, 1.0]]), 2)
+    state = update(config, OBJECTIVE, state, stats, stats)
+    report = round_report(config, OBJECTIVE, state, stats)
+    assert report.round_index == 1
+    np.testing.assert_allclose(report.estimate.means, [[1.0, 0.0], [1.0, 0.0]])
+    # Arm 0: f = 1; arm 1: f = 0; the mixture (q, 1 - q) has x = (q, q) and f = q, so p* = arm 0.
+    assert report.best_single_arm == 0 and report.best_single_value == pytest.approx(1.0)
+    assert report.best_mixture_value == pytest.approx(1.0, abs=1e-9)
+    assert report.mixing_gain == pytest.approx(0.0, abs=1e-9)
+    # Served now: p_2; its value is its share of arm 0.
+    assert report.served.value == pytest.approx(state.probabilities[0])
+
+
+def test_relative_thresholds_are_resolved_on_the_estimate():
+    objective = Objective.from_spec(
+        ["x", "like"],
+        {"primary": "x", "guardrails": [
+            {"metric": "like", "threshold": -0.1, "penalty": 1.0, "relative_to": "control"}]},
+        arm_names=["control", "treatment"],
+    )
+    means = np.array([[1.0, 2.0], [0.5, 0.3]])
+    config = AlgorithmConfig.from_preset("default")
+    report = round_report(config, objective, initial_state(config, 2, 2), _exact_statistics(means, 10))
+    # c = 0.5 * (1 - 0.1) = 0.45; the uniform mixture's likes are 0.4.
+    np.testing.assert_allclose(report.thresholds, [0.45])
+    (guardrail,) = report.served.guardrails
+    assert guardrail["threshold"] == pytest.approx(0.45) and guardrail["relative_to"] == "control"
+    assert guardrail["estimate"] == pytest.approx(0.4) and not guardrail["holds"]
+
+
+def test_round_report_rejects_batches_and_mismatched_inputs():
+    config = AlgorithmConfig.from_preset("default")
+    pooled = _exact_statistics(MU, 5)
+    with pytest.raises(ValueError, match="batch dimensions"):
+        round_report(config, OBJECTIVE, initial_state(config, 2, 2, (3,)), Statistics.zeros(2, 2, (3,)))
+    with pytest.raises(ValueError, match="pooled statistics must have shape"):
+        round_report(config, OBJECTIVE, initial_state(config, 2, 2), Statistics.zeros(2, 3))
+    with pytest.raises(ValueError, match="served mixture must have shape"):
+        round_report(config, OBJECTIVE, initial_state(config, 2, 2), pooled, served=np.ones(3) / 3)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        round_report(config, OBJECTIVE, initial_state(config, 2, 2), pooled, served=np.array([1.5, -0.5]))
