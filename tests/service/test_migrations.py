@@ -168,12 +168,16 @@ def test_healthz_reports_an_unmigrated_database(sqlite_url):
     assert body["schema"] == {"current": None, "head": migrations.head_revision()}
 
 
+#: The revision that drops the algorithm's preset key, and the one before it.
+WITHOUT_PRESET, BEFORE_WITHOUT_PRESET = "0005", "0004"
+
+
 @pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def test_0005_stores_the_resolved_algorithm_without_its_preset(backend, request):
-    """Rows written before 0005 kept the preset beside the resolved fields; after it they hold exactly
+def test_the_stored_algorithm_loses_its_preset_key(backend, request):
+    """Rows written before the revision kept the preset beside the resolved fields; after it they hold exactly
     the configuration the experiment runs, and the downgrade leaves them readable as they are."""
     url = request.getfixturevalue(f"{backend}_url")
-    migrations.upgrade(url, "0004")
+    migrations.upgrade(url, BEFORE_WITHOUT_PRESET)
     resolved = {"estimator": "pooled", "solve_every": 1}
     engine = sa.create_engine(url)
     try:
@@ -185,7 +189,7 @@ def test_0005_stores_the_resolved_algorithm_without_its_preset(backend, request)
                     ":now, :now)"),
                     {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
                      "now": "2026-01-01 00:00:00"})
-        migrations.upgrade(url)
+        migrations.upgrade(url, WITHOUT_PRESET)
 
         def algorithms():
             with engine.connect() as connection:
@@ -193,7 +197,7 @@ def test_0005_stores_the_resolved_algorithm_without_its_preset(backend, request)
                         connection.execute(sa.text("SELECT name, config FROM experiments"))}
 
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
-        migrations.downgrade(url, "0004")
+        migrations.downgrade(url, BEFORE_WITHOUT_PRESET)
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
     finally:
         engine.dispose()
