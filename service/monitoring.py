@@ -1,4 +1,5 @@
-"""Prometheus metrics, served by ``GET /metrics`` (``service.routes.monitoring``; no token, like ``/healthz``).
+"""Prometheus metrics, served by ``GET /metrics`` (``service.routes.monitoring``: a token with the
+``metrics`` role or higher, or none when ``PASTO_METRICS_ANONYMOUS`` is on).
 
 Two kinds of series, each from the source that knows it:
 
@@ -31,7 +32,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
 from .controller import reports
-from .db import get_db
+from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
 
 # Event metrics of this process. A registry of their own rather than the global default, so that
@@ -254,6 +255,30 @@ def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:
     return max([0.0] + [(now - moment).total_seconds() for moment in due])
 
 
+class DatabaseGuardedCollector:
+    """A Prometheus collector around ``inner`` (one that reads the database at scrape time) that adds
+    ``pasto_database_up``: 1 when the database answered, 0 when it is unavailable, in which case the
+    scrape still succeeds with the other series (event counters, this gauge) instead of failing."""
+
+    def __init__(self, inner, database: Database) -> None:
+        self.inner = inner
+        self.database = database
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            collected = list(self.inner.collect())
+        except Exception as error:
+            if not is_unavailable_error(error):
+                raise
+            self.database.status.failed(error)
+            collected = []
+        yield from collected
+        up = GaugeMetricFamily("pasto_database_up",
+                               "1 when this process last found the database usable, 0 during an outage.")
+        up.add_metric([], 1.0 if self.database.status.up else 0.0)
+        yield up
+
+
 def scrape_registry(app: Flask) -> CollectorRegistry:
     """The registry one scrape reads: event metrics (of this process, or of all processes in
     multiprocess mode) and the controller state."""
@@ -262,7 +287,8 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
         MultiProcessCollector(registry)
     else:
         registry.register(PROCESS_REGISTRY)
-    registry.register(ControllerCollector(app))
+    # Adds pasto_database_up; an outage does not fail the scrape.
+    registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     return registry
 
 

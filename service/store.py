@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from pasto.estimators import Statistics
@@ -51,15 +50,6 @@ class ExperimentExists(Exception):
 
 
 # ------------------------------------------------------------------------------ bulk statements
-def dialect_insert(database: Database, table):
-    """``INSERT`` with ``on_conflict_do_*`` for the database's dialect (SQLite or PostgreSQL)."""
-    if database.dialect == "postgresql":
-        return postgresql.insert(table)
-    if database.dialect == "sqlite":
-        return sqlite.insert(table)
-    raise RuntimeError(f"Unsupported database dialect {database.dialect!r}: use SQLite or PostgreSQL.")
-
-
 def insert_new(connection: sa.Connection, table: sa.Table, columns: tuple[str, ...], rows: list[tuple],
                returning: tuple[str, ...], expect_new: bool = False) -> list[tuple]:
     """``INSERT ... ON CONFLICT (primary key) DO NOTHING RETURNING ...`` of many rows; returns the
@@ -210,11 +200,6 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
 
 def experiment_names(session: Session) -> list[str]:
     return list(session.execute(sa.select(Experiment.name).order_by(Experiment.id)).scalars())
-
-
-def experiment_exists(database: Database, name: str) -> bool:
-    with database.read() as session:
-        return session.execute(sa.select(Experiment.id).where(Experiment.name == name)).first() is not None
 
 
 def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
@@ -454,7 +439,7 @@ def fold_statistics(database: Database, session: Session, experiment_id: int, ro
         .group_by(cells.c.metric_index, cells.c.arm_index)
         .order_by(cells.c.metric_index, cells.c.arm_index)  # one lock order
     )
-    upsert = dialect_insert(database, pooled).from_select(
+    upsert = database.insert(pooled).from_select(
         ["experiment_id", "metric_index", "arm_index", "count", "sum", "sum_of_squares"], additions)
     upsert = upsert.on_conflict_do_update(
         index_elements=[pooled.c.experiment_id, pooled.c.metric_index, pooled.c.arm_index],
@@ -600,7 +585,7 @@ def monitoring_rows(session: Session) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------ scheduler
 def write_heartbeat(database: Database, name: str, now: datetime) -> None:
-    insert = dialect_insert(database, SchedulerHeartbeat)
+    insert = database.insert(SchedulerHeartbeat)
     with database.write() as session:
         session.execute(
             insert.values(scheduler=name, beat_at=now)

@@ -3,7 +3,7 @@
 What an experiment stores is exactly what it runs: ``config["algorithm"]`` is the complete resolved
 ``AlgorithmConfig.to_dict()`` (the preset the request named is resolved at creation and not stored).
 Rows written before that stored a ``preset`` key beside the resolved fields;
-migration 0005 removes it, and :func:`algorithm_and_objective` still ignores it if it is there.
+migration 0006 removes it, and :func:`algorithm_and_objective` still ignores it if it is there.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def build_algorithm(spec: dict[str, Any]) -> AlgorithmConfig:
 
 def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any]) -> tuple[AlgorithmConfig, Objective]:
     """The experiment's algorithm configuration and objective, rebuilt from its stored config."""
-    # "preset": only in rows written before migration 0005 (which removes it).
+    # "preset": only in rows written before migration 0006 (which removes it).
     algorithm = AlgorithmConfig.from_dict({k: v for k, v in config["algorithm"].items() if k != "preset"})
     arm_names = None
     if any(guardrail.get("relative_to") for guardrail in config["objective"].get("guardrails", [])):

@@ -7,12 +7,16 @@ best mixture, best single arm, regret, guardrails.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
+from flask import current_app
 
 from pasto.algorithm import AlgorithmConfig, ControllerState
 from pasto.diagnostics import sample_ratio_mismatch
@@ -22,7 +26,7 @@ from pasto.report import RoundReport, round_report
 
 from .. import store
 from ..cache import Snapshot, get_cache
-from ..db import Database, get_db
+from ..db import Database, get_db, is_unavailable_error
 from ..models import utcnow
 from .experiments import algorithm_and_objective
 
@@ -170,30 +174,65 @@ def last_heartbeat(database: Database) -> datetime | None:
         return store.last_heartbeat(session)
 
 
-def experiment_exists(name: str) -> bool:
-    return store.experiment_exists(get_db(), name)
-
-
 @dataclass(frozen=True)
 class HealthReport:
     reachable: bool
-    error: str | None  # the database error's class name when unreachable
+    error: str | None  # why the database is unreachable: an error class name, or the deadline missed
     current: str | None  # schema revision
     head: str
     alive: bool
     last_heartbeat: datetime | None
 
 
-def health(alive_within) -> HealthReport:
-    """Database reachable, schema at the newest migration, a scheduler heartbeat within ``alive_within``."""
+def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None]:
+    """(schema revision, newest scheduler heartbeat or None)."""
+    import migrations
+
+    current = migrations.current_revision(database.engine)
+    return current, last_heartbeat(database) if current == head else None
+
+
+class _HealthCheck:
+    """At most one database check of the application in flight; callers share it."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pasto-healthz")
+        self._lock = threading.Lock()
+        self._running: Future | None = None
+
+    def check(self, database: Database, head: str, timeout: float):
+        with self._lock:
+            if self._running is None or self._running.done():
+                self._running = self._executor.submit(_read_health, database, head)
+            running = self._running
+        return running.result(timeout=timeout)
+
+
+_checks_lock = threading.Lock()
+
+
+def health(alive_within: timedelta, timeout: float) -> HealthReport:
+    """Database reachable, schema at the newest migration, a scheduler heartbeat within ``alive_within``.
+
+    Answers within ``timeout`` seconds whatever the database does: the check runs in a thread of its
+    own and, when it takes longer (a stalled server, a connect attempt waiting for its own timeout),
+    the report says unreachable at once while the check finishes in the background. Later calls wait
+    for that same check rather than start another, so a stalled database never piles up checks.
+    """
     import migrations
 
     head = migrations.head_revision()
     database = get_db()
+    with _checks_lock:
+        checks = current_app.extensions.setdefault("pasto.healthz", _HealthCheck())
     try:
-        current = migrations.current_revision(database.engine)
-        beat = last_heartbeat(database) if current == head else None
+        current, beat = checks.check(database, head, timeout)
+    except FutureTimeout:
+        return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
+                            current=None, head=head, alive=False, last_heartbeat=None)
     except sa.exc.SQLAlchemyError as error:
+        if is_unavailable_error(error):
+            database.status.failed(error)
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
                             last_heartbeat=None)
     alive = beat is not None and utcnow() - beat <= alive_within

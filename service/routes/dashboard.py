@@ -10,7 +10,6 @@ from __future__ import annotations
 from flask import Blueprint, current_app, render_template, url_for
 
 from ..auth import anonymous_read_allowed
-from ..controller import reports
 
 bp = Blueprint("dashboard", __name__)
 
@@ -30,7 +29,8 @@ def index() -> str:
 
 
 @bp.get("/experiments/<name>")
-def experiment(name: str) -> tuple[str, int]:
-    # The page for an unknown name still renders (it shows the API's message), with the right status.
-    exists = reports.experiment_exists(name)
-    return render_template("dashboard/experiment.html", name=name, page_config=_page_config()), 200 if exists else 404
+def experiment(name: str) -> str:
+    # The same page for every name, without looking it up: the page needs no token, so its status
+    # must not tell who may not read the API which experiments exist. The page reads the experiment
+    # through the API with the viewer's token and shows the API's message when there is none.
+    return render_template("dashboard/experiment.html", name=name, page_config=_page_config())

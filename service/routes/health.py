@@ -20,12 +20,16 @@ def scheduler_alive_within(interval: float) -> timedelta:
 
 @bp.get("/healthz")
 def healthz():
-    health = reports.health(scheduler_alive_within(current_app.config["PASTO_SCHEDULER_INTERVAL"]))
+    """Within ``PASTO_HEALTHZ_TIMEOUT`` whatever the database does (``controller.reports.health``)."""
+    health = reports.health(scheduler_alive_within(current_app.config["PASTO_SCHEDULER_INTERVAL"]),
+                            current_app.config["PASTO_HEALTHZ_TIMEOUT"])
     if not health.reachable:
-        return respond(Health(
+        response = respond(Health(
             status="unavailable", database=HealthDatabase(reachable=False, error=health.error),
             scheduler=HealthScheduler(alive=False, last_heartbeat=None),
             schema=HealthSchema(current=None, head=health.head)), 503)
+        response.headers["Retry-After"] = str(current_app.config["PASTO_DATABASE_RETRY_AFTER"])
+        return response
     schema_ok = health.current == health.head
     return respond(Health(
         status="ok" if schema_ok else "unavailable",

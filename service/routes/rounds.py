@@ -7,6 +7,7 @@ from flask import Blueprint, request
 from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
+from ..params import query_integer  # digits and bounds checked before int()
 from ..responses import BestSingle, RoundClosed, RoundList, RoundView, respond
 from ..schemas import json_body
 from .experiments import iso, round_times
@@ -38,24 +39,12 @@ def close_current_round(name: str):
                                deployed=fresh.deployed.tolist()))
 
 
-def _query_integer(name: str, default: int | None, minimum: int, maximum: int | None = None) -> int | None:
-    text = request.args.get(name)
-    if text is None:
-        return default
-    # ASCII only: str.isdigit() is also true for "²", which int() refuses.
-    if not (text.isascii() and text.isdigit()) or int(text) < minimum:
-        raise invalid(name, f"Must be an integer >= {minimum}, got {text!r}.")
-    if maximum is not None and int(text) > maximum:
-        raise invalid(name, f"Must be an integer <= {maximum}, got {text!r}.")
-    return int(text)
-
-
 @bp.get("/<name>/rounds")
 @require_role("read")
 def list_rounds(name: str):
     """Every round oldest first; ``?since=<index>`` and ``?limit=<n>`` page through long histories."""
-    since = _query_integer("since", 0, 0, MAX_ROUND_INDEX)
-    limit = _query_integer("limit", None, 1)
+    since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
+    limit = query_integer("limit", None, 1)
     history = reports.round_history(name, since, limit)
     snapshot = history.snapshot
     entries = []

@@ -5,11 +5,11 @@ Experiments created before this revision stored the preset the request named bes
 ``AlgorithmConfig`` fields, and the round update stripped it again before use; the service now stores
 the resolved configuration only (``service.controller.experiments``). The upgrade removes the key
 from existing rows, so every row reads the same way. The downgrade changes nothing: the code of
-revision 0004 reads rows without the key (it never used it), and which preset a row was created with
+revision 0005 reads rows without the key (it never used it), and which preset a row was created with
 cannot be recovered once the key is gone.
 
-Revision ID: 0005
-Revises: 0004
+Revision ID: 0006
+Revises: 0005
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0005'
-down_revision = '0004'
+revision = '0006'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 
