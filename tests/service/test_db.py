@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from service.db import make_engine
+
 
 def test_database_status_logs_an_outage_once_and_a_flapping_database_at_most_once_a_minute(caplog, monkeypatch):
     import logging
