@@ -6,7 +6,12 @@ Measures single-threaded assignments per second, in one process and one run:
 - ``pasto assign``: ``LocalAssigner.assign(unit)`` (hash + bisection + a prebuilt Assignment);
 - ``pasto assign_many``: ``LocalAssigner.assign_many(units)`` in batches (numpy hashing);
 - ``growthbook hash+choose``: the GrowthBook Python SDK's own ``gbhash`` + ``chooseVariation``;
-- ``growthbook run()``: its full ``GrowthBook.run(Experiment)`` after ``set_attributes``.
+- ``growthbook run()``: its full ``GrowthBook.run(Experiment)`` after ``set_attributes``;
+- ``pasto assign + JSON-lines sink`` / ``+ Parquet sink``: ``LocalAssigner.assign`` with an exposure
+  sink attached (issue 16: target at least half the rate without). Each pass makes a fresh assigner
+  and file and is timed up to ``exposures.flush()``, so the writer thread's work for the pass (it
+  shares the interpreter lock) is inside the timing; every pass checks that all its exposures were
+  written and none dropped.
 
 Every row assigns the same units to K arms with the same non-uniform mixture; each figure is the
 best of ``--repeats`` passes over ``--units`` distinct units (best-of filters out the other
@@ -14,7 +19,8 @@ processes sharing the machine). Two unit shapes are measured: ``user-<n>`` ids (
 uuid4 strings (36 bytes): the hash is a byte loop, so throughput depends on the unit's length.
 
 Run: ``python bench/client.py`` (``--write-docs`` replaces the "## Client" section of
-docs/benchmarks.md). Needs the ``bench`` extra for the GrowthBook rows (``pip install -e '.[bench]'``).
+docs/benchmarks.md). Needs the ``bench`` extra for the GrowthBook rows (``pip install -e '.[bench]'``)
+and the ``parquet`` extra for the Parquet row.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 import uuid
 from datetime import datetime, timezone
@@ -31,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pasto_client import LocalAssigner
+from pasto_client import JsonLinesSink, LocalAssigner, ParquetSink
 from pasto.hashing import PrefixHasher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +61,35 @@ def make_experiment(n_arms: int) -> dict:
                  for k in range(n_arms)],
         "probabilities": probabilities,
         "deployed": probabilities,
+        "updated_at": "2026-01-01T00:00:00.000000+00:00",
     }
+
+
+ASSIGN = "pasto LocalAssigner.assign"
+SINK_ROWS = {
+    "pasto LocalAssigner.assign + JSON-lines sink": ("exposures.jsonl", JsonLinesSink),
+    "pasto LocalAssigner.assign + Parquet sink": ("exposures.parquet", ParquetSink),
+}
+
+
+def logged_pass(experiment: dict, units: list[str], file_name: str, make_sink) -> float:
+    """Seconds to assign ``units`` one call at a time with an exposure sink writing to a fresh file,
+    up to the moment the sink has taken every exposure (``flush``)."""
+    with tempfile.TemporaryDirectory() as directory:
+        assigner = LocalAssigner(None, EXPERIMENT, experiment=experiment,
+                                 exposure_sink=make_sink(os.path.join(directory, file_name)))
+        assign = assigner.assign
+        start = time.perf_counter()
+        for unit in units:
+            assign(unit)
+        assigner.exposures.flush()
+        seconds = time.perf_counter() - start
+        assigner.close()
+        log = assigner.exposures
+        if (log.written, log.dropped, log.failed) != (len(units), 0, 0):
+            raise RuntimeError(f"The {file_name} sink wrote {log.written} of {len(units)} exposures "
+                               f"({log.dropped} dropped, {log.failed} failed).")
+    return seconds
 
 
 def timed_pass(function, units, batch_size: int | None) -> float:
@@ -82,7 +117,7 @@ def measure(units: list[str], n_arms: int, batch_size: int, repeats: int) -> dic
     hasher = PrefixHasher(SEED, ROUND_INDEX)
     rows: dict[str, tuple] = {
         "hash only (PrefixHasher)": (hasher, None),
-        "pasto LocalAssigner.assign": (assigner.assign, None),
+        ASSIGN: (assigner.assign, None),
         f"pasto LocalAssigner.assign_many (batches of {batch_size})": (
             assigner.assign_many, batch_size
         ),
@@ -114,10 +149,21 @@ def measure(units: list[str], n_arms: int, batch_size: int, repeats: int) -> dic
             growthbook_hash_and_choose, None
         )
         rows["growthbook GrowthBook.run()"] = (growthbook_run, None)
-    best = {name: float("inf") for name in rows}
+    passes = {name: (lambda f=function, s=size: timed_pass(f, units, s))
+              for name, (function, size) in rows.items()}
+    for name, (file_name, make_sink) in SINK_ROWS.items():
+        try:
+            make_sink(os.path.join(tempfile.gettempdir(), "pasto-bench-probe")).close()
+        except ImportError as error:
+            print(f"{error} Skipping the row {name!r}.", file=sys.stderr)
+            continue
+        finally:
+            Path(tempfile.gettempdir(), "pasto-bench-probe").unlink(missing_ok=True)
+        passes[name] = lambda f=file_name, m=make_sink: logged_pass(experiment, units, f, m)
+    best = {name: float("inf") for name in passes}
     for _ in range(repeats):
-        for name, (function, size) in rows.items():
-            best[name] = min(best[name], timed_pass(function, units, size))
+        for name, one_pass in passes.items():
+            best[name] = min(best[name], one_pass())
     if growthbook is not None:
         growthbook.destroy()
     return {name: len(units) / seconds for name, seconds in best.items()}
@@ -149,7 +195,7 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
     for row in rows:
         cells = [f"{table[shape][row]:,.0f}" if row in table[shape] else "n/a" for shape in shapes]
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    first = table[shapes[0]]["pasto LocalAssigner.assign"]
+    first = table[shapes[0]][ASSIGN]
     lines += [
         "",
         f"Target: at least 300,000 assignments per second per call ({shapes[0]}): "
@@ -160,7 +206,7 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
     ]
     for shape in shapes:
         r = table[shape]
-        ours = r["pasto LocalAssigner.assign"]
+        ours = r[ASSIGN]
         parts = [f"assign / hash only = {ours / r['hash only (PrefixHasher)']:.2f}"]
         gb_hash = r.get("growthbook hash+choose (gbhash v1 + chooseVariation)")
         gb_run = r.get("growthbook GrowthBook.run()")
@@ -173,13 +219,30 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
         lines.append(f"- {shape}: " + "; ".join(parts) + ".")
     lines += [
         "",
+        "Exposure sink overhead (issue 16): `LocalAssigner.assign` with an exposure sink attached "
+        "against without, same run; target: ratio >= 0.5.",
+        "",
+        "| sink | " + " | ".join(shapes) + " | target met |",
+        "|---|" + "---:|" * len(shapes) + "---|",
+    ]
+    for row in SINK_ROWS:
+        ratios = [table[shape][row] / table[shape][ASSIGN] if row in table[shape] else None
+                  for shape in shapes]
+        cells = [f"{ratio:.2f}" if ratio is not None else "n/a" for ratio in ratios]
+        met = all(ratio is not None and ratio >= 0.5 for ratio in ratios)
+        lines.append(f"| {row.split(' + ')[1]} | " + " | ".join(cells) + f" | {'yes' if met else '**no**'} |")
+    lines += [
+        "",
         "Reading: a per-call assignment is the hash of the unit's bytes (a Python loop, FNV-1a with "
         "the `seed:round:` prefix hashed once per round) plus a bisection over the cumulative "
         "mixture and the return of an `Assignment` prebuilt per arm for the round, so it costs "
         "little more than the hash alone and scales with the unit's length. GrowthBook's "
         "hash-and-choose hashes `unit + seed` on every call and scans the bucket ranges linearly; "
         "its `run()` adds attribute handling, conditions and tracking. The batch path hashes all "
-        "units column by column in numpy.",
+        "units column by column in numpy. With an exposure sink, `assign` also appends "
+        "`(unit, arm context, time)` to the exposure log's queue (no lock, no I/O); the log's "
+        "thread builds the records column by column and writes them, sharing the interpreter "
+        "lock, which is why that thread's work is timed with the pass.",
         "",
     ]
     return "\n".join(lines)

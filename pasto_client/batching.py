@@ -3,8 +3,10 @@ exposure log share.
 
 :class:`BatchQueue` owns the queue, the thread and the flush/close protocol; its owner decides what
 sending a batch means (an HTTP call with retries, a write to a file) and what to do when the queue is
-full or closed. The producer side holds the queue's lock only to append; the batch is taken off the
-queue under the lock and sent after releasing it, so a slow send never blocks a producer.
+full or closed. Producers take no lock: :meth:`put` is a length check and a ``deque.append``
+(atomic in CPython), so the exposure log can sit on the assignment path; the sending thread takes
+batches off the queue under its own lock and sends them after releasing it, so a slow send never
+blocks a producer.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 _monotonic = time.monotonic
+_NEVER = float("inf")
 
 
 class BatchQueue:
@@ -63,15 +66,23 @@ class BatchQueue:
         self.flush_interval = float(flush_interval)
         self.max_queue = max_queue
         self._send = send
-        self._condition = threading.Condition()
+        # Producers only append to _queue and read the ints below; the sending thread pops from
+        # _queue and updates the counters while holding _condition, so that flush() can read a
+        # consistent "everything added so far" (taken + still queued).
+        self._condition = threading.Condition(threading.Lock())
         self._queue: collections.deque[Any] = collections.deque()
-        self._oldest_at = 0.0        # monotonic time the oldest queued item was added
-        self._in_flight: list[Any] = []  # the batch being sent
-        self._added = 0              # items ever queued
+        self._in_flight = 0          # size of the batch being sent
+        # What put() compares len(queue) with, kept up to date by the sending thread and close() so
+        # that the producer's check is one comparison each: max_queue - _in_flight (0 once
+        # closing), and the length at which to wake the thread (max_batch; _NEVER once woken).
+        self._room = max_queue
+        self._wake_at = max_batch
+        self._taken = 0              # items ever taken off the queue
         self._settled = 0            # items whose send returned
         self._flush_requested = False
         self._closing = False
         self._closed = False
+        self._unsent: list[Any] = []  # the batch being sent, kept for close() to report on timeout
         #: Set by :meth:`close` when it gives up waiting: a ``send`` that retries should stop.
         self.give_up = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
@@ -81,43 +92,38 @@ class BatchQueue:
 
     def put(self, item: Any) -> bool:
         """Queue ``item``; False (nothing queued) if ``max_queue`` items are pending or the queue is
-        closing (:attr:`closing` tells which)."""
-        with self._condition:
-            queue = self._queue
-            if self._closing or len(queue) + len(self._in_flight) >= self.max_queue:
-                return False
-            queue.append(item)
-            self._added += 1
-            if len(queue) == 1:
-                self._oldest_at = _monotonic()
-                self._condition.notify_all()
-            elif len(queue) == self.max_batch:
-                self._condition.notify_all()
+        closing (:attr:`closing` tells which). Takes no lock: with several producer threads the bound
+        may be overshot by one item per thread."""
+        queue = self._queue
+        if len(queue) >= self._room:
+            return False
+        queue.append(item)
+        if len(queue) >= self._wake_at:
+            self._wake_for_batch()
         return True
 
     def put_many(self, items: Sequence[Any]) -> int:
         """Queue as many of ``items`` as fit, in order, and return how many were queued (0 when the
         queue is closing)."""
-        with self._condition:
-            queue = self._queue
-            room = 0 if self._closing else self.max_queue - len(queue) - len(self._in_flight)
-            if room <= 0 or not items:
-                return 0
-            taken = items if len(items) <= room else items[:room]
-            before = len(queue)
-            queue.extend(taken)
-            self._added += len(taken)
-            if before == 0:
-                self._oldest_at = _monotonic()
-            if before == 0 or before < self.max_batch <= len(queue):
-                self._condition.notify_all()
+        queue = self._queue
+        room = self._room - len(queue)
+        if room <= 0 or not items:
+            return 0
+        taken = items if len(items) <= room else items[:room]
+        queue.extend(taken)
+        if len(queue) >= self._wake_at:
+            self._wake_for_batch()
         return len(taken)
+
+    def _wake_for_batch(self) -> None:
+        self._wake_at = _NEVER  # once per batch: the other producers skip the lock
+        with self._condition:
+            self._condition.notify_all()
 
     @property
     def pending(self) -> int:
         """Items queued or being sent."""
-        with self._condition:
-            return len(self._queue) + len(self._in_flight)
+        return len(self._queue) + self._in_flight
 
     @property
     def closing(self) -> bool:
@@ -133,7 +139,7 @@ class BatchQueue:
         """Send everything queued so far and wait until it is settled; return how many of those
         items are still unsettled when ``timeout`` seconds have passed (0: all settled)."""
         with self._condition:
-            target = self._added
+            target = self._taken + len(self._queue)
             self._flush_requested = True
             self._condition.notify_all()
             self._condition.wait_for(lambda: self._settled >= target, timeout=timeout)
@@ -147,14 +153,18 @@ class BatchQueue:
             if self._closed:
                 return []
             self._closing = True
+            self._room = 0
             self._condition.notify_all()
         self._thread.join(timeout)
         with self._condition:
             self._closed = True
-            if not self._thread.is_alive():
-                return []
-            self.give_up.set()
-            unsent = self._in_flight + list(self._queue)
+            if self._thread.is_alive():
+                self.give_up.set()
+                unsent = self._unsent + list(self._queue)
+            else:
+                # Only an item appended by a producer that checked _closing just before close() set
+                # it can be left here; it is reported, not lost silently.
+                unsent = list(self._queue)
             self._queue.clear()
             return unsent
 
@@ -162,29 +172,46 @@ class BatchQueue:
 
     def _run(self) -> None:
         condition = self._condition
+        queue = self._queue
+        # Producers do not signal the first item of a batch (that would cost them the lock on every
+        # call): the thread wakes every flush_interval and sends what has been queued, so an item
+        # waits at most about flush_interval; a full batch, flush() and close() wake it at once.
+        next_send = _monotonic() + self.flush_interval
         while True:
             with condition:
                 while True:
-                    if not self._queue:
+                    if len(queue) >= self.max_batch:
+                        break
+                    if self._flush_requested or self._closing:
+                        if queue:
+                            break
+                        self._flush_requested = False
                         if self._closing:
                             return
-                        self._flush_requested = False
-                        condition.wait()
-                        continue
-                    if len(self._queue) >= self.max_batch or self._flush_requested or self._closing:
-                        break
-                    remaining = self._oldest_at + self.flush_interval - _monotonic()
+                    remaining = next_send - _monotonic()
                     if remaining <= 0:
-                        break
+                        next_send = _monotonic() + self.flush_interval
+                        if queue:
+                            break
+                        continue
                     condition.wait(remaining)
-                size = min(self.max_batch, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(size)]
-                self._in_flight = batch
+                size = min(self.max_batch, len(queue))
+                # _in_flight first: a producer then over-counts the pending items for a moment,
+                # never under-counts them.
+                self._in_flight = size
+                self._room = 0 if self._closing else self.max_queue - size
+                batch = [queue.popleft() for _ in range(size)]
+                self._taken += size
+                self._unsent = batch
+                self._wake_at = self.max_batch
             try:
                 self._send(batch)
             except Exception:  # a bug in send must not kill the thread and strand the queue
                 logger.exception("Sending a batch of %d items failed unexpectedly.", len(batch))
             with condition:
-                self._in_flight = []
-                self._settled += len(batch)
+                self._in_flight = 0
+                if not self._closing:
+                    self._room = self.max_queue
+                self._unsent = []
+                self._settled += size
                 condition.notify_all()
