@@ -26,8 +26,8 @@ _NEVER = float("inf")
 class BatchQueue:
     """Items queued by producers, handed to ``send`` in batches from one background thread.
 
-    A batch is sent when ``max_batch`` items are queued, when the oldest queued item has waited
-    ``flush_interval`` seconds, or on :meth:`flush` / :meth:`close`. At most ``max_queue`` items are
+    A batch is sent when ``max_batch`` items are queued, every ``flush_interval`` seconds (so an item
+    waits at most about that long), and on :meth:`flush` / :meth:`close`. At most ``max_queue`` items are
     pending (queued or in the batch being sent): :meth:`put` refuses more and the owner applies its
     policy (raise, call back, drop and count).
 
