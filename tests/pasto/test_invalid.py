@@ -119,7 +119,7 @@ def test_invalid_json_file(tmp_path):
 
 
 def test_unknown_scenario_name_lists_the_packaged_ones():
-    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: setup-a, setup-b"):
+    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: segments-global-guardrail, segments-zipf, setup-a, setup-b"):
         load_scenario("setup-z")
 
 
