@@ -307,7 +307,9 @@ def scenario_from_dict(data: Any) -> Scenario:
     objective_spec = data["objective"]
     if not isinstance(objective_spec, dict):
         raise ValueError(f"objective must be an object, not {_describe(objective_spec)}.")
-    _check_keys(objective_spec, "objective", ("primary",), ("guardrails",))
+    # "baseline" (the known-safe arm) and a guardrail's "hard" flag are validated by
+    # Objective.from_spec, like every other objective key's value.
+    _check_keys(objective_spec, "objective", ("primary",), ("guardrails", "baseline"))
     guardrails = objective_spec.get("guardrails", [])
     if not isinstance(guardrails, list):
         raise ValueError(f"objective.guardrails must be a list, not {_describe(guardrails)}.")
@@ -315,9 +317,9 @@ def scenario_from_dict(data: Any) -> Scenario:
         where = f"objective.guardrails[{index}]"
         if not isinstance(guardrail, dict):
             raise ValueError(f"{where} must be an object, not {_describe(guardrail)}.")
-        # A soft guardrail needs its penalty; a hard one ("hard": true) is a constraint without one.
-        required = ("metric", "threshold") if guardrail.get("hard") is True else ("metric", "threshold", "penalty")
-        _check_keys(guardrail, where, required, tuple(k for k in ("penalty", "hard", "relative_to") if k not in required))
+        # A hard guardrail is a constraint and needs no penalty; Objective.from_spec says which
+        # combinations are valid.
+        _check_keys(guardrail, where, ("metric", "threshold"), ("penalty", "relative_to", "hard"))
 
     scenario = Scenario(
         name=name,
