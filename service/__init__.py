@@ -18,7 +18,7 @@ from typing import Any
 
 from flask import Flask
 
-from . import auth, cache, db, monitoring, params, routes, security
+from . import auth, cache, db, exposures, monitoring, params, routes, security
 from .config import load_config
 from .errors import register_error_handlers
 
@@ -59,6 +59,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         check_schema(database.engine)
     auth.init_app(app)
     cache.init_app(app)
+    exposures.init_app(app)
     monitoring.init_app(app)
     routes.register(app)
     return app

@@ -13,6 +13,7 @@ from pasto.hashing import buckets, choose_arm, choose_arms
 
 from .. import events
 from ..cache import Snapshot, get_cache
+from ..exposures import record_exposures
 
 
 def assign_one(name: str, unit: str) -> tuple[Snapshot, int]:
@@ -20,6 +21,7 @@ def assign_one(name: str, unit: str) -> tuple[Snapshot, int]:
     snapshot = get_cache().get(name)
     arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
     events.assigned.send(snapshot, arms=[arm])
+    record_exposures(snapshot, [unit], [arm])
     return snapshot, arm
 
 
@@ -28,4 +30,5 @@ def assign_many(name: str, units: list[str]) -> tuple[Snapshot, np.ndarray]:
     snapshot = get_cache().get(name)
     arms = choose_arms(snapshot.serving, buckets(snapshot.seed, units, snapshot.round_index))
     events.assigned.send(snapshot, arms=arms)
+    record_exposures(snapshot, units, arms)
     return snapshot, arms
