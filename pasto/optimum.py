@@ -610,10 +610,130 @@ def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray):
         mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ p, 0.0)
         if best is None or problem.value(p) > problem.value(best[0]):
             best = (p, mu, highs_nu, False)
-    if best is None:
-        raise RuntimeError("HiGHS solved none of the formulations of the mixture problem.")
-    # No active set verified (a degenerate problem): HiGHS's best answer, to its own tolerance.
+    # No active set verified: HiGHS's answer is only good to its tolerances (about 1e-7 of the
+    # scaled data, e.g. two arms 1e-7 apart look equal to it). The best vertex is checked exactly
+    # too, and the better of the two kept; without any HiGHS answer the vertex is the fallback.
+    vertex = _vertex_fallback(problem, hard_thresholds)
+    arm = int(np.argmax(vertex[0] - problem.lower)) if problem.total > problem.lower.sum() else 0
+    free = np.zeros(problem.k, dtype=bool)
+    free[arm] = True
+    short = problem.c - problem.B @ vertex[0] > 0
+    tight = problem.D @ vertex[0] - hard_thresholds <= 0
+    for hard_active in (np.zeros_like(tight), tight):
+        polished = _kkt_polish(problem, hard_thresholds, free, short, hard_active)
+        if polished is not None:
+            return (*polished, True)
+    vertex_meets = np.all(problem.D @ vertex[0] >= hard_thresholds)
+    if best is None or (vertex_meets and problem.value(vertex[0]) > problem.value(best[0])):
+        return vertex
     return best
+
+
+# HiGHS treats |values| >= 1e20 as infinite and drops matrix entries below 1e-9, while the API
+# admits metric values, thresholds, weights and penalties up to 1e100: every row is scaled to unit
+# size before HiGHS sees it. A soft penalty lam (c - B p)^2 keeps its value with the row divided by
+# s and lam multiplied by s^2; the objective is divided by one positive size (the optimum p does not
+# change) and shifted by a constant (a.p moves by the same amount for every mixture, as sum p is
+# fixed). That size is the primary's spread over the arms, raised where needed so that no scaled
+# penalty exceeds _LAM_LARGEST (the largest the solver is tested at; a primary then 1e-9 of the
+# penalties' size is below every tolerance anyway). A scaled penalty below _LAM_NEGLIGIBLE moves the
+# objective by less than 1e-16 of its size: its row is left out of HiGHS's problem (1 / sqrt(2 lam)
+# would be an enormous coefficient) and its multiplier read off the result.
+_LAM_NEGLIGIBLE = 1e-16
+_LAM_LARGEST = 1e9
+
+
+def _row_sizes(rows: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """max(|row|, |threshold|) per row, 1 for an all-zero row; (R,) from rows (R, K), thresholds (R,)."""
+    sizes = np.maximum(np.max(np.abs(rows), axis=1, initial=0.0), np.abs(thresholds))
+    return np.where(sizes > 0, sizes, 1.0)
+
+
+def _vertex_fallback(problem: _Problem, hard_thresholds: np.ndarray):
+    """(p, mu, nu, False): the best vertex (free mass on one arm) by (hard shortfall, value).
+
+    Used only when HiGHS solved no formulation; the result is a feasible-if-possible mixture, not a
+    verified optimum (``exact`` False, so the certificate ``optimality_gap`` tells how far it may be).
+    """
+    free = problem.total - problem.lower.sum()
+    # Vertex k is lower + free e_k, so its rows are (rows @ lower) + free * rows[:, k]: (R, K).
+    soft = (problem.B @ problem.lower)[:, None] + free * problem.B
+    hard = (problem.D @ problem.lower)[:, None] + free * problem.D
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = problem.a @ problem.lower + free * problem.a - np.sum(
+            problem.lam[:, None] * np.maximum(problem.c[:, None] - soft, 0.0) ** 2, axis=0)
+    shortfalls = np.maximum(np.max(hard_thresholds[:, None] - hard, axis=0, initial=0.0), 0.0)
+    # Smallest hard shortfall first, then the best value (lexicographic; nan values last).
+    order = np.lexsort((-np.nan_to_num(values, nan=-np.inf), shortfalls))
+    best = problem.lower.copy()
+    best[order[0]] += free
+    mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ best, 0.0)
+    return best, mu, np.zeros(problem.D.shape[0]), False
+
+
+def _solve_scaled(problem: _Problem, hard_thresholds: np.ndarray):
+    """:func:`_solve_problem` on the problem scaled to unit rows; (p, mu, nu, exact) in its own units.
+
+    Degenerate problems are answered without HiGHS: one arm (p = 1), or arms that are all identical
+    (every mixture has the same metrics; the free mass is spread evenly). None when infeasible.
+    """
+    k, h = problem.k, problem.D.shape[0]
+    rows = np.vstack([problem.a[None, :], problem.B, problem.D])
+    if k == 1 or np.all(rows == rows[:, :1]):
+        p = problem.lower + (problem.total - problem.lower.sum()) / k
+        if np.any(problem.D @ p < hard_thresholds):
+            return None
+        mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ p, 0.0)
+        return p, mu, np.zeros(h), True
+    # A soft row is scaled by its reach, the largest shortfall any mixture can have (a row that
+    # no arm falls short of never costs anything and is left out), bounded so that its entries stay
+    # within 1e6 of it (HiGHS drops entries below 1e-9 and the row's own range must survive).
+    reach = np.max(problem.c[:, None] - problem.B, axis=1, initial=-np.inf)
+    soft_sizes = np.maximum(np.where(reach > 0, reach, 1.0), 1e-6 * _row_sizes(problem.B, problem.c))
+    hard_sizes = _row_sizes(problem.D, hard_thresholds)
+    spread = float(np.max(problem.a) - np.min(problem.a))
+    # In logarithms: lam s^2 overflows at the API's magnitudes (1e100 * (1e100)^2).
+    with np.errstate(divide="ignore"):
+        log_weight = np.where(reach > 0, np.log(problem.lam) + 2.0 * np.log(soft_sizes), -np.inf)
+    log_size = max(np.log(spread) if spread > 0 else -np.inf,
+                   float(np.max(log_weight, initial=-np.inf)) - np.log(_LAM_LARGEST))
+    if not np.isfinite(log_size):
+        log_size = 0.0  # no primary spread and no penalty: every mixture is as good
+    lam = np.exp(log_weight - log_size)
+    kept = (lam >= _LAM_NEGLIGIBLE) & (reach > 0)
+    a = (problem.a - np.min(problem.a)) / spread * np.exp(np.log(spread) - log_size) if spread > 0 else problem.a * 0.0
+    scaled_thresholds = hard_thresholds / hard_sizes
+    scaled = _Problem(
+        a, problem.B[kept] / soft_sizes[kept, None], problem.c[kept] / soft_sizes[kept], lam[kept],
+        problem.D / hard_sizes[:, None], scaled_thresholds, problem.lower, total=problem.total,
+    )
+    solved = _solve_problem(scaled, scaled_thresholds)
+    if solved is None:
+        return None
+    p, scaled_mu, scaled_nu, exact = solved
+    with np.errstate(over="ignore"):
+        mu = np.zeros(problem.B.shape[0])
+        mu[kept] = scaled_mu * np.exp(log_size - np.log(soft_sizes[kept]))
+        # Rows left out: their multiplier 2 lam s at p (0 for a row no arm falls short of).
+        left_out = ~kept
+        mu[left_out] = 2.0 * problem.lam[left_out] * np.maximum(problem.c[left_out] - problem.B[left_out] @ p, 0.0)
+        nu = scaled_nu * np.exp(log_size - np.log(hard_sizes))
+    # A negligible penalty left out makes the answer exact to 1e-16 of the objective only.
+    return p, mu, nu, exact and not np.any(left_out & (reach > 0))
+
+
+def _largest_shortfall_margin_scaled(problem: _Problem, hard_thresholds: np.ndarray) -> float:
+    """:func:`_largest_shortfall_margin` with every hard row divided by one common size (so the
+    minimax stays in the metrics' own units); the best vertex's margin when HiGHS fails."""
+    sizes = np.maximum(np.max(np.abs(problem.D), axis=1, initial=0.0), np.abs(hard_thresholds))
+    size = float(np.max(sizes, initial=0.0)) or 1.0
+    scaled = _Problem(np.zeros(problem.k), problem.B[:0], problem.c[:0], problem.lam[:0],
+                      problem.D / size, hard_thresholds / size, problem.lower, total=problem.total)
+    try:
+        return _largest_shortfall_margin(scaled, hard_thresholds / size) * size
+    except RuntimeError:
+        p = _vertex_fallback(scaled, hard_thresholds / size)[0]
+        return float(np.min(problem.D @ p - hard_thresholds, initial=0.0))
 
 
 def solve(
@@ -710,19 +830,27 @@ def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Sol
     )
     feasible = True
     hard_thresholds = problem.d
-    solved = _solve_problem(problem, hard_thresholds)
+    solved = _solve_scaled(problem, hard_thresholds)
     if solved is None:
         # Phase one: the smallest largest shortfall t*, then the best mixture meeting c - t*.
-        best_margin = _largest_shortfall_margin(problem, hard_thresholds)
-        tolerance = 1e-9 * problem.row_scale
-        feasible = best_margin >= -tolerance
+        best_margin = _largest_shortfall_margin_scaled(problem, hard_thresholds)
+        tolerance = 1e-9 * _row_sizes(problem.D, hard_thresholds)
+        feasible = bool(np.all(best_margin >= -tolerance))
         hard_thresholds = problem.d + min(best_margin, 0.0) - tolerance
-        solved = _solve_problem(problem, hard_thresholds)
+        solved = _solve_scaled(problem, hard_thresholds)
         if solved is None:
-            raise RuntimeError("HiGHS found the relaxed hard guardrails infeasible after meeting them.")
+            # Met by the phase-one mixture up to HiGHS's tolerance only: its best vertex instead.
+            solved = _vertex_fallback(problem, hard_thresholds)
     p, mu, nu, exact = solved
+    # Rounding (a rescaled polish, HiGHS's tolerances) can leave p a hair below its lower bounds:
+    # the mass above them is renormalised so that p >= lower and sum p = 1 hold exactly.
+    above = np.maximum(p - lower, 0.0)
+    free = 1.0 - lower.sum()
+    p = lower + (above * (free / above.sum()) if above.sum() > 0 else free / len(p))
     value = float(objective.mixture_value(means, p, thresholds))
     slack = problem.D @ p - problem.d
+    # Phase one's minimax is in common units, where a row far smaller than the others can look met.
+    feasible = feasible and bool(np.all(slack >= -1e-9 * _row_sizes(problem.D, problem.d)))
     largest_shortfall = float(max(0.0, -np.min(slack, initial=0.0)))
     if feasible:
         shadow_prices = nu

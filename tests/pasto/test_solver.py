@@ -334,7 +334,8 @@ def test_simplex_invariants(k, seed, n_guardrails, with_shares):
     p = solution.probabilities
     assert p.shape == (k,)
     assert np.all(p >= lower - 1e-12) and abs(p.sum() - 1.0) <= 1e-12
-    assert solution.value == pytest.approx(_true_value(objective, means, thresholds, p), abs=1e-9)
+    # Two roundings of the same value (mixture_value vs value at means @ p): relative at large penalties.
+    assert solution.value == pytest.approx(_true_value(objective, means, thresholds, p), rel=1e-12, abs=1e-9)
     assert solution.shadow_prices.shape == solution.hard_slack.shape == (len(objective.hard_indices),)
     if solution.feasible:
         assert np.all(solution.hard_slack >= -1e-9) and solution.largest_shortfall <= 1e-9
@@ -364,3 +365,126 @@ def test_solving_prints_nothing_on_stdout():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert run.stdout == ""
+
+
+# The API admits metric values, thresholds, weights and penalties up to 1e100 in magnitude (service
+# schemas MAX_MAGNITUDE): HiGHS treats |values| >= 1e20 as infinite and drops entries below 1e-9, so
+# unscaled such instances made solve raise "HiGHS solved none of the formulations" (a 500 from the
+# diagnostics endpoint under the schemathesis fuzz test).
+MAGNITUDES = st.one_of(
+    st.just(0.0),
+    st.builds(lambda sign, exponent: sign * 10.0**exponent, st.sampled_from([-1.0, 1.0]), st.floats(-100, 100)),
+)
+
+
+def _check_valid(objective, means, thresholds, solution, k):
+    p = solution.probabilities
+    assert p.shape == (k,) and np.all(np.isfinite(p))
+    assert np.all(p >= -1e-12) and abs(p.sum() - 1.0) <= 1e-12
+    assert np.isfinite(solution.value)
+    # Two roundings of the value: exact up to the size of its terms (a single arm's value shows it).
+    singles = objective.value(means.T, thresholds)
+    size = max(float(np.abs(singles).max()), 1e-300)
+    assert solution.value == pytest.approx(_true_value(objective, means, thresholds, p), rel=1e-9, abs=1e-12 * size)
+    rows = objective.guardrail_rows[objective.hard_indices]
+    sizes = np.maximum(np.abs(means[rows]).max(axis=1), np.abs(thresholds[objective.hard_indices]))
+    if solution.feasible:
+        assert np.all(solution.hard_slack >= -1e-9 * sizes)
+        eligible = np.all(objective.hard_slack(means.T, thresholds) >= 0, axis=-1)
+        if eligible.any():
+            # The solver's tolerances are relative to the data's size (arms 1e-9 apart of a spread
+            # 1 are ties to it; so are shortfalls 1e-9 of their row's largest entry), not to the
+            # optimum's value, which can be 0: the primary's range and each penalty times its row's
+            # size squared.
+            best = singles[eligible].max()
+            soft = objective.soft_indices
+            rows = objective.guardrail_rows[soft]
+            row_sizes = np.maximum(np.abs(means[rows]).max(axis=1), np.abs(thresholds[soft]))
+            scale = max(np.abs(singles).max(), abs(solution.value),
+                        float(np.max(objective.penalties[soft] * row_sizes**2, initial=0.0)), 1e-300)
+            assert solution.value >= best - 1e-8 * scale
+    else:
+        assert solution.largest_shortfall > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    k=st.integers(1, 20),
+    kinds=st.lists(st.sampled_from(["soft", "hard"]), max_size=3),
+    data=st.data(),
+    shape=st.sampled_from(["spread", "identical arms", "one arm differs"]),
+)
+def test_solve_never_fails_on_magnitudes_the_api_admits(k, kinds, data, shape):
+    g = len(kinds)
+    values = lambda n: np.array(data.draw(st.lists(MAGNITUDES, min_size=n, max_size=n)))  # noqa: E731
+    thresholds = values(g)
+    penalties = np.abs(values(g))
+    weight = float(abs(data.draw(MAGNITUDES))) or 1.0
+    guardrails = tuple(
+        Guardrail(metric=f"y{j}", threshold=float(thresholds[j]), hard=True) if kind == "hard"
+        else Guardrail(metric=f"y{j}", threshold=float(thresholds[j]), penalty=float(penalties[j]))
+        for j, kind in enumerate(kinds)
+    )
+    objective = Objective(metrics=("x",) + tuple(f"y{j}" for j in range(g)), primary=(("x", weight),),
+                          guardrails=guardrails)
+    means = values((g + 1) * k).reshape(g + 1, k)
+    if shape != "spread":
+        means = np.repeat(means[:, :1], k, axis=1)
+    if shape == "one arm differs":
+        means[:, -1] = values(g + 1)
+    resolved = objective.thresholds(means)
+    _check_valid(objective, means, resolved, solve(objective, means), k)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_scaled_instances_keep_the_enumerated_optimum(seed):
+    # Scaling metric j by s_j (its threshold too, its penalty by 1 / s_j^2) and the primary by w
+    # leaves the optimal mixture unchanged and multiplies the objective by w: the solver must find
+    # it at any factors between 1e-100 and 1e100, to the oracle's accuracy.
+    rng = np.random.default_rng(1000 + seed)
+    k, n_guardrails = int(rng.integers(2, 7)), int(rng.integers(1, 4))
+    objective, means, thresholds = _random_instance(rng, k, n_guardrails)
+    reference, _ = _oracle(objective, means, thresholds, np.zeros(k))
+    if reference is None:
+        pytest.skip("The hard guardrails of this instance are infeasible.")
+    factors = 10.0 ** rng.uniform(-80, 80, n_guardrails + 1)
+    primary_scale = 10.0 ** rng.uniform(-80, 80)
+    guardrails = tuple(
+        Guardrail(metric=g.metric, threshold=g.threshold * factors[j + 1], hard=g.hard,
+                  penalty=0.0 if g.hard else g.penalty * primary_scale / factors[j + 1] ** 2)
+        for j, g in enumerate(objective.guardrails)
+    )
+    scaled = Objective(metrics=objective.metrics, primary=(("x", primary_scale / factors[0]),),
+                       guardrails=guardrails)
+    scaled_means = means * factors[:, None]
+    solution = solve(scaled, scaled_means)
+    assert solution.feasible
+    assert solution.value == pytest.approx(reference * primary_scale, rel=1e-6)
+
+
+def test_degenerate_shapes_the_api_can_produce():
+    huge = Objective(metrics=("x", "y0", "y1"), primary=(("x", 1e100),), guardrails=(
+        Guardrail(metric="y0", threshold=1e50, penalty=1e100),
+        Guardrail(metric="y1", threshold=1e100, hard=True),
+    ))
+    # One arm: the only mixture, whatever the magnitudes (its hard guardrail broken).
+    single = solve(huge, np.array([[1e100], [0.0], [0.0]]))
+    np.testing.assert_array_equal(single.probabilities, [1.0])
+    assert not single.feasible and single.largest_shortfall == pytest.approx(1e100)
+    # Identical arms: every mixture is the same; penalty 1e100 on a shortfall 1e50 is -1e200.
+    identical = solve(huge, np.array([[1e-100] * 3, [0.0] * 3, [1e100] * 3]))
+    assert identical.feasible and identical.value == pytest.approx(1e-200 - 1e200)
+    np.testing.assert_allclose(identical.probabilities, [1 / 3] * 3)
+    # Penalty 1e100 on shortfalls 1e50 against primary 1e200: with q on the first arm (the third
+    # meets y0), 1e200 q - 1e100 (1e50 q)^2 is best at q = 1/2.
+    means = np.array([[1e100, 1e99, 0.0], [0.0, 0.0, 1e50], [1e100, 1e100, 1e100]])
+    solution = solve(huge, means)
+    assert solution.feasible
+    np.testing.assert_allclose(solution.probabilities, [0.5, 0.0, 0.5], rtol=1e-9, atol=1e-12)
+    assert solution.value == pytest.approx(0.25e200, rel=1e-9)
+    # Tiny values (1e-100) throughout: the same problem as at unit scale.
+    tiny = Objective(metrics=("x", "y0"), primary=(("x", 1e-100),),
+                     guardrails=(Guardrail(metric="y0", threshold=0.5e-100, hard=True),))
+    small = solve(tiny, np.array([[2e-100, 0.0], [0.0, 1e-100]]))
+    np.testing.assert_allclose(small.probabilities, [0.5, 0.5], rtol=1e-9)
+    assert small.feasible and small.shadow_prices[0] == pytest.approx(2e-100 / 1e-100 * 1e-100, rel=1e-6)
