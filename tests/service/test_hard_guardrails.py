@@ -1,0 +1,73 @@
+"""The API accepts hard guardrails, a baseline arm and the safe-serving options (issue 14)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def hard_body(setup_a, **algorithm):
+    return setup_a(objective={"primary": "x", "baseline": "b",
+                              "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+                   algorithm={"preset": "default", **algorithm})
+
+
+def test_hard_guardrail_baseline_and_safe_serving_are_stored(api, setup_a):
+    response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe", serving_level=0.9))
+    assert response.status_code == 201, response.get_json()
+    experiment = response.get_json()
+    assert experiment["objective"]["baseline"] == "b"
+    guardrail = experiment["objective"]["guardrails"][0]
+    assert guardrail["hard"] is True and not guardrail.get("penalty")
+    assert experiment["algorithm"]["serving"] == "safe"
+    assert experiment["algorithm"]["serving_level"] == 0.9
+    # The experiment runs: a round closes with the safe serving rule.
+    api("POST", "/api/v1/experiments/setup-a/observations", role="ingest", json={"observations": [
+        {"id": f"o{i}", "unit": f"u{i}", "round": 0, "arm": "ab"[i % 2], "values": {"x": 1.0, "y": 1.0}}
+        for i in range(20)]})
+    closed = api("POST", "/api/v1/experiments/setup-a/rounds")
+    assert closed.status_code == 200, closed.get_json()
+    probabilities = api("GET", "/api/v1/experiments/setup-a").get_json()["probabilities"]
+    assert sum(probabilities) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("guardrail, fragment", [
+    ({"metric": "y", "threshold": 0.0, "hard": True, "penalty": 1.0}, "not both"),
+    ({"metric": "y", "threshold": 0.0}, "penalty"),
+])
+def test_invalid_guardrail_is_422_with_the_core_sentence(api, setup_a, guardrail, fragment):
+    body = setup_a(objective={"primary": "x", "guardrails": [guardrail]})
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 422
+    error = response.get_json()["error"]
+    assert error["details"][0]["location"] == "objective"
+    assert fragment in error["details"][0]["message"]
+    assert error["details"][0]["message"].endswith(".")
+
+
+def test_unknown_baseline_is_422(api, setup_a):
+    body = setup_a(objective={"primary": "x", "baseline": "nope",
+                              "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]})
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 422
+    assert response.get_json()["error"]["details"][0]["location"] == "objective"
+    assert "nope" in response.get_json()["error"]["details"][0]["message"]
+
+
+@pytest.mark.parametrize("algorithm, fragment", [
+    ({"serving": "safe", "estimator": "ips"}, "estimator='pooled'"),
+    ({"serving": "safe", "serving_level": 1.5}, "serving_level"),
+    ({"serving": "greedy"}, "serving"),
+])
+def test_invalid_serving_options_are_422(api, setup_a, algorithm, fragment):
+    response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, **algorithm))
+    assert response.status_code == 422, response.get_json()
+    detail = response.get_json()["error"]["details"][0]
+    assert detail["location"] == "algorithm"
+    assert fragment in detail["message"]
+
+
+def test_hard_guardrail_type_errors_name_the_field(api, setup_a):
+    body = setup_a(objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": "yes"}]})
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 422
+    assert response.get_json()["error"]["details"][0]["location"] == "objective.guardrails[0].hard"
