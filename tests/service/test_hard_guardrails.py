@@ -21,9 +21,6 @@ def test_hard_guardrail_baseline_and_safe_serving_are_stored(api, setup_a):
     assert experiment["algorithm"]["serving"] == "safe"
     assert experiment["algorithm"]["serving_level"] == 0.9
     # The experiment runs: a round closes with the safe serving rule.
-    api("POST", "/api/v1/experiments/setup-a/observations", role="ingest", json={"observations": [
-        {"id": f"o{i}", "unit": f"u{i}", "round": 0, "arm": "ab"[i % 2], "values": {"x": 1.0, "y": 1.0}}
-        for i in range(20)]})
     closed = api("POST", "/api/v1/experiments/setup-a/rounds")
     assert closed.status_code == 200, closed.get_json()
     probabilities = api("GET", "/api/v1/experiments/setup-a").get_json()["probabilities"]
@@ -71,3 +68,39 @@ def test_hard_guardrail_type_errors_name_the_field(api, setup_a):
     response = api("POST", "/api/v1/experiments", json=body)
     assert response.status_code == 422
     assert response.get_json()["error"]["details"][0]["location"] == "objective.guardrails[0].hard"
+
+
+def test_rounds_and_diagnostics_report_served_and_deployed_guardrails(api, setup_a):
+    """Arm a breaks y >= 0 (y = -2), arm b keeps it (y = 2): the served traffic of round 0 (half and
+    half) holds on the estimate; the reports say so for served and deployed alike, with intervals."""
+    assert api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe")).status_code == 201
+    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                   json={"units": [f"u{i}" for i in range(400)]}).get_json()["assignments"]
+    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
+    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
+                     "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
+                                "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
+                    for i, item in enumerate(assigned)]
+    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
+    closed = rounds[0]
+    (served,) = closed["guardrails_served"]
+    (deployed,) = closed["guardrails_deployed"]
+    assert served == closed["guardrails"][0]
+    # Round 0 served p = (1/2, 1/2): y = 0 on the estimate, up to the noise's mean.
+    assert served["estimate"] == pytest.approx(0.0, abs=0.1)
+    assert served["interval"][0] < served["estimate"] < served["interval"][1]
+    assert deployed["metric"] == "y" and deployed["threshold"] == 0.0
+    probabilities, deployed_mixture = closed["probabilities"], closed["deployed"]
+    assert deployed["estimate"] == pytest.approx(
+        -2.0 * deployed_mixture[0] + 2.0 * deployed_mixture[1], abs=0.1)
+    assert served["estimate"] == pytest.approx(-2.0 * probabilities[0] + 2.0 * probabilities[1], abs=0.1)
+    diagnostics = api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()
+    assert diagnostics["guardrails"] == diagnostics["guardrails_deployed"]
+    served_now = rounds[1]["probabilities"]
+    assert diagnostics["guardrails_served"][0]["estimate"] == pytest.approx(
+        -2.0 * served_now[0] + 2.0 * served_now[1], abs=0.1)
+    # Safe serving keeps the hard guardrail's lower bound for the traffic served next.
+    assert diagnostics["guardrails_served"][0]["holds"] is True
