@@ -169,6 +169,12 @@ class ControllerCollector:
             "experiment", "metric", "guardrail")
         holds = _gauge("pasto_guardrail_holds", "1 if the guardrail held after the latest update, else 0.",
                        "experiment", "metric", "guardrail")
+        holds_by_mixture = _gauge(
+            "pasto_guardrail_mixture_holds",
+            "1 if the guardrail held after the latest update under `mixture` (served: the traffic of that "
+            "round, exploration included; deployed: the recommended mixture), else 0; `level` estimate: "
+            "the point estimate is at or above the threshold, interval: the 95% interval's lower end is.",
+            "experiment", "metric", "guardrail", "mixture", "level")
         srm = _gauge("pasto_srm_p_value",
                      "Sample-ratio-mismatch chi-square p-value of observed units per arm (small: split is off).",
                      "experiment")
@@ -223,6 +229,11 @@ class ControllerCollector:
                 if report.get("estimate") is not None and report.get("threshold") is not None:
                     margin.add_metric(labels, report["estimate"] - report["threshold"])
                 holds.add_metric(labels, float(bool(report.get("holds"))))
+            for mixture, key in (("served", "guardrails"), ("deployed", "guardrails_deployed")):
+                for position, report in enumerate(summary.get(key) or []):
+                    labels = [name, report["metric"], str(position), mixture]
+                    holds_by_mixture.add_metric(labels + ["estimate"], float(bool(report.get("holds"))))
+                    holds_by_mixture.add_metric(labels + ["interval"], float(bool(report.get("confidently_holds"))))
 
             _, late_count, srm_report = traffic[row.id]
             if srm_report["p_value"] is not None:
@@ -237,7 +248,7 @@ class ControllerCollector:
             heartbeat.add_metric([], max(0.0, (now - last_beat).total_seconds()))
 
         yield from (status, round_index, applied, probability, deployed, objective, regret, margin, holds,
-                    srm, srm_ok, observations, late, lag, last_update, heartbeat)
+                    holds_by_mixture, srm, srm_ok, observations, late, lag, last_update, heartbeat)
 
 
 def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:

@@ -107,6 +107,21 @@ class BestSingle(_Response):
     value: Finite
 
 
+class Guardrail(_Response):
+    """One guardrail's estimate (``pasto.diagnostics.guardrail_report``; keys it may add later are left
+    out until they are documented here)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    metric: str
+    threshold: Finite
+    relative_to: str | None = Field(description="The arm the threshold is relative to, if any.")
+    estimate: Finite
+    interval: list[Finite] = Field(description="95% interval of the estimate.")
+    holds: bool
+    confidently_holds: bool = Field(description="The whole interval is above the threshold.")
+
+
 class RoundView(_Response):
     index: int
     started_at: Timestamp
@@ -125,6 +140,12 @@ class RoundView(_Response):
     best_single: BestSingle | None
     regret: Finite
     guardrails: list[dict[str, Any]] | None  # as stored with the round
+    guardrails_served: list[Guardrail] | None = Field(
+        default=None, description="Each guardrail under the traffic served in the round (p_t, exploration "
+                                  "included), on the estimate right after the round's update.")
+    guardrails_deployed: list[Guardrail] | None = Field(
+        default=None, description="Each guardrail under the deployed mixture right after the round's update "
+                                  "(null for rounds stored before this was recorded).")
 
 
 class RoundList(_Response):
@@ -146,21 +167,6 @@ class Regret(_Response):
     per_round: list[Finite]
 
 
-class Guardrail(_Response):
-    """One guardrail's estimate (``pasto.diagnostics.guardrail_report``; keys it may add later are left
-    out until they are documented here)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    metric: str
-    threshold: Finite
-    relative_to: str | None = Field(description="The arm the threshold is relative to, if any.")
-    estimate: Finite
-    interval: list[Finite] = Field(description="95% interval of the estimate.")
-    holds: bool
-    confidently_holds: bool = Field(description="The whole interval is above the threshold.")
-
-
 class SampleRatioMismatch(_Response):
     statistic: Finite
     p_value: Finite
@@ -179,7 +185,10 @@ class Diagnostics(_Response):
     best_single: BestSingle
     mixing_gain: Finite
     regret: Regret
-    guardrails: list[Guardrail]
+    guardrails: list[Guardrail] = Field(description="Each guardrail under the deployed mixture (as guardrails_deployed).")
+    guardrails_served: list[Guardrail] = Field(
+        description="Each guardrail under the mixture being served now (p_t, exploration included).")
+    guardrails_deployed: list[Guardrail] = Field(description="Each guardrail under the deployed mixture.")
     srm: SampleRatioMismatch
     late_observations: int
     units: list[int]

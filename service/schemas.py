@@ -91,13 +91,17 @@ Primary = Annotated[
 class GuardrailSpec(_Strict):
     metric: MetricName
     threshold: Number
-    penalty: Annotated[Number, Field(ge=0)]
+    #: Soft guardrails give a penalty; hard ones (``hard: true``) give none (checked by pasto.objectives).
+    penalty: Annotated[Number, Field(ge=0)] | None = None
     relative_to: ShortName | None = None
+    hard: bool = False
 
 
 class ObjectiveSpec(_Strict):
     primary: Primary
     guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
+    #: The known-safe arm (production setting) that safe serving pads traffic with.
+    baseline: ShortName | None = None
 
 
 class AlgorithmSpec(BaseModel):

@@ -48,7 +48,9 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
     # "preset": only in rows written before migration 0006 (which removes it).
     algorithm = AlgorithmConfig.from_dict({k: v for k, v in config["algorithm"].items() if k != "preset"})
     arm_names = None
-    if any(guardrail.get("relative_to") for guardrail in config["objective"].get("guardrails", [])):
+    # Arm names resolve relative thresholds and the baseline arm.
+    if config["objective"].get("baseline") or any(
+            guardrail.get("relative_to") for guardrail in config["objective"].get("guardrails", [])):
         arm_names = store.arm_names(session, experiment_id)
     return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
 

@@ -42,7 +42,10 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         "best_mixture": finite(report.best_mixture_value),
         "best_single": {"arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
         "regret": finite(report.served.regret),
+        # "guardrails": the traffic served in the round (what users got); "guardrails_deployed": the
+        # mixture recommended after its update (rows stored before this key have only the first).
         "guardrails": json_safe(list(report.served.guardrails)),
+        "guardrails_deployed": json_safe(list(report.deployed.guardrails)),
     }
 
 

@@ -11,7 +11,8 @@ social blend is: the situation where a mixture strictly beats every single setti
 :func:`pasto.optimum.best_single`.
 
 What the demo adds is presentation and the experiment it creates: arm names and parameters
-(``blend-00`` ... ``blend-19``) and the guardrails' penalties (see :data:`GUARDRAIL_PENALTIES`).
+(``blend-00`` ... ``blend-19``); the experiment keeps the scenario's hard guardrails and baseline
+blend, served safely (``service.demo.setup.ALGORITHM``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from pasto.scenario import Scenario
 
 SCENARIO = "demo"
 
-# The scenario's guardrails are hard: constraints the safe-serving controller of issue 14 keeps.
-# The service's controller treats every guardrail as a soft penalty lambda * shortfall^2, so the
-# experiment the demo creates gives each one a penalty large enough to act as a limit. At these
+# The scenario's guardrails are hard: constraints the safe-serving controller of issue 14 keeps, and
+# the demo's experiment uses them as they are. Earlier demos made them soft penalties
+# lambda * shortfall^2 large enough to act as a limit (these; an experiment created with them is
+# paused and replaced at startup, and check_scenario still accepts penalties to compare). At these
 # values the optimum falls short of the like-rate threshold by (watch time gained per unit of like
 # rate) / (2 lambda) = 28.6 / 2e6 = 0.000014, i.e. 0.0600 to four places, and the default preset,
 # which hedges against its estimates' uncertainty, deploys mixtures a little above that. (With
@@ -77,18 +79,24 @@ def arm_names(scenario: Scenario) -> list[str]:
 
 
 def experiment_objective_spec(scenario: Scenario, penalties: dict[str, float] | None = None) -> dict:
-    """The objective of the demo's experiment: the scenario's, with the demo's arm names and each
-    guardrail soft with its penalty from ``penalties`` (default :data:`GUARDRAIL_PENALTIES`)."""
-    penalties = GUARDRAIL_PENALTIES if penalties is None else penalties
+    """The objective of the demo's experiment: the scenario's, with the demo's arm names, its hard
+    guardrails and its baseline blend; with ``penalties`` (per metric), each guardrail soft with that
+    penalty instead (what earlier demos created, e.g. :data:`GUARDRAIL_PENALTIES`)."""
     spec = scenario.objective_spec
     guardrails = []
     for guardrail in spec.get("guardrails", []):
-        soft = {"metric": guardrail["metric"], "threshold": guardrail["threshold"],
-                "penalty": penalties[guardrail["metric"]]}
+        entry = {"metric": guardrail["metric"], "threshold": guardrail["threshold"]}
+        if penalties is None:
+            entry["hard"] = True
+        else:
+            entry["penalty"] = penalties[guardrail["metric"]]
         if guardrail.get("relative_to") is not None:
-            soft["relative_to"] = arm_name(int(guardrail["relative_to"]))
-        guardrails.append(soft)
-    return {"primary": spec["primary"], "guardrails": guardrails}
+            entry["relative_to"] = arm_name(int(guardrail["relative_to"]))
+        guardrails.append(entry)
+    objective = {"primary": spec["primary"], "guardrails": guardrails}
+    if spec.get("baseline") is not None:
+        objective["baseline"] = arm_name(int(spec["baseline"]))
+    return objective
 
 
 def experiment_objective(scenario: Scenario, penalties: dict[str, float] | None = None) -> Objective:

@@ -22,7 +22,9 @@ TOKENS_FILE = "demo-tokens.json"
 # deployed mixture from the optimum (5.14 minutes, like rate 0.060) to about 4.5-4.7 minutes and a
 # like rate of 0.075 for the 4 rounds out of 5 without a solve. Solving every round (20 arms: a few
 # milliseconds) keeps the deployed mixture at the hedged optimum each round.
-ALGORITHM = {"preset": "default", "solve_every": 1}
+# Safe serving (issue 14): the served traffic, exploration included, keeps the hard guardrails' 95%
+# lower bounds, padding with the production blend while no mixture is known to keep them.
+ALGORITHM = {"preset": "default", "solve_every": 1, "serving": "safe"}
 
 
 def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:

@@ -28,6 +28,8 @@ def diagnostics(name: str):
         regret=Regret(cumulative=float(sum(value for value in diagnostics.regret_per_round if value is not None)),
                       per_round=diagnostics.regret_per_round),
         guardrails=[Guardrail(**item) for item in json_safe(list(report.deployed.guardrails))],
+        guardrails_served=[Guardrail(**item) for item in json_safe(list(report.served.guardrails))],
+        guardrails_deployed=[Guardrail(**item) for item in json_safe(list(report.deployed.guardrails))],
         srm=SampleRatioMismatch(**diagnostics.srm),
         late_observations=diagnostics.late_observations,
         units=diagnostics.units.astype(int).tolist(),

@@ -8,7 +8,7 @@ from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import BestSingle, RoundClosed, RoundList, RoundView, respond
+from ..responses import BestSingle, Guardrail, RoundClosed, RoundList, RoundView, respond
 from ..schemas import json_body
 from .experiments import iso, round_times
 
@@ -71,5 +71,11 @@ def list_rounds(name: str):
                 arm=snapshot.arm_names[best_single["arm_index"]], value=best_single["value"]),
             regret=summary.get("regret"),
             guardrails=summary.get("guardrails"),
+            guardrails_served=_guardrails(summary.get("guardrails")),
+            guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
         ))
     return respond(RoundList(rounds=entries))
+
+
+def _guardrails(stored: list[dict] | None) -> list[Guardrail] | None:
+    return None if stored is None else [Guardrail(**item) for item in stored]

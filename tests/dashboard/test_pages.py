@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.chromium
@@ -66,6 +67,20 @@ def assert_fits_width(page, width: int) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
+def guardrail_verdict(diagnostics: dict) -> str:
+    """The guardrail badge's words the dashboard should show for ``diagnostics`` (served traffic and
+    deployed mixture, on the point estimate)."""
+    served = [entry["metric"] for entry in diagnostics["guardrails_served"] if not entry["holds"]]
+    deployed = [entry["metric"] for entry in diagnostics["guardrails_deployed"] if not entry["holds"]]
+    violated = list(dict.fromkeys(served + deployed))
+    total = len(diagnostics["guardrails_deployed"])
+    if not violated:
+        return f"{total} OK (served and deployed)"
+    parts = [f"{metric} ({' and '.join(m for m, broken in (('served', served), ('deployed', deployed)) if metric in broken)})"
+             for metric in violated]
+    return f"{len(violated)} of {total} violated: {', '.join(parts)}"
+
+
 def test_overview_asks_for_a_token_once_and_lists_experiments(live_server, browser, screenshot_dir):
     experiments = live_server.api("GET", "/experiments", role="read").json()["experiments"]
     for viewport in VIEWPORTS:
@@ -85,9 +100,9 @@ def test_overview_asks_for_a_token_once_and_lists_experiments(live_server, brows
         assert cells.nth(2).inner_text() == str(seeded_round) and seeded_round >= 32
         assert cells.nth(3).inner_text().startswith("clicks ")
         diagnostics = live_server.api("GET", "/experiments/homepage-ranking/diagnostics", role="read").json()
-        violated = [guardrail["metric"] for guardrail in diagnostics["guardrails"] if not guardrail["holds"]]
         guardrail_text = cells.nth(4).inner_text()
-        assert guardrail_text == (f"{len(violated)} violated: {', '.join(violated)}" if violated else "2 OK")
+        assert guardrail_text == guardrail_verdict(diagnostics)
+        assert "bad" in cells.nth(4).locator(".badge").get_attribute("class").split() or "OK" in guardrail_text
         assert cells.nth(5).inner_text().startswith("ok" if diagnostics["srm"]["ok"] else "mismatch")
         assert "ago" in cells.nth(6).inner_text() or cells.nth(6).inner_text() == "just now"
         empty = page.locator('tr[data-experiment="search-boost"] td')
@@ -166,7 +181,9 @@ def test_experiment_page_draws_every_panel_from_the_api(live_server, browser, sc
             assert (low is None) == (estimate is None) or low <= estimate <= high
         heading = page.locator(f"#guardrail-panels .guardrail >> nth={position} >> h3").inner_text()
         assert heading.startswith(spec["metric"])
-        assert ("holds" in heading) == diagnostics["guardrails"][position]["holds"]
+        assert (f"holds (deployed)" in heading) == diagnostics["guardrails_deployed"][position]["holds"]
+        assert (f"holds (served)" in heading) == diagnostics["guardrails_served"][position]["holds"]
+        assert ("violated (served)" in heading) == (not diagnostics["guardrails_served"][position]["holds"])
 
     # (4) Cumulative regret, non-decreasing, ending at the API's total.
     regret = [value for value in chart_data(page, "chart-regret")[0]["y"] if value is not None]
@@ -291,5 +308,52 @@ def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, brow
     assert page.locator("#round-range-note").inner_text() == f"(rounds {last[0]}–{last[-1]} of {len(rounds)})"
     page.select_option("#round-range", "all")
     assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
+    context.close()
+
+
+def test_a_guardrail_no_mixture_can_keep_is_red_on_the_overview_and_the_experiment_page(
+        live_server, browser, anonymous_loopback):
+    """Both arms have y well below the threshold 0: whatever is served breaks the guardrail, and the
+    overview and the experiment page say so in red, naming the served traffic."""
+    name = "no-feasible-mixture"
+    live_server.api("POST", "/experiments", json={
+        "name": name,
+        "arms": [{"name": "left", "params": {}}, {"name": "right", "params": {}}],
+        "metrics": ["x", "y"],
+        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
+        "round_seconds": 3600,
+        "seed": 5,
+    })
+    rng = np.random.default_rng(3)
+    means = {"left": (1.0, -1.0), "right": (0.5, -0.8)}
+    for round_position in range(4):
+        assignments = live_server.api("POST", f"/experiments/{name}/assign", role="ingest", json={
+            "units": [f"nf{round_position}-{i}" for i in range(100)]}).json()["assignments"]
+        live_server.api("POST", f"/experiments/{name}/observations", role="ingest", json={"observations": [
+            {"id": item["unit"], "unit": item["unit"], "round": item["round"],
+             "values": dict(zip(["x", "y"], (np.array(means[item["arm"]]) + 0.1 * rng.standard_normal(2)).tolist()))}
+            for item in assignments]})
+        live_server.api("POST", f"/experiments/{name}/rounds")
+    diagnostics = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()
+    assert not diagnostics["guardrails_served"][0]["holds"] and not diagnostics["guardrails_deployed"][0]["holds"]
+    expected = "1 of 1 violated: y (served and deployed)"
+    assert guardrail_verdict(diagnostics) == expected
+
+    context, page, console = open_page(browser, "desktop")
+    page.goto(live_server.base_url + "/")
+    cell = page.locator(f'tr[data-experiment="{name}"] td >> nth=4')
+    cell.locator(".badge").wait_for()
+    assert cell.inner_text() == expected
+    assert "bad" in cell.locator(".badge").get_attribute("class").split()
+
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector('#experiment[data-rounds="5"]')
+    assert page.locator("#fig-guardrails").inner_text() == expected
+    assert "bad" in page.locator("#fig-guardrails .badge").get_attribute("class").split()
+    heading = page.locator("#guardrail-panels .guardrail >> nth=0 >> h3")
+    assert "violated (served)" in heading.inner_text() and "violated (deployed)" in heading.inner_text()
+    served_badge = heading.locator(".badge", has_text="served")
+    assert "bad" in served_badge.get_attribute("class").split()
     assert console.problems == []
     context.close()

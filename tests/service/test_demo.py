@@ -113,19 +113,20 @@ def wait_until_gone(pid: int, seconds: float) -> bool:
 
 def test_the_demo_runs_the_shipped_scenario():
     # The ground truth is pasto's scenario "demo" (what `pasto simulate demo` runs): the blends'
-    # means, convex in the blend's weight t on watch time, and its guardrails, made soft for the
-    # service with the demo's penalties.
+    # means, convex in the blend's weight t on watch time, and its hard guardrails and baseline blend.
     scenario = load_demo_scenario()
     means = true_means(scenario)
     t = np.linspace(0.0, 1.0, 20)
     np.testing.assert_allclose(means, np.stack([4.0 + 2.0 * t**2, 0.03 + 0.07 * (1 - t) ** 2,
                                                 0.010 + 0.006 * (1 - t) ** 2]), atol=1e-9)
     assert scenario.metrics == ("watch_time", "like_rate", "share_rate")
-    assert experiment_objective_spec(scenario) == {"primary": "watch_time", "guardrails": [
-        {"metric": "like_rate", "threshold": 0.06, "penalty": GUARDRAIL_PENALTIES["like_rate"]},
-        {"metric": "share_rate", "threshold": -0.05, "penalty": GUARDRAIL_PENALTIES["share_rate"],
-         "relative_to": "blend-10"},
+    assert experiment_objective_spec(scenario) == {"primary": "watch_time", "baseline": "blend-10", "guardrails": [
+        {"metric": "like_rate", "threshold": 0.06, "hard": True},
+        {"metric": "share_rate", "threshold": -0.05, "hard": True, "relative_to": "blend-10"},
     ]}
+    # What earlier demos created: the same guardrails made soft with penalties.
+    assert experiment_objective_spec(scenario, GUARDRAIL_PENALTIES)["guardrails"][0] == {
+        "metric": "like_rate", "threshold": 0.06, "penalty": GUARDRAIL_PENALTIES["like_rate"]}
     assert [arm["name"] for arm in arms(scenario)] == [f"blend-{k:02d}" for k in range(20)]
 
 
@@ -148,8 +149,8 @@ def test_the_scenario_rewards_mixing_within_its_guardrails():
     solution = check_scenario(scenario)
     assert solution.mixture_value > solution.single_value + 0.5
     assert solution.mixture[solution.single] < 0.5 and (solution.mixture > 0.05).sum() >= 2
-    # The story the dashboard tells: the optimum keeps the like-rate guardrail (0.06) up to the soft
-    # penalty's shortfall, 0.000014, invisible at four places, and the share-rate one outright...
+    # The story the dashboard tells: the optimum keeps the hard like-rate guardrail (0.06), which
+    # binds (up to the solver's tolerance), and the share-rate one outright...
     like_rate, share_rate = solution.guarded
     assert solution.thresholds[0] == 0.06 and 0.06 - 2e-5 <= like_rate < 0.06 + 1e-4
     assert round(like_rate, 4) == 0.06
@@ -200,7 +201,8 @@ def test_an_earlier_demos_experiment_is_paused_and_replaced():
     client.experiments[f"{EXPERIMENT}-2"] = {  # as the server stores it: normalised settings
         **client.experiments[f"{EXPERIMENT}-2"], "status": "paused",
         "objective": experiment_objective(scenario).to_spec(),
-        "algorithm": {"preset": "default", **AlgorithmConfig.from_preset("default", solve_every=1).to_dict()},
+        "algorithm": {"preset": "default",
+                      **AlgorithmConfig.from_preset("default", solve_every=1, serving="safe").to_dict()},
     }
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"

@@ -102,6 +102,13 @@ def test_controller_gauges_match_the_api(backend_api, setup_a):
     assert value(samples, "pasto_guardrail_margin", experiment=name, metric="y", guardrail="0") == pytest.approx(
         report["estimate"] - report["threshold"], rel=1e-12)
     assert value(samples, "pasto_guardrail_holds", experiment=name, metric="y") == float(report["holds"])
+    assert latest["guardrails_served"] == latest["guardrails"]
+    for mixture in ("served", "deployed"):
+        (mixture_report,) = latest[f"guardrails_{mixture}"]
+        assert value(samples, "pasto_guardrail_mixture_holds", experiment=name, metric="y", mixture=mixture,
+                     level="estimate") == float(mixture_report["holds"])
+        assert value(samples, "pasto_guardrail_mixture_holds", experiment=name, metric="y", mixture=mixture,
+                     level="interval") == float(mixture_report["confidently_holds"])
     assert value(samples, "pasto_srm_p_value", experiment=name) == diagnostics["srm"]["p_value"]
     assert value(samples, "pasto_late_observations", experiment=name) == diagnostics["late_observations"] == 0
     assert value(samples, "pasto_observations_stored", experiment=name) == 4 * 60

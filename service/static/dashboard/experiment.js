@@ -3,7 +3,7 @@ import {
   OTHER_COLOUR, PALETTE, apiGet, badge, element, formatInteger, formatNumber, formatPercent, poll, withAlpha,
 } from "./pasto.js";
 import {
-  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, guardrailSummary, hasData, mixtureSeries,
+  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, guardrailSummary, guardrailVerdict, hasData, mixtureSeries,
   objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
 } from "./model.js";
 
@@ -181,14 +181,15 @@ function drawRegret(rounds, cumulative) {
 }
 
 function guardrailHeading(entry, known) {
-  const { spec, current } = entry;
+  const { spec, current, served } = entry;
   const bound = spec.relative_to
     ? `≥ ${spec.relative_to} ${spec.threshold < 0 ? "−" : "+"} ${formatPercent(Math.abs(spec.threshold))}`
     : `≥ ${formatNumber(spec.threshold)}`;
-  const status = !known || current === null || current.estimate === null
-    ? badge("no data", "")
-    : current.holds ? badge("holds (deployed)", "ok") : badge("violated (deployed)", "bad");
-  return element("h3", {}, `${entry.metric} ${bound}`, status);
+  // The served traffic (exploration included) is what users get: its badge comes first.
+  const verdict = (report, mixture) => !known || report === null || report.estimate === null
+    ? badge(`no data (${mixture})`, "")
+    : report.holds ? badge(`holds (${mixture})`, "ok") : badge(`violated (${mixture})`, "bad");
+  return element("h3", {}, `${entry.metric} ${bound}`, verdict(served, "served"), " ", verdict(current, "deployed"));
 }
 
 function drawGuardrails(experiment, rounds, diagnostics) {
@@ -360,8 +361,7 @@ function drawFigures(experiment, rounds, diagnostics) {
   show("fig-gain", formatNumber(diagnostics.mixing_gain));
   const guardrails = guardrailSummary(diagnostics);
   show("fig-guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? "no data"
-    : guardrails.violated.length ? badge(`${guardrails.violated.length} of ${guardrails.total} violated`, "bad")
-      : badge(`${guardrails.total} OK`, "ok"));
+    : badge(guardrailVerdict(guardrails), guardrails.violated.length ? "bad" : "ok"));
   const { srm } = diagnostics;
   const srmKnown = srm.p_value !== null;
   show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));

@@ -54,13 +54,29 @@ export function primaryEstimate(experiment, diagnostics, probabilities) {
   return { estimate, interval: half === null ? null : [estimate - half, estimate + half] };
 }
 
+// Guardrails broken on the point estimate by the traffic being served (exploration included: what
+// users get) and by the deployed mixture; `violated` is every metric broken by either.
 export function guardrailSummary(diagnostics) {
-  const guardrails = diagnostics.guardrails;
+  const deployed = diagnostics.guardrails_deployed ?? diagnostics.guardrails;
+  const served = diagnostics.guardrails_served ?? [];
+  const broken = (reports) => reports.filter((guardrail) => guardrail.holds === false).map((guardrail) => guardrail.metric);
+  const violatedServed = broken(served);
+  const violatedDeployed = broken(deployed);
   return {
-    total: guardrails.length,
+    total: deployed.length,
     known: hasData(diagnostics),
-    violated: guardrails.filter((guardrail) => guardrail.holds === false).map((guardrail) => guardrail.metric),
+    violatedServed,
+    violatedDeployed,
+    violated: [...new Set([...violatedServed, ...violatedDeployed])],
   };
+}
+
+// The words of a guardrail summary's badge: which guardrails are broken and by which mixture.
+export function guardrailVerdict(summary) {
+  if (summary.violated.length === 0) return `${summary.total} OK (served and deployed)`;
+  const by = (metric) => [summary.violatedServed.includes(metric) ? "served" : null,
+    summary.violatedDeployed.includes(metric) ? "deployed" : null].filter(Boolean).join(" and ");
+  return `${summary.violated.length} of ${summary.total} violated: ${summary.violated.map((metric) => `${metric} (${by(metric)})`).join(", ")}`;
 }
 
 // Indices of the `count` arms with the largest probabilities, largest first; all of them when at most
@@ -130,6 +146,7 @@ export function guardrailSeries(experiment, rounds, diagnostics) {
       metric: spec.metric,
       spec,
       current: diagnostics.guardrails[position] ?? null,
+      served: diagnostics.guardrails_served?.[position] ?? null,
       estimate: perRound.map((entry) => entry?.estimate ?? null),
       lower: perRound.map((entry) => entry?.interval?.[0] ?? null),
       upper: perRound.map((entry) => entry?.interval?.[1] ?? null),

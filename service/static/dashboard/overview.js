@@ -2,7 +2,7 @@
 import {
   apiGet, badge, config, element, formatAge, formatInteger, formatNumber, poll,
 } from "./pasto.js";
-import { guardrailSummary, primaryEstimate, primaryLabel } from "./model.js";
+import { guardrailSummary, guardrailVerdict, primaryEstimate, primaryLabel } from "./model.js";
 
 const body = document.getElementById("experiments-body");
 
@@ -26,9 +26,8 @@ function row(experiment, diagnostics) {
     cell("Status", badge(experiment.status, experiment.status)),
     element("td", { class: "num", "data-label": "Round" }, formatInteger(experiment.round.index)),
     cell("Primary metric", primaryText),
-    cell("Guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? badge("no data", "") : guardrails.violated.length === 0
-      ? badge(`${guardrails.total} OK`, "ok")
-      : badge(`${guardrails.violated.length} violated: ${guardrails.violated.join(", ")}`, "bad")),
+    cell("Guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? badge("no data", "")
+      : badge(guardrailVerdict(guardrails), guardrails.violated.length ? "bad" : "ok")),
     cell("Traffic split (SRM)", srmBadge),
     element("td", { "data-label": "Last update", title: updated ?? "" }, formatAge(updated)),
   );
