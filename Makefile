@@ -10,12 +10,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# The service needs the `service` extra; a bare `pip install .` is the core and the client only (README).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e '.[service]'
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[service,test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,7 +29,7 @@ test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m pip install --quiet -e '.[service,bench]'
 	$(BIN)/python bench/convergence.py
 	$(BIN)/python bench/client.py --write-docs
 	$(BIN)/python bench/serve.py --write-docs

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pasto.client import LocalAssigner
+from pasto_client import LocalAssigner
 from pasto.hashing import PrefixHasher
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -45,7 +45,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pasto.estimators import Statistics  # noqa: E402
-from pasto.scenario import Scenario, load_scenario, scenario_from_dict  # noqa: E402
+from pasto.cli import load_scenario  # noqa: E402
+from pasto.scenario import Scenario, scenario_from_dict  # noqa: E402
 from pasto.simulate import (  # noqa: E402
     References,
     draw_means,

@@ -1,8 +1,18 @@
-"""The ``pasto`` command.
+"""The ``pasto`` command, and the only module of ``pasto`` that reads or writes files.
 
-``pasto simulate`` runs the Monte-Carlo simulator and needs only numpy and scipy. Every other
-command (``serve``, ``worker``, ``db``, ``tokens``, ``demo``) belongs to the HTTP service and is
-handed to ``service.cli.main`` on demand, so ``pasto simulate`` never imports the web stack.
+``pasto simulate`` runs the Monte-Carlo simulator and needs only numpy and scipy. Other commands are
+discovered through the entry-point group ``pasto.commands`` (the service declares ``serve``, ``worker``,
+``db``, ``tokens`` and ``demo`` in pyproject.toml), so this core module imports nothing outside
+``pasto``: the dependency points from the service to the core, never back. An entry point names an
+object with a one-line ``help`` string that is called with the command's arguments (the words after
+its name) and returns the exit status. It is loaded only to run its command or to describe it in
+``pasto --help``, so ``pasto simulate`` never imports the web stack, and a command whose
+dependencies are not installed (the client alone, without the ``service`` extra) says in one line
+what to install.
+
+The core's scenario parser takes a dict (``pasto.scenario.scenario_from_dict``); reading a scenario
+file, or a scenario shipped in the package, is done here (:func:`load_scenario`), because file I/O in
+``pasto`` belongs to this module only (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -11,26 +21,131 @@ import argparse
 import json
 import sys
 import time
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["main", "build_parser", "parse_setting", "SERVICE_COMMANDS"]
+from pasto.scenario import Scenario, scenario_from_dict
+
+__all__ = [
+    "COMMAND_GROUP",
+    "build_parser",
+    "discover_commands",
+    "load_scenario",
+    "main",
+    "packaged_scenarios",
+    "parse_setting",
+]
 
 SIMULATE_HELP = "Monte-Carlo simulation of a controller on a scenario"
 
-#: The service's commands and their one-line help. Their options are parsed by ``service.cli``; they
-#: are named here too, without importing the service, so that ``pasto --help`` and an unknown
-#: command list every command.
-SERVICE_COMMANDS = {
-    "serve": "serve the HTTP API (waitress) with the round scheduler",
-    "worker": "run the round scheduler alone (no HTTP)",
-    "db": "database schema: upgrade, current, downgrade (Alembic)",
-    "tokens": "API tokens: create",
-    "demo": "run the service with a live demo experiment and synthetic traffic",
-}
+#: The entry-point group other packages declare their ``pasto`` commands in.
+COMMAND_GROUP = "pasto.commands"
 
 _DESCRIPTION = "Learn probabilistic strategic parameters (mixtures over K settings) with PASTO."
 _EPILOG = "Run `pasto COMMAND --help` for a command's options."
+
+
+# --------------------------------------------------------------------------------------------------
+# Scenario files
+
+
+def packaged_scenarios() -> list[str]:
+    """Names of the scenarios shipped with pasto (usable by name in :func:`load_scenario`)."""
+    folder = resources.files("pasto") / "scenarios"
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """Read and validate a scenario from a file path or by the name of a packaged scenario.
+
+    Parameters
+    ----------
+    name_or_path : str or Path
+        A path to a JSON file, or a packaged name such as ``"setup-a"`` (``.json`` optional).
+
+    Raises
+    ------
+    ValueError
+        If the file is missing, is not JSON, or fails validation (the message names the key).
+    """
+    path = Path(name_or_path)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        source = str(path)
+    else:
+        name = path.name[: -len(".json")] if path.name.endswith(".json") else path.name
+        packaged = packaged_scenarios()
+        if str(name_or_path) not in (name, name + ".json") or name not in packaged:
+            raise ValueError(
+                f"No scenario file {str(name_or_path)!r} and no packaged scenario of that name; "
+                f"packaged scenarios: {', '.join(packaged)}."
+            )
+        text = (resources.files("pasto") / "scenarios" / f"{name}.json").read_text(encoding="utf-8")
+        source = f"packaged scenario {name!r}"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"The scenario in {source} is not valid JSON: {error}.") from None
+    return scenario_from_dict(data)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands of other packages
+
+
+def discover_commands() -> dict[str, metadata.EntryPoint]:
+    """The commands declared in the ``pasto.commands`` entry-point group, by name, not yet loaded.
+
+    Sorted by name (the order of ``pasto --help``). ``simulate`` belongs to this module and cannot be
+    replaced; when two installed distributions declare the same name, the first found wins.
+    """
+    commands: dict[str, metadata.EntryPoint] = {}
+    for entry_point in metadata.entry_points(group=COMMAND_GROUP):
+        if entry_point.name != "simulate":
+            commands.setdefault(entry_point.name, entry_point)
+    return dict(sorted(commands.items()))
+
+
+def _missing_dependency_message(name: str, entry_point: metadata.EntryPoint, error: ModuleNotFoundError) -> str:
+    """One line saying what to install so that the command ``name`` can run."""
+    extras = list(entry_point.extras)
+    distribution = entry_point.dist.name if entry_point.dist is not None else "pasto"
+    if extras:
+        # pasto is not on PyPI: the hint names this project's extra, installed from the checkout.
+        install = (f"install {distribution} with its {extras[0]} extra: `pip install '.[{extras[0]}]'` "
+                   "from the source checkout")
+    else:
+        install = f"reinstall {distribution}: `pip install .` from the source checkout"
+    missing = error.name or ""
+    module = entry_point.module
+    if missing and (module == missing or module.startswith(missing + ".")):
+        problem = f"comes from the module {module!r}, which is not installed"
+    elif missing:
+        problem = f"needs the Python package {missing!r}, which is not installed"
+    else:
+        problem = "needs a Python package that is not installed"
+    return f"pasto: error: the command {name!r} {problem}; {install} (`pasto simulate` works without it).\n"
+
+
+def _load_command(name: str, entry_point: metadata.EntryPoint, stderr: TextIO):
+    """The command's object, or None after one line on ``stderr`` when its dependencies are missing."""
+    try:
+        return entry_point.load()
+    except ModuleNotFoundError as error:
+        stderr.write(_missing_dependency_message(name, entry_point, error))
+        return None
+
+
+def _describe(name: str, entry_point: metadata.EntryPoint) -> str:
+    """The one-line help of a discovered command, for ``pasto --help`` (loads it)."""
+    try:
+        command = entry_point.load()
+    except ModuleNotFoundError as error:
+        extras = list(entry_point.extras)
+        needs = f"the {extras[0]} extra" if extras else f"the package {error.name!r}"
+        return f"(not installed here: needs {needs})"
+    return str(getattr(command, "help", "") or "")
 
 
 def parse_setting(text: str) -> tuple[str, Any]:
@@ -76,12 +191,27 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    commands: dict[str, metadata.EntryPoint] | None = None, describe: bool = True
+) -> argparse.ArgumentParser:
+    """The parser of ``pasto``: ``simulate`` with its options, and the discovered commands by name.
+
+    Parameters
+    ----------
+    commands : dict of str to EntryPoint, optional
+        The discovered commands (default: :func:`discover_commands`); their options are parsed by
+        their own modules, so only their names and help lines are listed here.
+    describe : bool
+        Load every discovered command to show its help line (``pasto --help``); False keeps
+        ``pasto simulate`` from importing them.
+    """
     from pasto.simulate import ALGORITHMS
 
+    if commands is None:
+        commands = discover_commands()
     parser = argparse.ArgumentParser(prog="pasto", description=_DESCRIPTION, epilog=_EPILOG)
-    commands = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
-    simulate = commands.add_parser(
+    subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    simulate = subparsers.add_parser(
         "simulate",
         help=SIMULATE_HELP,
         description="Run many independent simulated experiments at once and report how well the "
@@ -109,9 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", type=Path, metavar="RESULT.json", help="write the result document here")
     simulate.add_argument("--plot", type=Path, metavar="CURVE.png", help="plot the convergence curve (needs matplotlib)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
-    for name, help_text in SERVICE_COMMANDS.items():
-        # Listed only: main() hands these to service.cli before this parser sees them.
-        commands.add_parser(name, help=help_text, add_help=False)
+    for name, entry_point in commands.items():
+        # Listed only: main() hands these to their own module before this parser sees them.
+        subparsers.add_parser(name, help=_describe(name, entry_point) if describe else None, add_help=False)
     return parser
 
 
@@ -201,7 +331,6 @@ def _plot(result, path: Path) -> None:
 
 
 def _simulate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from pasto.scenario import load_scenario
     from pasto.simulate import format_table, make_policy, simulate
 
     settings: dict[str, Any] = {}
@@ -235,31 +364,14 @@ def _simulate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
-def _service(argv: list[str], stderr: TextIO) -> int:
-    try:
-        from service.cli import main as service_main
-    except ModuleNotFoundError as error:
-        if error.name in ("service", "service.cli"):
-            stderr.write(
-                f"pasto: error: the command {argv[0]!r} belongs to the pasto service, whose module "
-                "service.cli is not installed here; `pasto simulate` works without it.\n"
-            )
-            return 2
-        stderr.write(
-            f"pasto: error: the command {argv[0]!r} needs the Python package {error.name!r}, "
-            "which is not installed; reinstall this project with `pip install -e .` from the source "
-            "checkout.\n"
-        )
-        return 2
-    return service_main(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pasto`` command; returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SERVICE_COMMANDS:
-        return _service(argv, sys.stderr)
-    parser = build_parser()
+    commands = discover_commands()
+    if argv and argv[0] in commands:
+        command = _load_command(argv[0], commands[argv[0]], sys.stderr)
+        return 2 if command is None else command(argv[1:])
+    parser = build_parser(commands, describe=not argv or argv[0] != "simulate")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)

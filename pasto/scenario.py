@@ -1,4 +1,4 @@
-"""Simulation scenarios: loading and validating the scenario JSON format.
+"""Simulation scenarios: validating the scenario JSON format (a parsed dict; `pasto.cli` reads files).
 
 A scenario describes a synthetic problem for the Monte-Carlo simulator (``pasto.simulate``)::
 
@@ -62,8 +62,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,9 +72,7 @@ __all__ = [
     "Noise",
     "Drift",
     "Scenario",
-    "load_scenario",
     "scenario_from_dict",
-    "packaged_scenarios",
 ]
 
 NOISE_KINDS = ("gaussian", "student_t", "lognormal")
@@ -166,7 +162,7 @@ class Drift:
 
 @dataclass(frozen=True)
 class Scenario:
-    """A validated scenario. Build one with ``load_scenario`` or ``scenario_from_dict``."""
+    """A validated scenario. Build one with ``scenario_from_dict`` (``pasto.cli.load_scenario`` reads a file or a packaged scenario)."""
 
     name: str
     description: str
@@ -263,46 +259,6 @@ class Scenario:
         if self.delay_rounds:
             data["delay_rounds"] = self.delay_rounds
         return data
-
-
-def packaged_scenarios() -> list[str]:
-    """Names of the scenarios shipped with pasto (usable by name in ``load_scenario``)."""
-    folder = resources.files("pasto") / "scenarios"
-    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
-
-
-def load_scenario(name_or_path: str | Path) -> Scenario:
-    """Load and validate a scenario from a file path or by the name of a packaged scenario.
-
-    Parameters
-    ----------
-    name_or_path : str or Path
-        A path to a JSON file, or a packaged name such as ``"setup-a"`` (``.json`` optional).
-
-    Raises
-    ------
-    ValueError
-        If the file is missing, is not JSON, or fails validation (the message names the key).
-    """
-    path = Path(name_or_path)
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
-        source = str(path)
-    else:
-        name = path.name[: -len(".json")] if path.name.endswith(".json") else path.name
-        packaged = packaged_scenarios()
-        if str(name_or_path) not in (name, name + ".json") or name not in packaged:
-            raise ValueError(
-                f"No scenario file {str(name_or_path)!r} and no packaged scenario of that name; "
-                f"packaged scenarios: {', '.join(packaged)}."
-            )
-        text = (resources.files("pasto") / "scenarios" / f"{name}.json").read_text(encoding="utf-8")
-        source = f"packaged scenario {name!r}"
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"The scenario in {source} is not valid JSON: {error}.") from None
-    return scenario_from_dict(data)
 
 
 def scenario_from_dict(data: Any) -> Scenario:

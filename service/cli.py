@@ -1,9 +1,9 @@
-"""Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``.
+"""Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``, ``demo``.
 
-``pasto.cli`` hands every command of its ``SERVICE_COMMANDS`` to :func:`main` (``demo`` is passed on to
-``service.demo``); the one-line help of each command is kept there, so that ``pasto --help`` lists them
-without importing the service. Configuration comes from the environment (``PASTO_*``), see
-``service.config``.
+Each command is a :class:`Command` declared in pyproject.toml's entry-point group ``pasto.commands``;
+``pasto.cli`` discovers them there and calls the one named on the command line, so the core never
+imports the service (the service depends on the core, not the other way). ``demo`` is passed on to
+``service.demo``. Configuration comes from the environment (``PASTO_*``), see ``service.config``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,45 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
 from flask import Flask
 
-from pasto.cli import SERVICE_COMMANDS
+#: The service's commands and their one-line help, shown by ``pasto --help``.
+SERVICE_COMMANDS = {
+    "serve": "serve the HTTP API (waitress) with the round scheduler",
+    "worker": "run the round scheduler alone (no HTTP)",
+    "db": "database schema: upgrade, current, downgrade (Alembic)",
+    "tokens": "API tokens: create",
+    "demo": "run the service with a live demo experiment and synthetic traffic",
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One service command as ``pasto.cli`` discovers it (entry-point group ``pasto.commands``).
+
+    Attributes
+    ----------
+    name : str
+        The word after ``pasto`` on the command line.
+    help : str
+        Its one-line help for ``pasto --help``.
+    """
+
+    name: str
+    help: str
+
+    def __call__(self, argv: list[str]) -> int:
+        """Run the command with ``argv``, the words after its name; returns the exit status."""
+        return main([self.name, *argv])
+
+
+serve_command = Command("serve", SERVICE_COMMANDS["serve"])
+worker_command = Command("worker", SERVICE_COMMANDS["worker"])
+db_command = Command("db", SERVICE_COMMANDS["db"])
+tokens_command = Command("tokens", SERVICE_COMMANDS["tokens"])
+demo_command = Command("demo", SERVICE_COMMANDS["demo"])
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from pasto.algorithm import AlgorithmConfig
-from pasto.client import Client, LocalAssigner, ObservationBuffer, PastoAPIError, PastoConnectionError
+from pasto_client import Client, LocalAssigner, ObservationBuffer, PastoAPIError, PastoConnectionError
 from pasto.objectives import Objective
 from pasto.optimum import best_mixture, best_single
 

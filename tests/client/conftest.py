@@ -26,7 +26,7 @@ import requests
 
 import migrations
 
-from pasto.client import Client
+from pasto_client import Client
 from tests.pgcluster import free_port
 
 

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from pasto.client import Assignment, Client, PastoAPIError, PastoConnectionError
+from pasto_client import Assignment, Client, PastoAPIError, PastoConnectionError
 
 
 
@@ -22,7 +22,7 @@ def closed_port() -> int:
 
 def test_importing_the_client_does_not_import_flask_or_sqlalchemy():
     code = (
-        "import sys, pasto.client\n"
+        "import sys, pasto_client\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
         "{'flask', 'sqlalchemy', 'service', 'alembic', 'werkzeug'})\n"
         "print(','.join(loaded))\n"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pasto.client import Assignment, LocalAssigner
+from pasto_client import Assignment, LocalAssigner
 from pasto.hashing import bucket, choose_arm, cumulative_probabilities
 
 N_ARMS = 12
@@ -153,7 +153,7 @@ def test_keeps_serving_while_the_server_is_down(fresh_server, caplog):
             objective={"primary": "watch_time"}, round_seconds=3600, seed=3,
         )
         before = admin.assign_many(name, UNITS[:100])
-        caplog.set_level(logging.WARNING, logger="pasto.client")
+        caplog.set_level(logging.WARNING, logger="pasto_client")
         with LocalAssigner(admin, name, ttl=0.1, round_poll=0.05) as assigner:
             fresh_server.stop()
             assert wait_until(lambda: "Could not refresh" in caplog.text)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pasto.client import BufferOverflowError, Client, LocalAssigner, ObservationBuffer, PastoAPIError
+from pasto_client import BufferOverflowError, Client, LocalAssigner, ObservationBuffer, PastoAPIError
 
 
 def counted(client: Client, name: str, round_index: int = 0) -> int:
@@ -74,7 +74,7 @@ def test_flush_waits_for_everything_added(admin, create_experiment, true_means):
 
 def test_5xx_is_retried(server, proxy, create_experiment, true_means, caplog):
     name = create_experiment()
-    caplog.set_level(logging.WARNING, logger="pasto.client")
+    caplog.set_level(logging.WARNING, logger="pasto_client")
     with Client(proxy.url, server.admin_token) as through_proxy:
         with LocalAssigner(through_proxy, name) as assigner:
             proxy.script[:] = ["503", "503"]
@@ -195,7 +195,7 @@ def test_a_forgotten_close_still_sends_at_exit(server, admin, create_experiment)
     name = create_experiment()
     script = (
         "import sys\n"
-        "from pasto.client import Client, ObservationBuffer\n"
+        "from pasto_client import Client, ObservationBuffer\n"
         "client = Client(sys.argv[1], sys.argv[2])\n"
         "buffer = ObservationBuffer(client, sys.argv[3], flush_interval=60)\n"
         "for i in range(50):\n"

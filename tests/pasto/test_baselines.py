@@ -19,7 +19,8 @@ from pasto.baselines import (
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.optimum import best_single
-from pasto.scenario import load_scenario, scenario_from_dict
+from pasto.cli import load_scenario
+from pasto.scenario import scenario_from_dict
 from pasto.simulate import make_policy, round_statistics, simulate
 
 PAPER_A = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]})

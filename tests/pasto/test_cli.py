@@ -1,4 +1,5 @@
-"""`pasto simulate` end to end, and the hand-off of service commands."""
+"""`pasto simulate` end to end (the service's commands, discovered through entry points, are tested in
+tests/service/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pasto.cli import SERVICE_COMMANDS, _Progress, main, parse_setting
+from pasto.cli import _Progress, main, parse_setting
 
 
 def test_simulate_prints_the_table_and_writes_the_json(tmp_path, capsys):
@@ -104,60 +105,6 @@ def test_plot_writes_an_image(tmp_path, capsys):
     path = tmp_path / "curve.png"
     assert main(["simulate", "setup-a", "--runs", "5", "--rounds", "40", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_service_commands_without_the_service_give_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "service", None)
-    monkeypatch.setitem(sys.modules, "service.cli", None)
-    assert main(["serve", "--port", "5000"]) == 2
-    err = capsys.readouterr().err
-    assert "the command 'serve' belongs to the pasto service" in err
-    assert "pasto simulate" in err
-
-
-def test_service_commands_without_a_dependency_say_how_to_reinstall(monkeypatch, capsys):
-    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
-    monkeypatch.setitem(sys.modules, "flask", None)  # service.cli imports flask first
-    assert main(["serve", "--port", "5000"]) == 2
-    err = capsys.readouterr().err
-    assert "needs the Python package 'flask'" in err
-    assert "pip install -e ." in err and "pip install pasto" not in err
-
-
-EVERY_COMMAND = ("simulate", "serve", "worker", "db", "tokens", "demo")
-
-
-def test_no_command_prints_help(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal; keep one line per command
-    assert main([]) == 2
-    err = capsys.readouterr().err
-    assert all(f"    {command} " in err for command in EVERY_COMMAND), err
-
-
-def test_help_lists_every_command_with_its_line(monkeypatch, capsys):
-    monkeypatch.setenv("COLUMNS", "100")
-    with pytest.raises(SystemExit) as info:
-        main(["--help"])
-    assert info.value.code == 0
-    out = capsys.readouterr().out
-    assert set(SERVICE_COMMANDS) | {"simulate"} == set(EVERY_COMMAND)
-    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("    ") and line.split()}
-    for command in EVERY_COMMAND:
-        assert command in lines, out
-        description = lines[command].removeprefix("    ").removeprefix(command).strip()
-        assert description, f"no description for {command}: {out}"
-    assert "simulation of a controller" in lines["simulate"] and "(this module)" not in out
-    assert "downgrade" in lines["db"] and "demo experiment" in lines["demo"]
-
-
-def test_an_unknown_command_lists_every_command(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["bogus"])
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "invalid choice: 'bogus'" in err
-    choices = err.split("(choose from ", 1)[1].split(")", 1)[0]  # quoted up to Python 3.11, bare after
-    assert [choice.strip("' ") for choice in choices.split(",")] == list(EVERY_COMMAND)
 
 
 def test_entry_point_in_a_subprocess_never_imports_the_web_stack(tmp_path):

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from pasto.cli import main
-from pasto.scenario import load_scenario, scenario_from_dict
+from pasto.cli import load_scenario, main
+from pasto.scenario import scenario_from_dict
 
 
 def document(**changes):

@@ -8,12 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from pasto.scenario import (
-    Noise,
-    load_scenario,
-    packaged_scenarios,
-    scenario_from_dict,
-)
+from pasto.cli import load_scenario, packaged_scenarios
+from pasto.scenario import Noise, scenario_from_dict
 
 
 def minimal(**changes):

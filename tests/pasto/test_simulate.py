@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pasto.estimators import Statistics
-from pasto.scenario import load_scenario, scenario_from_dict
+from pasto.cli import load_scenario
+from pasto.scenario import scenario_from_dict
 from pasto.simulate import (
     draw_means,
     format_table,

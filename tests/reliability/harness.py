@@ -29,7 +29,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from pasto.algorithm import AlgorithmConfig, ControllerState, initial_state, update
-from pasto.client import Client, PastoConnectionError
+from pasto_client import Client, PastoConnectionError
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from service.models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic

@@ -42,7 +42,7 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from pasto.client import Client
+from pasto_client import Client
 from pasto.hashing import buckets, choose_arms
 from service.models import Experiment, Round
 from tests.reliability.harness import (

@@ -1,6 +1,6 @@
 """``kill -9`` of the server in the middle of ingestion and in the middle of a round update.
 
-The client's rule is the one ``pasto.client`` documents: a request whose answer did not arrive is
+The client's rule is the one ``pasto_client`` documents: a request whose answer did not arrive is
 sent again, unchanged (same observation ids, same ``{"round": r}``), once a server is up again.
 After the crash, a restart and those retries, each test proves that nothing was lost, nothing was
 counted twice (per round and arm counts, distinct units and sums equal those of the observations
@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 import sqlalchemy as sa
 
-from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 from tests.reliability.harness import (
     ADMIN_TOKEN, NAME, InFlight, Writer, assert_api_rounds_match, assert_replay_matches, assert_round_chain,
     assert_same_statistics, create_experiment, expected_statistics, replay, run_writers, stored_rounds,

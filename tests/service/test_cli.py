@@ -12,7 +12,9 @@ import pytest
 import requests
 
 import migrations
+from pasto.cli import discover_commands
 from pasto.cli import main as pasto_main
+from service.cli import SERVICE_COMMANDS
 from tests.pgcluster import free_port
 
 PASTO = [sys.executable, "-m", "pasto.cli"]
@@ -223,3 +225,85 @@ def test_serve_watching_stdin_stops_cleanly(tmp_path, how):
     assert "Traceback" not in output and "Fatal Python error" not in output
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Discovery: pasto.cli finds the service's commands in the entry-point group pasto.commands (moved here
+# from tests/pasto/test_cli.py with SERVICE_COMMANDS, which now lives in service.cli).
+
+EVERY_COMMAND = ("simulate", "db", "demo", "serve", "tokens", "worker")  # simulate, then by name
+
+
+def test_the_service_declares_every_command_it_parses():
+    commands = discover_commands()
+    assert set(commands) == set(SERVICE_COMMANDS)
+    for name, entry_point in commands.items():
+        command = entry_point.load()
+        assert command.name == name and command.help == SERVICE_COMMANDS[name]
+        assert list(entry_point.extras) == ["service"]
+
+
+def test_service_commands_without_the_service_give_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "service", None)
+    monkeypatch.setitem(sys.modules, "service.cli", None)
+    assert pasto_main(["serve", "--port", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "the command 'serve' comes from the module 'service.cli', which is not installed" in err
+    assert "`pip install '.[service]'`" in err and "pasto simulate" in err
+
+
+def test_service_commands_without_a_dependency_say_to_install_the_service_extra(monkeypatch, capsys):
+    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
+    monkeypatch.setitem(sys.modules, "flask", None)  # service.cli imports flask first
+    assert pasto_main(["serve", "--port", "5000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "needs the Python package 'flask'" in err
+    # pasto is not on PyPI: the hint names this project's extra, installed from the checkout.
+    assert "with its service extra: `pip install '.[service]'`" in err and "pip install pasto" not in err
+
+
+def test_help_without_the_service_extra_still_lists_every_command(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
+    monkeypatch.setitem(sys.modules, "flask", None)
+    with pytest.raises(SystemExit) as info:
+        pasto_main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "    serve     (not installed here: needs the service extra)" in out
+    assert "simulation of a controller" in out
+
+
+def test_no_command_prints_help(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal; keep one line per command
+    assert pasto_main([]) == 2
+    err = capsys.readouterr().err
+    assert all(f"    {command} " in err for command in EVERY_COMMAND), err
+
+
+def test_help_lists_every_command_with_its_line(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as info:
+        pasto_main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert set(SERVICE_COMMANDS) | {"simulate"} == set(EVERY_COMMAND)
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("    ") and line.split()}
+    for command in EVERY_COMMAND:
+        assert command in lines, out
+        description = lines[command].removeprefix("    ").removeprefix(command).strip()
+        assert description, f"no description for {command}: {out}"
+    assert "simulation of a controller" in lines["simulate"] and "(this module)" not in out
+    assert "downgrade" in lines["db"] and "demo experiment" in lines["demo"]
+
+
+def test_an_unknown_command_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        pasto_main(["bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err
+    choices = err.split("(choose from ", 1)[1].split(")", 1)[0]  # quoted up to Python 3.11, bare after
+    assert [choice.strip("' ") for choice in choices.split(",")] == list(EVERY_COMMAND)

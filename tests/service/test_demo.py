@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pasto.algorithm import AlgorithmConfig
-from pasto.client import Client, PastoAPIError, PastoConnectionError
+from pasto_client import Client, PastoAPIError, PastoConnectionError
 from service.demo import EXPERIMENT, build_scenario, check_scenario, ensure_experiment
 from tests.pgcluster import free_port
 
@@ -128,7 +128,7 @@ def test_the_scenario_check_rejects_an_optimum_past_its_guardrail():
 
 
 class ExperimentsInMemory:
-    """The part of pasto.client.Client that ensure_experiment uses, over a dict of experiments."""
+    """The part of pasto_client.Client that ensure_experiment uses, over a dict of experiments."""
 
     def __init__(self, experiments: dict[str, dict]) -> None:
         self.experiments = experiments

@@ -1,0 +1,35 @@
+"""Python client for the pasto controller: HTTP calls, local assignment and buffered observations.
+
+Three pieces, each usable on its own, each in its own module:
+
+- :class:`Client` (:mod:`pasto_client.client`) wraps every route of the HTTP API in a typed method
+  and turns the server's JSON errors into :class:`PastoAPIError`.
+- :class:`LocalAssigner` (:mod:`pasto_client.assigner`) fetches an experiment's mixture, seed and
+  round once and then assigns units in-process, without an HTTP round trip, with the same hashing as
+  the server (:mod:`pasto.hashing`), so a unit gets exactly the arm the server would give it. It
+  refreshes when the round ends or its TTL expires and keeps serving the last mixture while the
+  server is unreachable.
+- :class:`ObservationBuffer` (:mod:`pasto_client.buffer`) batches observations in a background
+  thread, stamps each with an idempotency id when it is added (so retries never double count),
+  retries network errors and 5xx with exponential backoff, and never drops anything silently.
+
+The package depends on the standard library, the pure ``pasto`` core (numpy, scipy) and requests
+only; it never imports Flask, SQLAlchemy or the service, so a recommender installs it without the
+service's dependencies (README, "Install").
+"""
+
+from pasto_client.assigner import LocalAssigner
+from pasto_client.buffer import ObservationBuffer
+from pasto_client.client import Assignment, Client
+from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
+
+__all__ = [
+    "Assignment",
+    "BufferOverflowError",
+    "Client",
+    "LocalAssigner",
+    "ObservationBuffer",
+    "PastoAPIError",
+    "PastoConnectionError",
+    "PastoError",
+]

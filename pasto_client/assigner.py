@@ -1,0 +1,256 @@
+"""Local assignment: serve an experiment's mixture in-process, exactly as the server assigns.
+
+:class:`LocalAssigner` fetches the experiment once through a :class:`~pasto_client.client.Client`, then
+assigns units with the server's hashing (:mod:`pasto.hashing`) and refreshes in a background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from types import MappingProxyType
+from typing import Any
+
+from pasto.hashing import PrefixHasher, buckets, choose_arms, cumulative_probabilities
+from pasto_client.client import Assignment, Client
+from pasto_client.errors import PastoError
+
+logger = logging.getLogger(__name__)
+_monotonic = time.monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    """Everything needed to assign locally in one round, precomputed once."""
+
+    round_index: int
+    status: str
+    seed: int
+    mixture: tuple[float, ...]          # (K,) the mixture served: probabilities, or deployed if stopped
+    cumulative: list[float]             # (K,) from cumulative_probabilities(mixture)
+    hasher: PrefixHasher
+    hash_unit: Callable[[str], float]    # hasher.__call__ bound once: cheaper to call than hasher
+    assignments: tuple[Assignment, ...]  # (K,) one immutable answer per arm for this round
+    refresh_at: float                   # time.monotonic() after which the snapshot is refreshed
+    overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
+
+
+def _parse_timestamp(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    parsed = datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
+class LocalAssigner:
+    """Assign units to arms in-process, exactly as the server would, without an HTTP round trip.
+
+    The experiment is fetched once; afterwards :meth:`assign` costs one hash of the unit and a
+    bisection over the cumulative mixture, with no lock, clock or I/O on the way. A background
+    thread refreshes the experiment when the round's ``ends_at`` passes (polling every
+    ``round_poll`` seconds until the server has opened the next round) and at the latest ``ttl``
+    seconds after the last fetch. If a refresh fails, a warning is logged, the last mixture keeps
+    being served and the refresh is retried with exponential backoff (up to ``ttl``). Thread-safe:
+    every call reads one immutable snapshot, which the refresher replaces atomically.
+
+    The served mixture follows the server: ``probabilities`` (p_t) while the experiment is running
+    or paused, ``deployed`` once it is stopped. Around a round change the assigner may serve the
+    previous round for up to ``round_poll`` seconds (or longer while the server is unreachable);
+    such assignments carry their round, so their observations are still attributed correctly (the
+    server keeps them as late observations of that round).
+
+    Parameters
+    ----------
+    client : Client or None
+        Where to fetch the experiment. None only together with ``experiment``: a fixed, offline
+        assigner that never refreshes.
+    experiment_name : str
+    ttl : float
+        Maximum age in seconds of the served mixture before it is fetched again.
+    round_poll : float
+        Seconds before fetching again once a round is past its ``ends_at`` but the server has not
+        yet opened the next one (the scheduler closes rounds shortly after ``ends_at``; the delay
+        doubles, up to ``ttl``, while the round stays open), and the first retry delay after a
+        failed fetch.
+    experiment : dict, optional
+        An experiment document as returned by :meth:`Client.get_experiment` (e.g. cached on disk) to
+        start from instead of fetching, so a process can start while the server is unreachable.
+    """
+
+    def __init__(
+        self,
+        client: Client | None,
+        experiment_name: str,
+        ttl: float = 30.0,
+        round_poll: float = 0.25,
+        experiment: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not (ttl > 0):
+            raise ValueError(f"The TTL must be a positive number of seconds, got {ttl!r}.")
+        if not (round_poll > 0):
+            raise ValueError(f"round_poll must be a positive number of seconds, got {round_poll!r}.")
+        if client is None and experiment is None:
+            raise ValueError("Give a client to fetch the experiment from, or an experiment document.")
+        self.client = client
+        self.experiment_name = experiment_name
+        self.ttl = float(ttl)
+        self.round_poll = float(round_poll)
+        self._lock = threading.Lock()  # serialises refreshes, never taken by assign
+        self._stopped = threading.Event()
+        if experiment is None:
+            experiment = client.get_experiment(experiment_name)
+        self._snapshot: _Snapshot = self._build_snapshot(experiment)
+        self._thread: threading.Thread | None = None
+        if client is not None:
+            self._thread = threading.Thread(
+                target=self._refresh_loop, name=f"pasto-assigner-{experiment_name}", daemon=True
+            )
+            self._thread.start()
+
+    # -- the hot path ------------------------------------------------------------------------------
+
+    def assign(self, unit: str) -> Assignment:
+        """The assignment of ``unit`` in the current round (the same object for every unit on the
+        same arm in the same round)."""
+        snapshot = self._snapshot
+        try:
+            u = snapshot.hash_unit(unit)
+        except AttributeError:
+            raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
+        # u < 1.0 == cumulative[-1], so the index is always a valid arm: this is choose_arm without
+        # its (here moot) clamp, inlined because it is the hot path.
+        return snapshot.assignments[bisect_right(snapshot.cumulative, u)]
+
+    def assign_many(self, units: Sequence[str]) -> list[Assignment]:
+        """Vectorised :meth:`assign` (numpy hashing): the assignments of ``units``, in order, all from
+        one snapshot."""
+        snapshot = self._snapshot
+        u = buckets(snapshot.seed, units, snapshot.round_index)
+        assignments = snapshot.assignments
+        return [assignments[k] for k in choose_arms(snapshot.mixture, u).tolist()]
+
+    # -- state -------------------------------------------------------------------------------------
+
+    @property
+    def round_index(self) -> int:
+        """The round of the snapshot being served."""
+        return self._snapshot.round_index
+
+    @property
+    def status(self) -> str:
+        """The experiment's status when it was last fetched (running, paused or stopped)."""
+        return self._snapshot.status
+
+    @property
+    def mixture(self) -> tuple[float, ...]:
+        """The mixture being served, aligned with :attr:`arms`."""
+        return self._snapshot.mixture
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """Arm names, in the server's order."""
+        return tuple(a.arm for a in self._snapshot.assignments)
+
+    def refresh(self) -> None:
+        """Fetch the experiment now (blocking) and serve it; raises if the server cannot be reached
+        (the previous snapshot then stays in service)."""
+        if self.client is None:
+            return
+        with self._lock:
+            experiment = self.client.get_experiment(self.experiment_name)
+            self._snapshot = self._build_snapshot(experiment, previous=self._snapshot)
+
+    def close(self) -> None:
+        """Stop the background refresher; the last snapshot keeps being served."""
+        self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> LocalAssigner:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _refresh_loop(self) -> None:
+        failures = 0
+        while not self._stopped.is_set():
+            # Recomputed every pass: refresh() may have been called from another thread meanwhile.
+            delay = self._snapshot.refresh_at - _monotonic()
+            if delay > 0:
+                self._stopped.wait(delay)
+                continue
+            try:
+                self.refresh()
+            except (PastoError, KeyError, TypeError, ValueError) as error:
+                failures += 1
+                retry_in = min(self.ttl, self.round_poll * 2 ** min(failures - 1, 30))
+                current = self._snapshot
+                logger.warning(
+                    "Could not refresh experiment %r (%s); serving the mixture of round %d, "
+                    "retrying in %.2f s.",
+                    self.experiment_name, error, current.round_index, retry_in,
+                )
+                with self._lock:
+                    self._snapshot = replace(self._snapshot, refresh_at=_monotonic() + retry_in)
+            else:
+                failures = 0
+
+    def _build_snapshot(
+        self, experiment: Mapping[str, Any], previous: _Snapshot | None = None
+    ) -> _Snapshot:
+        fetched_at = _monotonic()
+        status = experiment["status"]
+        round_info = experiment["round"]
+        round_index = int(round_info["index"])
+        served = experiment["deployed"] if status == "stopped" else experiment["probabilities"]
+        mixture = tuple(float(x) for x in served)
+        arms = experiment["arms"]
+        if len(arms) != len(mixture):
+            raise ValueError(
+                f"The experiment has {len(arms)} arms but a mixture of {len(mixture)} probabilities."
+            )
+        cumulative = cumulative_probabilities(mixture)
+        assignments = tuple(
+            Assignment(
+                arm=arm["name"],
+                params=MappingProxyType(dict(arm.get("params") or {})),
+                round=round_index,
+                probability=p,
+            )
+            for arm, p in zip(arms, mixture)
+        )
+        seed = int(experiment["seed"])
+        same_round = previous is not None and previous.seed == seed and previous.round_index == round_index
+        delay = self.ttl
+        overdue_poll = 0.0
+        ends_at = _parse_timestamp(round_info.get("ends_at"))
+        if status == "running" and ends_at is not None:
+            remaining = (ends_at - datetime.now(timezone.utc)).total_seconds()
+            if remaining > 0:
+                delay = min(delay, remaining)
+            else:
+                # A round past its end is normally closed by the scheduler within a second; poll
+                # for it, backing off in case no scheduler runs (rounds closed by hand).
+                overdue_poll = self.round_poll
+                if same_round and previous.overdue_poll > 0:
+                    overdue_poll = min(self.ttl, 2 * previous.overdue_poll)
+                delay = min(delay, overdue_poll)
+        hasher = previous.hasher if same_round else PrefixHasher(seed, round_index)
+        return _Snapshot(
+            round_index=round_index,
+            status=status,
+            seed=seed,
+            mixture=mixture,
+            cumulative=cumulative,
+            hasher=hasher,
+            hash_unit=hasher.__call__,
+            assignments=assignments,
+            refresh_at=fetched_at + delay,
+            overdue_poll=overdue_poll,
+        )

@@ -1,0 +1,276 @@
+"""The HTTP client: one typed method per route of the pasto API, and the answer types it returns.
+
+Errors are turned into :class:`~pasto_client.errors.PastoAPIError` (the server answered with an error)
+and :class:`~pasto_client.errors.PastoConnectionError` (it could not be reached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import requests
+
+from pasto_client.errors import PastoAPIError, PastoConnectionError
+
+API_PREFIX = "/api/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """The arm a unit is assigned to.
+
+    Attributes
+    ----------
+    arm : str
+        The arm's name.
+    params : Mapping[str, Any]
+        The arm's strategic parameters (read-only view; ``dict(params)`` for a copy).
+    round : int
+        The round the assignment belongs to; report it with the unit's observations.
+    probability : float
+        The propensity of ``arm`` in the mixture the unit was drawn from.
+    """
+
+    arm: str
+    params: Mapping[str, Any]
+    round: int
+    probability: float
+
+
+def _assignment_from_json(body: Mapping[str, Any]) -> Assignment:
+    return Assignment(
+        arm=body["arm"],
+        params=MappingProxyType(dict(body["params"])),
+        round=int(body["round"]),
+        probability=float(body["probability"]),
+    )
+
+
+class Client:
+    """Typed access to every route of a pasto server.
+
+    Parameters
+    ----------
+    base_url : str
+        Root of the server, e.g. ``"http://127.0.0.1:8000"``.
+    token : str or None
+        Bearer token (role ``read``, ``ingest`` or ``admin``, depending on the calls you make).
+    timeout : float
+        Seconds to wait for the server to connect and to answer each request.
+    session : requests.Session, optional
+        A session to reuse (connection pooling, proxies, TLS settings); one is created otherwise.
+
+    Every method raises :class:`PastoAPIError` when the server answers with an error and
+    :class:`PastoConnectionError` when it cannot be reached.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        timeout: float = 10.0,
+        session: requests.Session | None = None,
+    ) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"The base URL must start with http:// or https://, got {base_url!r}.")
+        if not (timeout > 0):
+            raise ValueError(f"The timeout must be a positive number of seconds, got {timeout!r}.")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self._session = session if session is not None else requests.Session()
+        self._headers = {"Accept": "application/json"}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+
+    def __repr__(self) -> str:
+        return f"Client({self.base_url!r})"
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, json: Any = None) -> Any:
+        """Send one request to ``path`` (relative to the base URL) and return the decoded JSON body."""
+        url = self.base_url + path
+        try:
+            response = self._session.request(
+                method, url, json=json, headers=self._headers, timeout=self.timeout
+            )
+        except requests.RequestException as error:
+            raise PastoConnectionError(f"{method} {url} failed: {error}") from error
+        if response.status_code >= 400:
+            raise _api_error(response)
+        if response.status_code == 204 or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as error:
+            raise PastoAPIError(
+                response.status_code,
+                "invalid_response",
+                f"The server answered {method} {url} with a body that is not JSON.",
+            ) from error
+
+    def close(self) -> None:
+        """Close the underlying HTTP session."""
+        self._session.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _experiment_path(name: str, suffix: str = "") -> str:
+        return f"{API_PREFIX}/experiments/{quote(name, safe='')}{suffix}"
+
+    # -- service -----------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """``GET /healthz``: database reachable, scheduler alive, schema version."""
+        return self.request("GET", "/healthz")
+
+    def openapi(self) -> dict:
+        """``GET /api/v1/openapi.json``: the OpenAPI document of the server."""
+        return self.request("GET", f"{API_PREFIX}/openapi.json")
+
+    # -- experiments -------------------------------------------------------------------------------
+
+    def create_experiment(
+        self,
+        name: str,
+        arms: Sequence[Mapping[str, Any]],
+        metrics: Sequence[str],
+        objective: Mapping[str, Any],
+        round_seconds: float,
+        settle_seconds: float = 0.0,
+        algorithm: Mapping[str, Any] | None = None,
+        seed: int | None = None,
+    ) -> dict:
+        """``POST /api/v1/experiments`` (admin): create an experiment and return it.
+
+        Parameters
+        ----------
+        name : str
+            Unique name, ``[a-z0-9_-]{1,64}``.
+        arms : sequence of {"name": str, "params": dict}
+        metrics : sequence of str
+            Every metric name; the objective refers to them.
+        objective : dict
+            ``{"primary": metric, "guardrails": [{"metric", "threshold", "penalty",
+            "relative_to"?}]}``.
+        round_seconds : float
+            Length of a round (>= 1).
+        settle_seconds : float
+            Wait after a round ends for late observations before updating.
+        algorithm : dict, optional
+            ``{"preset": "paper" | "default", **overrides}``.
+        seed : int, optional
+            Hash seed; the server draws one otherwise.
+        """
+        body: dict[str, Any] = {
+            "name": name,
+            "arms": [dict(arm) for arm in arms],
+            "metrics": list(metrics),
+            "objective": dict(objective),
+            "round_seconds": round_seconds,
+            "settle_seconds": settle_seconds,
+        }
+        if algorithm is not None:
+            body["algorithm"] = dict(algorithm)
+        if seed is not None:
+            body["seed"] = seed
+        return self.request("POST", f"{API_PREFIX}/experiments", json=body)
+
+    def list_experiments(self) -> list[dict]:
+        """``GET /api/v1/experiments``: every experiment."""
+        return self.request("GET", f"{API_PREFIX}/experiments")["experiments"]
+
+    def get_experiment(self, name: str) -> dict:
+        """``GET /api/v1/experiments/<name>``: configuration and current state (status, round,
+        probabilities, deployed mixture)."""
+        return self.request("GET", self._experiment_path(name))
+
+    def pause(self, name: str) -> dict:
+        """``POST .../pause`` (admin): keep serving the current mixture, stop advancing rounds."""
+        return self.request("POST", self._experiment_path(name, "/pause"))
+
+    def resume(self, name: str) -> dict:
+        """``POST .../resume`` (admin): advance rounds again."""
+        return self.request("POST", self._experiment_path(name, "/resume"))
+
+    def stop(self, name: str) -> dict:
+        """``POST .../stop`` (admin): serve the deployed mixture from now on, close ingestion."""
+        return self.request("POST", self._experiment_path(name, "/stop"))
+
+    # -- assignment and observations ---------------------------------------------------------------
+
+    def assign(self, name: str, unit: str) -> Assignment:
+        """``POST .../assign`` (ingest): the server's assignment of one unit."""
+        body = self.request("POST", self._experiment_path(name, "/assign"), json={"unit": unit})
+        return _assignment_from_json(body)
+
+    def assign_many(self, name: str, units: Sequence[str]) -> list[Assignment]:
+        """``POST .../assign`` (ingest) with up to 10,000 units: their assignments, in order."""
+        body = self.request(
+            "POST", self._experiment_path(name, "/assign"), json={"units": list(units)}
+        )
+        return [_assignment_from_json(item) for item in body["assignments"]]
+
+    def observe(self, name: str, observations: Sequence[Mapping[str, Any]]) -> dict:
+        """``POST .../observations`` (ingest): record up to 10,000 observations, all or nothing.
+
+        Each observation is ``{"id": idempotency key, "unit", "round", "arm"?, "values": {metric:
+        number}}``. Returns ``{"accepted": n, "duplicates": d}`` (an id seen before counts once, ever).
+        """
+        return self.request(
+            "POST",
+            self._experiment_path(name, "/observations"),
+            json={"observations": [dict(item) for item in observations]},
+        )
+
+    # -- rounds and diagnostics --------------------------------------------------------------------
+
+    def close_round(self, name: str, round_index: int | None = None) -> dict:
+        """``POST .../rounds`` (admin): close the current round now and run the pending updates.
+
+        With ``round_index``, only if that is still the current round (409 otherwise), so two
+        callers cannot close two rounds by accident. Returns ``{"closed_round", "applied", "round":
+        {"index", "started_at", "ends_at"}, "probabilities", "deployed"}``: the new round.
+        """
+        body = None if round_index is None else {"round": round_index}
+        return self.request("POST", self._experiment_path(name, "/rounds"), json=body)
+
+    def rounds(self, name: str, since: int | None = None, limit: int | None = None) -> list[dict]:
+        """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,
+        estimated objective and regret); ``since`` (first round index) and ``limit`` page through
+        long histories."""
+        query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
+        path = self._experiment_path(name, "/rounds") + (f"?{query}" if query else "")
+        return self.request("GET", path)["rounds"]
+
+    def diagnostics(self, name: str) -> dict:
+        """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,
+        guardrails with intervals, sample-ratio mismatch, late observations."""
+        return self.request("GET", self._experiment_path(name, "/diagnostics"))
+
+
+def _api_error(response: requests.Response) -> PastoAPIError:
+    try:
+        error = response.json()["error"]
+        return PastoAPIError(
+            response.status_code,
+            str(error.get("code", "http_error")),
+            str(error.get("message", "")),
+            error.get("details"),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        text = response.text.strip()
+        return PastoAPIError(
+            response.status_code,
+            "http_error",
+            text[:500] if text else response.reason or f"HTTP {response.status_code}",
+        )
