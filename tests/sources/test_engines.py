@@ -165,3 +165,27 @@ def test_window_bounds_are_half_open(eventdata, tmp_path):
     assert round_1.statistics.sums.tolist() == [[0.0, 5.0, 0.0], [0.0, 0.0, 0.0]]
     assert round_0.units.tolist() == [1, 0, 0] and round_1.units.tolist() == [0, 1, 0]
     assert isinstance(start, datetime)
+
+
+def test_zoned_timestamp_columns_on_duckdb(eventdata, tmp_path):
+    """TIMESTAMPTZ columns (instants) compare with the UTC window as TIMESTAMP columns do."""
+    import duckdb
+
+    data = eventdata
+    events = data.make_events(np.random.default_rng(21), rounds=1)
+    data.write_files(events, tmp_path / "plain", "csv", "p")
+    connection = duckdb.connect()
+    connection.execute("SET TimeZone = 'UTC'")
+    for table in ("exposures", "events"):
+        (tmp_path / "zoned" / table).mkdir(parents=True)
+        connection.execute(
+            f"COPY (SELECT * REPLACE (ts::TIMESTAMPTZ AS ts) FROM read_csv_auto('{tmp_path}/plain/{table}/p.csv')) "
+            f"TO '{tmp_path}/zoned/{table}/p.parquet' (FORMAT parquet)")
+    column_type = connection.execute(
+        f"SELECT typeof(ts) FROM read_parquet('{tmp_path}/zoned/events/p.parquet') LIMIT 1").fetchone()[0]
+    connection.close()
+    assert column_type == "TIMESTAMP WITH TIME ZONE"
+    case = FileCase(data, tmp_path / "zoned", "duckdb", "parquet")
+    result = fetch_round_statistics(parse_source(case.source("mapping")), data.EXPERIMENT, _window(data, 0),
+                                    data.ARMS, data.METRICS)
+    _assert_equal(result, data.expected_statistics(events, 0))
