@@ -211,8 +211,8 @@ def _run_spark(source: MetricSource, metrics: Sequence[str],
     url = source.resolved_url()
     try:
         spark = spark_session(url)
-        if not url.startswith("sc://"):
-            spark.conf.set("spark.sql.session.timeZone", "UTC")
+        # Zone-less timestamps in the files are UTC, as on the other engines (Spark Connect too).
+        spark.conf.set("spark.sql.session.timeZone", "UTC")
         _register_spark_files(spark, source.files)
         text = source_sql(source, metrics)
         frame = spark.sql(text, args=_used(text, parameters))
