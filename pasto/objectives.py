@@ -13,6 +13,15 @@ A guardrail threshold is either absolute (``c_j = threshold``) or relative to a 
 (``c_j = mu[g_j, b] * (1 + threshold)``; threshold -0.02 reads "at most 2% below arm b"). Relative
 thresholds are resolved on whatever mean matrix the caller passes (the current estimate during
 learning, the true means in a simulation) and are treated as constants when differentiating.
+
+A guardrail is either *soft* (the quadratic penalty above, ``"penalty": lambda``) or *hard*
+(``"hard": true``, no penalty): a constraint ``y_j >= c_j`` that the exact solver
+(:func:`pasto.optimum.solve`) never trades for primary value. Hard guardrails take no part in
+:meth:`Objective.value` (it stays finite for charts and JSON: primary plus soft penalties); they are
+reported separately by :meth:`Objective.hard_slack` (y_j - c_j, negative when broken).
+
+An objective may name a *baseline* arm (``"baseline": "<arm>"``), the known-safe production
+setting; without one, the ``relative_to`` arm of the first relative guardrail is the baseline.
 """
 
 from __future__ import annotations
@@ -26,14 +35,14 @@ import numpy as np
 
 __all__ = ["Guardrail", "Objective"]
 
-_SPEC_KEYS = {"primary", "guardrails"}
-_GUARDRAIL_KEYS = {"metric", "threshold", "penalty", "relative_to"}
-_GUARDRAIL_REQUIRED = ("metric", "threshold", "penalty")
+_SPEC_KEYS = {"primary", "guardrails", "baseline"}
+_GUARDRAIL_KEYS = {"metric", "threshold", "penalty", "relative_to", "hard"}
+_GUARDRAIL_REQUIRED = ("metric", "threshold")
 
 
 @dataclass(frozen=True)
 class Guardrail:
-    """A lower bound on one metric, enforced by the penalty ``penalty * min(0, y - c)^2``.
+    """A lower bound on one metric: soft (the penalty ``penalty * min(0, y - c)^2``) or hard.
 
     Attributes
     ----------
@@ -43,15 +52,19 @@ class Guardrail:
         Absolute lower bound c, or, with ``relative_to``, the relative change allowed against the
         baseline arm (c = baseline mean * (1 + threshold)).
     penalty : float
-        Penalty weight lambda >= 0.
+        Penalty weight lambda >= 0 of a soft guardrail; 0 for a hard one.
     relative_to : str or None
         Name of the baseline arm for a relative threshold.
+    hard : bool
+        A hard guardrail is a constraint y >= c (no penalty): the exact solver keeps it or reports
+        the problem infeasible.
     """
 
     metric: str
     threshold: float
-    penalty: float
+    penalty: float = 0.0
     relative_to: str | None = None
+    hard: bool = False
 
 
 def _is_number(value: Any) -> bool:
@@ -69,15 +82,19 @@ class Objective:
     primary : tuple of (str, float)
         The maximised metrics and their weights.
     guardrails : tuple of Guardrail
-        Penalised lower bounds.
+        Lower bounds: soft (penalised) or hard (constraints).
     arm_names : tuple of str or None
-        Arm names, in column order; needed only to resolve relative thresholds.
+        Arm names, in column order; needed only to resolve relative thresholds and the baseline.
+    baseline : str or None
+        The known-safe arm (the production setting), when named explicitly; see
+        :attr:`baseline_index` for the arm actually used.
     """
 
     metrics: tuple[str, ...]
     primary: tuple[tuple[str, float], ...]
     guardrails: tuple[Guardrail, ...] = ()
     arm_names: tuple[str, ...] | None = None
+    baseline: str | None = None
     # Derived index arrays, computed once so value/gradient are plain vectorised numpy.
     _primary_weights: np.ndarray = field(init=False, repr=False, compare=False)
     _guardrail_rows: np.ndarray = field(init=False, repr=False, compare=False)
@@ -85,6 +102,7 @@ class Objective:
     _penalties: np.ndarray = field(init=False, repr=False, compare=False)
     _raw_thresholds: np.ndarray = field(init=False, repr=False, compare=False)
     _relative_columns: np.ndarray = field(init=False, repr=False, compare=False)
+    _hard_mask: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         metrics = tuple(self.metrics)
@@ -113,6 +131,7 @@ class Objective:
             ("_penalties", np.array([g.penalty for g in self.guardrails], dtype=float)),
             ("_raw_thresholds", np.array([g.threshold for g in self.guardrails], dtype=float)),
             ("_relative_columns", relative),
+            ("_hard_mask", np.array([g.hard for g in self.guardrails], dtype=bool)),
         ):
             value.setflags(write=False)
             object.__setattr__(self, name, value)
@@ -133,9 +152,11 @@ class Objective:
             Metric names in row order.
         spec : mapping
             ``{"primary": "x" | {"x": 1.0, "z": 0.5}, "guardrails": [{"metric", "threshold",
-            "penalty", "relative_to"?}, ...]}``; ``guardrails`` may be omitted.
+            "penalty" | "hard": true, "relative_to"?}, ...], "baseline"?: "<arm>"}``;
+            ``guardrails`` and ``baseline`` may be omitted. A soft guardrail gives a ``penalty``; a
+            hard one gives ``"hard": true`` and no penalty.
         arm_names : sequence of str, optional
-            Arm names; required when a guardrail has ``relative_to``.
+            Arm names; required when a guardrail has ``relative_to`` or a baseline is named.
 
         Raises
         ------
@@ -147,7 +168,8 @@ class Objective:
         unknown = sorted(set(spec) - _SPEC_KEYS)
         if unknown:
             raise ValueError(
-                f"The objective has unknown key(s) {unknown}; allowed keys are 'primary' and 'guardrails'."
+                f"The objective has unknown key(s) {unknown}; allowed keys are 'primary', 'guardrails' "
+                "and 'baseline'."
             )
         if "primary" not in spec:
             raise ValueError("The objective needs a 'primary' metric (a name or a {name: weight} object).")
@@ -174,18 +196,33 @@ class Objective:
         for position, raw in enumerate(raw_guardrails):
             where = f"Guardrail {position}"
             if not isinstance(raw, Mapping):
-                raise ValueError(f"{where} must be an object with keys 'metric', 'threshold' and 'penalty'.")
+                raise ValueError(
+                    f"{where} must be an object with keys 'metric', 'threshold' and 'penalty' (or 'hard': true)."
+                )
             unknown = sorted(set(raw) - _GUARDRAIL_KEYS)
             if unknown:
                 raise ValueError(
                     f"{where} has unknown key(s) {unknown}; allowed keys are "
-                    "'metric', 'threshold', 'penalty' and 'relative_to'."
+                    "'metric', 'threshold', 'penalty', 'hard' and 'relative_to'."
                 )
             for key in _GUARDRAIL_REQUIRED:
                 if key not in raw:
                     raise ValueError(f"{where} is missing the required key {key!r}.")
+            hard = raw.get("hard", False)
+            if not isinstance(hard, bool):
+                raise ValueError(f"{where} key 'hard' must be true or false, got {hard!r}.")
+            if hard and "penalty" in raw:
+                raise ValueError(
+                    f"{where} is hard and also gives a penalty; a hard guardrail is a constraint with no "
+                    "penalty, so give either 'hard': true or a 'penalty', not both."
+                )
+            if not hard and "penalty" not in raw:
+                raise ValueError(
+                    f"{where} is missing the required key 'penalty' (a soft guardrail's weight); "
+                    "give 'hard': true instead for a constraint."
+                )
             for key in ("threshold", "penalty"):
-                if not _is_number(raw[key]):
+                if key in raw and not _is_number(raw[key]):
                     raise ValueError(f"{where} key {key!r} must be a number, got {raw[key]!r}.")
             relative_to = raw.get("relative_to")
             if relative_to is not None and not isinstance(relative_to, str):
@@ -194,15 +231,20 @@ class Objective:
                 Guardrail(
                     metric=str(raw["metric"]),
                     threshold=float(raw["threshold"]),
-                    penalty=float(raw["penalty"]),
+                    penalty=0.0 if hard else float(raw["penalty"]),
                     relative_to=relative_to,
+                    hard=hard,
                 )
             )
+        baseline = spec.get("baseline")
+        if baseline is not None and not isinstance(baseline, str):
+            raise ValueError(f"The objective key 'baseline' must be an arm name, got {baseline!r}.")
         return cls(
             metrics=tuple(metrics),
             primary=primary,
             guardrails=tuple(guardrails),
             arm_names=None if arm_names is None else tuple(arm_names),
+            baseline=baseline,
         )
 
     def to_spec(self) -> dict[str, Any]:
@@ -213,11 +255,18 @@ class Objective:
             primary = {name: weight for name, weight in self.primary}
         guardrails = []
         for g in self.guardrails:
-            item: dict[str, Any] = {"metric": g.metric, "threshold": g.threshold, "penalty": g.penalty}
+            item: dict[str, Any] = {"metric": g.metric, "threshold": g.threshold}
+            if g.hard:
+                item["hard"] = True
+            else:
+                item["penalty"] = g.penalty
             if g.relative_to is not None:
                 item["relative_to"] = g.relative_to
             guardrails.append(item)
-        return {"primary": primary, "guardrails": guardrails}
+        spec: dict[str, Any] = {"primary": primary, "guardrails": guardrails}
+        if self.baseline is not None:
+            spec["baseline"] = self.baseline
+        return spec
 
     # ------------------------------------------------------------------ numerics
     @property
@@ -241,8 +290,59 @@ class Objective:
 
     @property
     def penalties(self) -> np.ndarray:
-        """(G,) penalty weights lambda_j."""
+        """(G,) penalty weights lambda_j (0 for hard guardrails: they are constraints, not penalties)."""
         return self._penalties
+
+    @property
+    def hard_mask(self) -> np.ndarray:
+        """(G,) True for hard guardrails."""
+        return self._hard_mask
+
+    @property
+    def hard_indices(self) -> np.ndarray:
+        """(H,) positions of the hard guardrails among the guardrails (order of :meth:`hard_slack`)."""
+        return np.flatnonzero(self._hard_mask)
+
+    @property
+    def soft_indices(self) -> np.ndarray:
+        """(G - H,) positions of the soft guardrails among the guardrails."""
+        return np.flatnonzero(~self._hard_mask)
+
+    @property
+    def baseline_index(self) -> int | None:
+        """Column of the baseline (known-safe) arm, or None when there is none.
+
+        The explicitly named ``baseline``; else the ``relative_to`` arm of the first relative
+        guardrail (a relative threshold is defined against that arm, so it is the reference setting).
+        """
+        name = self.baseline
+        if name is None:
+            name = next((g.relative_to for g in self.guardrails if g.relative_to is not None), None)
+        if name is None:
+            return None
+        # Validation guarantees arm names whenever a baseline or relative_to is named.
+        return self.arm_names.index(name)
+
+    def hard_slack(self, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+        """y_j - c_j for the hard guardrails: >= 0 when held, negative by the shortfall when broken.
+
+        Parameters
+        ----------
+        x : ndarray, shape (..., M)
+            Expected metric vector (mu p).
+        thresholds : ndarray, shape (..., G)
+            Resolved thresholds of all guardrails (see :meth:`thresholds`).
+
+        Returns
+        -------
+        ndarray, shape (..., H)
+        """
+        x = np.asarray(x, dtype=float)
+        if x.shape[-1:] != (self.n_metrics,):
+            raise ValueError(f"The metric vector must have shape (..., {self.n_metrics}), got {x.shape}.")
+        thresholds = np.asarray(thresholds, dtype=float)
+        hard = self.hard_indices
+        return x[..., self._guardrail_rows[hard]] - thresholds[..., hard]
 
     def thresholds(self, means: np.ndarray) -> np.ndarray:
         """Resolve guardrail thresholds c_j.
@@ -284,7 +384,10 @@ class Objective:
     def value(
         self, x: np.ndarray, thresholds: np.ndarray, penalties: np.ndarray | None = None
     ) -> np.ndarray:
-        """f(x).
+        """f(x): the primary part minus the soft guardrails' penalties.
+
+        Hard guardrails contribute nothing here (their penalty is 0): whether they hold is
+        :meth:`hard_slack`'s answer, so the value stays finite even where a hard guardrail breaks.
 
         Parameters
         ----------
@@ -360,6 +463,12 @@ def _validate(objective: Objective) -> None:
             raise ValueError(f"{where} key 'threshold' must be finite, got {g.threshold}.")
         if not math.isfinite(g.penalty) or g.penalty < 0:
             raise ValueError(f"{where} key 'penalty' must be a finite number >= 0, got {g.penalty}.")
+        if not isinstance(g.hard, (bool, np.bool_)):
+            raise ValueError(f"{where} key 'hard' must be true or false, got {g.hard!r}.")
+        if g.hard and g.penalty != 0.0:
+            raise ValueError(
+                f"{where} is hard and has penalty {g.penalty}; a hard guardrail is a constraint with no penalty."
+            )
         if g.relative_to is not None:
             if objective.arm_names is None:
                 raise ValueError(
@@ -370,3 +479,10 @@ def _validate(objective: Objective) -> None:
                     f"{where} key 'relative_to' names arm {g.relative_to!r}, which is not one of the arms "
                     f"{list(objective.arm_names)}."
                 )
+    if objective.baseline is not None:
+        if objective.arm_names is None:
+            raise ValueError(f"The objective names baseline arm {objective.baseline!r}, but no arm names were given.")
+        if objective.baseline not in objective.arm_names:
+            raise ValueError(
+                f"The objective's baseline {objective.baseline!r} is not one of the arms {list(objective.arm_names)}."
+            )

@@ -1,24 +1,27 @@
 """Optimum tools: the best mixture max_p f(mu p) on the simplex, the best single arm, regret.
 
-:func:`mirror_ascent` is the batched exponentiated-gradient solver (entropic mirror ascent with a
-per-problem adaptive step and monotone acceptance) that the algorithm's solve-per-round mode
-uses. :func:`best_mixture` is exact: mirror ascent finds the support, then SLSQP solves the
-problem restricted to a small working set of arms, and columns violating the optimality
-condition (``g_k <= p . g`` for every arm, g = mu^T grad f(mu p)) are added until none remains.
-Some optimum of f(mu p) uses at most G + 2 arms (f depends on mu p only through the primary
-combination and the G guarded rows, a point in R^(G+1); Caratheodory), so the restricted problems
-stay small even at K = 10,000.
+:func:`solve` is the exact optimum with soft guardrails (penalties) and hard ones (constraints):
+an LP or convex QP proposed by HiGHS and made exact by solving the KKT conditions on its active set,
+checked on every arm (see docs/algorithm.md, "Hard and soft guardrails"). :func:`best_mixture`
+returns its results for a batch. :func:`mirror_ascent` is the batched exponentiated-gradient solver
+(entropic mirror ascent with a per-problem adaptive step and monotone acceptance) that the
+algorithm's solve-per-round mode uses for warm-started steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import highspy
 import numpy as np
-from scipy.optimize import minimize
+from scipy import sparse
 from scipy.special import ndtr
 
 from pasto.objectives import Objective
 
 __all__ = [
+    "Solution",
+    "solve",
     "mirror_ascent",
     "expected_objective",
     "best_mixture",
@@ -27,6 +30,7 @@ __all__ = [
     "per_round_regret",
     "smoothness",
 ]
+
 
 # Log weights more than this below the largest are clamped: their probability (< e^-700) is zero
 # in float64 anyway, and keeping them finite keeps every later step free of inf - inf.
@@ -220,72 +224,531 @@ def _bounded_move(step: np.ndarray, gradient: np.ndarray) -> np.ndarray:
     return (gradient / scale[..., None]) * np.minimum(step * scale, _MAX_MOVE)[..., None]
 
 
-def _restricted_solve(objective, means, thresholds, support, start):
-    sub = means[:, support]
+@dataclass(frozen=True)
+class Solution:
+    """The exact optimum of one problem (see :func:`solve`).
 
-    def negative(q):
-        x = sub @ q
-        return -float(objective.value(x, thresholds)), -(sub.T @ objective.gradient(x, thresholds))
+    Attributes
+    ----------
+    probabilities : ndarray, shape (K,)
+        The optimal mixture p* (on the simplex, at or above the per-arm lower bounds).
+    value : float
+        ``Objective.value`` at ``means @ p*``: primary plus soft penalties (hard guardrails add nothing).
+    feasible : bool
+        False when no mixture meets every hard guardrail under ``constraint_means``; then
+        ``probabilities`` is the best mixture among those with the smallest largest shortfall.
+    shadow_prices : ndarray, shape (H,)
+        Per hard guardrail (order of ``Objective.hard_indices``): primary units gained per unit its
+        threshold is relaxed (lowered), >= 0 and 0 for a guardrail that does not bind; nan when
+        infeasible.
+    hard_slack : ndarray, shape (H,)
+        y_j - c_j per hard guardrail under ``constraint_means`` (negative when broken).
+    largest_shortfall : float
+        max_j (c_j - y_j)^+ over the hard guardrails at ``probabilities``: 0 (to solver tolerance)
+        when feasible, else the smallest largest shortfall any mixture achieves.
+    optimality_gap : float
+        An upper bound on (optimum - value) from the Lagrangian dual at the solver's multipliers
+        (weak duality; computed from the problem data, not trusted from the solver). About 1e-12
+        when the solution is exact; nan when infeasible.
+    """
 
-    result = minimize(
-        negative,
-        start,
-        jac=True,
-        method="SLSQP",
-        bounds=[(0.0, 1.0)] * len(support),
-        constraints=[{"type": "eq", "fun": lambda q: np.sum(q) - 1.0, "jac": lambda q: np.ones_like(q)}],
-        options={"ftol": 1e-15, "maxiter": 500},
+    probabilities: np.ndarray
+    value: float
+    feasible: bool
+    shadow_prices: np.ndarray
+    hard_slack: np.ndarray
+    largest_shortfall: float
+    optimality_gap: float
+
+
+def _as_shares(name: str, shares, k: int) -> np.ndarray:
+    if shares is None:
+        return np.zeros(k)
+    shares = np.asarray(shares, dtype=float)
+    if shares.shape != (k,):
+        raise ValueError(f"{name} must have one entry per arm, shape ({k},), got {shares.shape}.")
+    if not np.all(np.isfinite(shares)) or np.any(shares < 0) or np.any(shares > 1):
+        raise ValueError(f"{name} must be finite shares between 0 and 1.")
+    if shares.sum() > 1.0 + 1e-12:
+        raise ValueError(f"{name} sum to {shares.sum():.6g}; shares can sum to at most 1.")
+    return shares
+
+
+class _Problem:
+    """max_p a.p - sum_j lam_j (c_j - B_j p)^+^2  s.t.  D_h p >= d_h, sum p = total, p >= lower.
+
+    a = means^T w (K,), B (J, K) the soft guardrails' rows of ``means`` with lam_j > 0, D (H, K) the
+    hard guardrails' rows of ``constraint_means``. ``total`` is 1 except for a working set of arms,
+    whose complement is held at its lower bounds.
+    """
+
+    def __init__(self, a, soft_rows, soft_thresholds, lam, hard_rows, hard_thresholds, lower, total=1.0):
+        self.a, self.B, self.c, self.lam = a, soft_rows, soft_thresholds, lam
+        self.D, self.d, self.lower, self.total = hard_rows, hard_thresholds, lower, float(total)
+        self.k = a.shape[0]
+        # Absolute tolerances, relative to the data's scale.
+        self.scale = 1.0 + float(np.max(np.abs(a), initial=0.0))
+        self.row_scale = 1.0 + max(
+            float(np.max(np.abs(soft_rows), initial=0.0)), float(np.max(np.abs(hard_rows), initial=0.0))
+        )
+
+    def value(self, p):
+        shortfall = np.maximum(self.c - self.B @ p, 0.0)
+        return float(self.a @ p - np.sum(self.lam * shortfall**2))
+
+    def scores(self, mu, nu):
+        """Gradient of the Lagrangian in p: a + B^T mu + D^T nu, (K,)."""
+        return self.a + mu @ self.B + nu @ self.D
+
+    def dual_value(self, mu, nu):
+        """The Lagrangian dual at (mu >= 0, nu >= 0): an upper bound on the optimum (weak duality).
+
+        -lam s^2 = min_{mu >= 0} (mu (B p - c) + mu^2 / (4 lam)), so the dual function is
+        max_p (a + B^T mu + D^T nu) . p - mu.c - nu.d + sum mu^2 / (4 lam), the max over the
+        lower-bounded simplex putting all free mass on the best score.
+        """
+        scores = self.scores(mu, nu)
+        free = self.total - self.lower.sum()
+        return float(
+            self.lower @ scores + free * np.max(scores) - mu @ self.c - nu @ self.d + np.sum(mu**2 / (4.0 * self.lam))
+        )
+
+
+def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_active):
+    """Solve the KKT conditions exactly on a guessed active set; (p, mu, nu) or None if they fail.
+
+    Unknowns p_F (free arms), mu (active soft guardrails' multipliers, mu_j = 2 lam_j s_j),
+    nu (active hard guardrails'), tau (the simplex's):
+        B_AF^T mu + D_HF^T nu - tau = -a_F
+        B_jF p_F + mu_j / (2 lam_j)  = c_j - B_j,rest lower_rest     (j active soft)
+        D_hF p_F                     = d_h - D_h,rest lower_rest     (h active hard)
+        sum p_F                      = 1 - sum lower_rest
+    Writing the soft rows with mu (not the shortfall) keeps the system well conditioned at any
+    lam. The candidate is accepted only if every KKT condition holds on all K arms.
+    """
+    lower = problem.lower
+    rest = ~free
+    nf, na, nh = int(free.sum()), int(soft_active.sum()), int(hard_active.sum())
+    B_A, D_H = problem.B[soft_active], problem.D[hard_active]
+    n = nf + na + nh + 1
+    system = np.zeros((n, n))
+    rhs = np.zeros(n)
+    system[:nf, nf:nf + na] = B_A[:, free].T
+    system[:nf, nf + na:nf + na + nh] = D_H[:, free].T
+    system[:nf, -1] = -1.0
+    rhs[:nf] = -problem.a[free]
+    system[nf:nf + na, :nf] = B_A[:, free]
+    system[nf:nf + na, nf:nf + na] = np.diag(1.0 / (2.0 * problem.lam[soft_active]))
+    rhs[nf:nf + na] = problem.c[soft_active] - B_A[:, rest] @ lower[rest]
+    system[nf + na:nf + na + nh, :nf] = D_H[:, free]
+    rhs[nf + na:nf + na + nh] = hard_thresholds[hard_active] - D_H[:, rest] @ lower[rest]
+    system[-1, :nf] = 1.0
+    rhs[-1] = problem.total - lower[rest].sum()
+    try:
+        solution = np.linalg.solve(system, rhs)
+    except np.linalg.LinAlgError:
+        return None
+    if not np.all(np.isfinite(solution)):
+        return None
+    p = lower.copy()
+    p[free] = solution[:nf]
+    mu = np.zeros(problem.B.shape[0])
+    mu[soft_active] = solution[nf:nf + na]
+    nu = np.zeros(problem.D.shape[0])
+    nu[hard_active] = solution[nf + na:nf + na + nh]
+    tau = solution[-1]
+    tolerance = 1e-9
+    if np.any(p[free] < lower[free] - tolerance) or np.any(mu < -tolerance * problem.scale):
+        return None
+    if np.any(nu < -tolerance * problem.scale):
+        return None
+    row_tolerance = tolerance * problem.row_scale
+    if np.any(problem.D @ p < hard_thresholds - row_tolerance):
+        return None
+    # Inactive soft guardrails must hold (no penalty), active ones must be short by mu / (2 lam).
+    soft_gap = problem.B @ p - problem.c
+    if np.any(soft_gap[~soft_active] < -row_tolerance):
+        return None
+    scores = problem.scores(mu, nu)
+    if np.any(scores[rest] > tau + tolerance * problem.scale * problem.row_scale):
+        return None
+    p = np.maximum(p, lower)
+    p *= problem.total / p.sum()
+    return p, np.maximum(mu, 0.0), np.maximum(nu, 0.0)
+
+
+def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_diagonal=None):
+    """Minimise cost.x (+ x^T diag(h) x / 2) s.t. row_lower <= matrix x <= row_upper, col bounds.
+
+    ``hessian_diagonal`` (n,) may be given on a trailing block of columns only (zeros elsewhere).
+    Returns (model status, x, row duals).
+    """
+    matrix = sparse.csc_matrix(matrix)
+    lp = highspy.HighsLp()
+    lp.num_col_ = matrix.shape[1]
+    lp.num_row_ = matrix.shape[0]
+    lp.col_cost_ = np.asarray(cost, dtype=float)
+    lp.col_lower_ = np.asarray(col_lower, dtype=float)
+    lp.col_upper_ = np.asarray(col_upper, dtype=float)
+    lp.row_lower_ = np.asarray(row_lower, dtype=float)
+    lp.row_upper_ = np.asarray(row_upper, dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = matrix.indptr
+    lp.a_matrix_.index_ = matrix.indices
+    lp.a_matrix_.value_ = matrix.data
+    model = highspy.HighsModel()
+    model.lp_ = lp
+    if hessian_diagonal is not None and np.any(hessian_diagonal):
+        diagonal = sparse.csc_matrix(sparse.diags(np.asarray(hessian_diagonal, dtype=float)))
+        hessian = highspy.HighsHessian()
+        hessian.dim_ = matrix.shape[1]
+        hessian.format_ = highspy.HessianFormat.kTriangular
+        hessian.start_ = diagonal.indptr
+        hessian.index_ = diagonal.indices
+        hessian.value_ = diagonal.data
+        model.hessian_ = hessian
+    # The bare C++ class (exported as ``highspy._Highs``): the ``Highs`` wrapper installs Python
+    # callbacks, which cost time per instance and print HiGHS's banner on stdout (past sys.stdout,
+    # corrupting the CLI's JSON output).
+    highs = highspy._Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", 1)
+    # HiGHS's QP solver can stall for a long time (with lam in its Hessian it did at K = 100); it
+    # then reports a time limit and the cutting-plane LPs take over.
+    highs.setOptionValue("time_limit", 1.0 if hessian_diagonal is not None else 10.0)
+    highs.passModel(model)
+    highs.run()
+    solution = highs.getSolution()
+    return (
+        highs.getModelStatus(),
+        np.asarray(solution.col_value, dtype=float),
+        np.asarray(solution.row_dual, dtype=float),
     )
-    q = np.clip(result.x, 0.0, None)
-    return q / q.sum()
 
 
-def _best_mixture_single(objective, means, thresholds):
-    m, k = means.shape
-    log_p = mirror_ascent(objective, means, thresholds, steps=300)
-    p_start = np.exp(log_p)
-    best_p, best_value = p_start, float(objective.mixture_value(means, p_start, thresholds))
-    single_values = objective.value(means.T, thresholds)
-    single = int(np.argmax(single_values))
-    if single_values[single] > best_value:
-        best_p = np.zeros(k)
-        best_p[single] = 1.0
-        best_value = float(single_values[single])
-    if k == 1:
-        return best_p, best_value
-    width = min(k, len(objective.guardrails) + 8)
-    support = np.union1d(np.argsort(p_start)[-width:], [single])
-    p = best_p
+_INFINITY = highspy.kHighsInf
+_OPTIMAL = highspy.HighsModelStatus.kOptimal
+_INFEASIBLE = highspy.HighsModelStatus.kInfeasible
+
+
+def _base_rows(problem: _Problem, hard_thresholds: np.ndarray, extra_columns: int):
+    """Rows shared by every formulation: hard guardrails then the simplex, (H + 1, K + extra)."""
+    h = problem.D.shape[0]
+    matrix = np.vstack([problem.D, np.ones((1, problem.k))])
+    matrix = np.hstack([matrix, np.zeros((h + 1, extra_columns))])
+    total = [problem.total]
+    return matrix, np.concatenate([hard_thresholds, total]), np.concatenate([np.full(h, _INFINITY), total])
+
+
+def _largest_shortfall_margin(problem: _Problem, hard_thresholds: np.ndarray) -> float:
+    """max_p min_h (D_h p - d_h) over the lower-bounded simplex (an LP): minus the smallest largest shortfall."""
+    k, h = problem.k, problem.D.shape[0]
+    matrix, row_lower, row_upper = _base_rows(problem, hard_thresholds, 1)
+    matrix[:h, -1] = -1.0
+    cost = np.concatenate([np.zeros(k), [-1.0]])
+    status, x, _ = _highs(
+        cost, np.concatenate([problem.lower, [-_INFINITY]]), np.concatenate([np.ones(k), [_INFINITY]]),
+        matrix, row_lower, row_upper,
+    )
+    if status != _OPTIMAL:
+        raise RuntimeError(f"HiGHS did not solve the largest-shortfall problem (model status {status.name}).")
+    return float(x[-1])
+
+
+def _candidates(problem: _Problem, hard_thresholds: np.ndarray):
+    """Approximate solutions (p, soft shortfalls, mu, nu) from HiGHS, best guess first; None if infeasible.
+
+    1. The convex QP itself, a soft guardrail's shortfall written u_j / sqrt(2 lam_j) so that its
+       penalty is u_j^2 / 2 (a unit Hessian; lam up to 1e9 in the Hessian stalls HiGHS). HiGHS's
+       QP solver is not dependable at large lam (it can even report the problem unbounded), so:
+    2. Linear programs where each soft penalty is replaced by its tangents (a cutting-plane outer
+       approximation, Kelley's method), new tangents at the last shortfalls each round. Its active
+       set settles on the QP's after a few rounds; every candidate is checked exactly by the caller.
+    """
+    k, j, h = problem.k, problem.B.shape[0], problem.D.shape[0]
+    base, base_lower, base_upper = _base_rows(problem, hard_thresholds, j)
+    if j:
+        root = np.sqrt(2.0 * problem.lam)
+        soft = np.hstack([problem.B, np.diag(1.0 / root)])
+        status, x, duals = _highs(
+            np.concatenate([-problem.a, np.zeros(j)]),
+            np.concatenate([problem.lower, np.zeros(j)]),
+            np.concatenate([np.ones(k), np.full(j, _INFINITY)]),
+            np.vstack([soft, base]),
+            np.concatenate([problem.c, base_lower]),
+            np.concatenate([np.full(j, _INFINITY), base_upper]),
+            hessian_diagonal=np.concatenate([np.zeros(k), np.ones(j)]),
+        )
+        if status == _INFEASIBLE:
+            yield None
+            return
+        if status == _OPTIMAL:
+            yield x[:k], x[k:] / root, duals[:j], duals[j:j + h]
+    # Kelley: columns p (K), u (J), t (J), the shortfall s_j = u_j / sqrt(2 lam_j) as above;
+    # maximise a.p - sum t with t_j >= u0 u_j - u0^2 / 2 for every tangent point u0 so far (u0 = 0
+    # gives t_j >= 0). In u the cuts' coefficients stay moderate at any lam.
+    root = np.sqrt(2.0 * problem.lam)
+    tangents = [[0.0] for _ in range(j)]
+    for _ in range(60):
+        cuts = [(row, s0) for row in range(j) for s0 in tangents[row]]
+        n = k + 2 * j
+        soft = np.zeros((j, n))
+        soft[:, :k] = problem.B
+        soft[:, k:k + j] = np.diag(1.0 / root)
+        cut_rows = np.zeros((len(cuts), n))
+        cut_lower = np.zeros(len(cuts))
+        for position, (row, u0) in enumerate(cuts):
+            cut_rows[position, k + j + row] = 1.0
+            cut_rows[position, k + row] = -u0
+            cut_lower[position] = -0.5 * u0**2
+        matrix = np.vstack([soft, np.hstack([base, np.zeros((h + 1, j))]), cut_rows])
+        status, x, duals = _highs(
+            np.concatenate([-problem.a, np.zeros(j), np.ones(j)]),
+            np.concatenate([problem.lower, np.zeros(2 * j)]),
+            np.concatenate([np.ones(k), np.full(2 * j, _INFINITY)]),
+            matrix,
+            np.concatenate([problem.c, base_lower, cut_lower]),
+            np.concatenate([np.full(j, _INFINITY), base_upper, np.full(len(cuts), _INFINITY)]),
+        )
+        if status == _INFEASIBLE:
+            yield None
+            return
+        if status != _OPTIMAL:
+            return
+        scaled = x[k:k + j]
+        yield x[:k], scaled / root, duals[:j], duals[j:j + h]
+        if j == 0:
+            return
+        fresh = [row for row in range(j) if not np.any(np.isclose(tangents[row], scaled[row], rtol=1e-12, atol=0))]
+        if not fresh:
+            return  # no new tangent: the outer approximation cannot improve
+        for row in fresh:
+            tangents[row].append(float(scaled[row]))
+
+
+# Above this many arms, solve on a working set of arms and add those the optimality check prices in.
+_WORKING_SET_FROM = 400
+_WORKING_SET_STEP = 60
+
+
+def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
+    """(p, mu, nu, exact) maximising the problem, or None if the hard guardrails are infeasible.
+
+    With many arms, column generation: some optimum uses at most J + H + 1 arms above their lower
+    bounds (a vertex argument), so the problem is solved on a working set (the best arms by each
+    metric row, plus every arm with a lower bound) and the arms whose Lagrangian score beats the
+    simplex multiplier are added until none does; that check is the full problem's optimality
+    condition, so the answer is exact.
+    """
+    k = problem.k
+    if k <= _WORKING_SET_FROM:
+        return _solve_direct(problem, hard_thresholds)
+    rows = np.vstack([problem.a[None, :], problem.B, problem.D])
+    top = np.argpartition(-rows, _WORKING_SET_STEP, axis=1)[:, :_WORKING_SET_STEP]
+    working = np.unique(top.ravel())
     for _ in range(50):
-        start = p[support] + 1e-3
-        q = _restricted_solve(objective, means, thresholds, support, start / start.sum())
-        candidate = np.zeros(k)
-        candidate[support] = q
-        value = float(objective.mixture_value(means, candidate, thresholds))
-        if value >= best_value:
-            best_p, best_value = candidate, value
-        p = best_p
-        x = means @ p
-        gradient = means.T @ objective.gradient(x, thresholds)
-        gap = gradient - p @ gradient
-        scale = 1.0 + np.max(np.abs(gradient))
-        outside = np.setdiff1d(np.flatnonzero(gap > 1e-9 * scale), support)
+        # Arms outside the working set sit at their lower bounds: a constant part of every row.
+        rest = np.ones(k, dtype=bool)
+        rest[working] = False
+        held = problem.lower[rest]
+        sub_hard = hard_thresholds - problem.D[:, rest] @ held
+        sub = _Problem(problem.a[working], problem.B[:, working], problem.c - problem.B[:, rest] @ held,
+                       problem.lam, problem.D[:, working], sub_hard, problem.lower[working],
+                       total=problem.total - held.sum())
+        solved = _solve_direct(sub, sub_hard)
+        if solved is None or not solved[3]:
+            break  # infeasible on these arms, or not verified: solve the whole problem instead
+        q, mu, nu, _ = solved
+        scores = problem.scores(mu, nu)
+        free = q > sub.lower
+        tau = np.min(scores[working][free]) if free.any() else np.max(scores[working])
+        tolerance = 1e-9 * problem.scale * problem.row_scale
+        outside = np.setdiff1d(np.flatnonzero(scores > tau + tolerance), working)
         if outside.size == 0:
-            break
-        worst = outside[np.argsort(gap[outside])[-width:]]
-        support = np.union1d(np.flatnonzero(p > 0), worst)
-    # Polish: a few monotone mirror-ascent steps cannot lower the value.
-    polished = np.exp(mirror_ascent(objective, means, thresholds, np.log(np.maximum(best_p, 1e-300)), steps=50))
-    polished_value = float(objective.mixture_value(means, polished, thresholds))
-    if polished_value > best_value:
-        best_p, best_value = polished, polished_value
-    return best_p, best_value
+            p = problem.lower.copy()
+            p[working] = q
+            return p, mu, nu, True
+        worst = outside[np.argsort(scores[outside])[-_WORKING_SET_STEP:]]
+        working = np.union1d(working, worst)
+    return _solve_direct(problem, hard_thresholds)
+
+
+def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray):
+    """(p, mu, nu, exact) maximising the problem with these hard thresholds, or None if infeasible.
+
+    HiGHS meets its tolerances (about 1e-7) but not 1e-9 relative at lam = 1e9, and its QP solver
+    is not dependable there; the optimum's active set is what matters, though: solving the KKT
+    conditions on it gives the exact optimum, and :func:`_kkt_polish` accepts a candidate only if
+    every optimality condition holds on all K arms.
+    """
+    best = None
+    for candidate in _candidates(problem, hard_thresholds):
+        if candidate is None:
+            return None
+        p, shortfall, highs_mu, highs_nu = candidate
+        highs_mu, highs_nu = np.maximum(highs_mu, 0.0), np.maximum(highs_nu, 0.0)
+        above = p - problem.lower
+        hard_gap = problem.D @ p - hard_thresholds
+        soft_gap = problem.c - problem.B @ p
+        # Read the active set at a few resolutions; keep the first that passes every check.
+        for resolution in (1e-9, 1e-7, 1e-5, 1e-11):
+            free = above > resolution
+            if not free.any():
+                free = above >= np.max(above)
+            short = (shortfall > resolution * 1e-3) | (soft_gap > resolution * problem.row_scale)
+            # A soft guardrail can bind with a shortfall mu / (2 lam) below any resolution.
+            soft_tight = short | (soft_gap > -resolution * problem.row_scale)
+            tight = hard_gap < resolution * problem.row_scale
+            guesses = [(short, tight & (highs_nu > resolution * problem.scale)), (short, tight),
+                       (soft_tight | (highs_mu > resolution * problem.scale), tight)]
+            for soft_active, hard_active in guesses:
+                polished = _kkt_polish(problem, hard_thresholds, free, soft_active, hard_active)
+                if polished is not None:
+                    return (*polished, True)
+        p = np.maximum(p, problem.lower)
+        p = p * (problem.total / p.sum())
+        mu = 2.0 * problem.lam * np.maximum(problem.c - problem.B @ p, 0.0)
+        if best is None or problem.value(p) > problem.value(best[0]):
+            best = (p, mu, highs_nu, False)
+    if best is None:
+        raise RuntimeError("HiGHS solved none of the formulations of the mixture problem.")
+    # No active set verified (a degenerate problem): HiGHS's best answer, to its own tolerance.
+    return best
+
+
+def solve(
+    objective: Objective,
+    means: np.ndarray,
+    thresholds: np.ndarray | None = None,
+    *,
+    constraint_means: np.ndarray | None = None,
+    min_shares: np.ndarray | None = None,
+    fixed_shares: np.ndarray | None = None,
+) -> Solution:
+    """The exact optimum max_p f(means p) over the simplex, with hard guardrails as constraints.
+
+    Maximises the primary part minus the soft guardrails' quadratic penalties (``Objective.value``)
+    subject to every hard guardrail, ``constraint_means[g_j] . p >= c_j``, and per-arm lower bounds.
+    With no soft penalty this is a linear program, with some a convex quadratic program; both are
+    solved by HiGHS (``highspy``), whose active set is then made exact by solving the KKT
+    conditions on it and checking them on every arm (so the answer is exact for any penalty, also
+    1e9). ``optimality_gap`` certifies the result by weak duality.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (M, K)
+        Means used for the objective (primary and soft guardrails).
+    thresholds : ndarray, shape (G,), optional
+        Resolved thresholds of all guardrails; defaults to ``objective.thresholds(means)`` (so a
+        relative threshold is relative to the baseline arm's value in ``means``).
+    constraint_means : ndarray, shape (M, K), optional
+        Means used for the hard guardrails (e.g. lower confidence bounds); defaults to ``means``.
+    min_shares : ndarray, shape (K,), optional
+        Per-arm minimum share of the served mixture.
+    fixed_shares : ndarray, shape (K,), optional
+        Shares reserved per arm (e.g. a holdout on the baseline). The mixture counts them, so for
+        the optimisation both are lower bounds: p_k >= max(min_shares_k, fixed_shares_k), which must
+        sum to at most 1.
+
+    Returns
+    -------
+    Solution
+        When the hard guardrails cannot all be met (``feasible`` False), the returned mixture is the
+        best one (by the objective) among those with the smallest largest shortfall
+        max_j (c_j - y_j) (in each metric's own units), found by a first LP.
+
+    Raises
+    ------
+    ValueError
+        When shapes or shares are invalid or the means are not finite.
+    """
+    means = np.asarray(means, dtype=float)
+    m = objective.n_metrics
+    if means.ndim != 2 or means.shape[0] != m or means.shape[1] < 1:
+        raise ValueError(f"The means must have shape ({m}, K) with K >= 1, got {means.shape}.")
+    k = means.shape[1]
+    if constraint_means is None:
+        constraint_means = means
+    constraint_means = np.asarray(constraint_means, dtype=float)
+    if constraint_means.shape != means.shape:
+        raise ValueError(f"The constraint means must have the means' shape {means.shape}, got {constraint_means.shape}.")
+    if not (np.all(np.isfinite(means)) and np.all(np.isfinite(constraint_means))):
+        raise ValueError("The means must be finite.")
+    if thresholds is None:
+        thresholds = objective.thresholds(means)
+    thresholds = np.asarray(thresholds, dtype=float)
+    if thresholds.shape != (len(objective.guardrails),):
+        raise ValueError(
+            f"The thresholds must have one entry per guardrail, shape ({len(objective.guardrails)},), "
+            f"got {thresholds.shape}."
+        )
+    if not np.all(np.isfinite(thresholds)):
+        raise ValueError("The thresholds must be finite.")
+    lower = np.maximum(_as_shares("min_shares", min_shares, k), _as_shares("fixed_shares", fixed_shares, k))
+    if lower.sum() > 1.0 + 1e-12:
+        raise ValueError(
+            f"The per-arm minimum and fixed shares together reserve {lower.sum():.6g} of the traffic; "
+            "they can reserve at most 1."
+        )
+    lower = lower / max(1.0, lower.sum())
+    return _solve_checked(objective, means, thresholds, constraint_means, lower)
+
+
+def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Solution:
+    rows = objective.guardrail_rows
+    soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
+    hard = objective.hard_indices
+    problem = _Problem(
+        a=objective.primary_weights @ means,
+        soft_rows=means[rows[soft]],
+        soft_thresholds=thresholds[soft],
+        lam=objective.penalties[soft],
+        hard_rows=constraint_means[rows[hard]],
+        hard_thresholds=thresholds[hard],
+        lower=lower,
+    )
+    feasible = True
+    hard_thresholds = problem.d
+    solved = _solve_problem(problem, hard_thresholds)
+    if solved is None:
+        # Phase one: the smallest largest shortfall t*, then the best mixture meeting c - t*.
+        best_margin = _largest_shortfall_margin(problem, hard_thresholds)
+        tolerance = 1e-9 * problem.row_scale
+        feasible = best_margin >= -tolerance
+        hard_thresholds = problem.d + min(best_margin, 0.0) - tolerance
+        solved = _solve_problem(problem, hard_thresholds)
+        if solved is None:
+            raise RuntimeError("HiGHS found the relaxed hard guardrails infeasible after meeting them.")
+    p, mu, nu, exact = solved
+    value = float(objective.mixture_value(means, p, thresholds))
+    slack = problem.D @ p - problem.d
+    largest_shortfall = float(max(0.0, -np.min(slack, initial=0.0)))
+    if feasible:
+        shadow_prices = nu
+        # Weak duality: any mu, nu >= 0 bound the optimum from above.
+        gap = max(0.0, problem.dual_value(mu, nu) - problem.value(p))
+    else:
+        shadow_prices = np.full(hard.size, np.nan)
+        gap = float("nan")
+    return Solution(
+        probabilities=p,
+        value=value,
+        feasible=bool(feasible),
+        shadow_prices=shadow_prices,
+        hard_slack=slack,
+        largest_shortfall=largest_shortfall,
+        optimality_gap=float(gap),
+    )
 
 
 def best_mixture(
     objective: Objective, means: np.ndarray, thresholds: np.ndarray | None = None
 ) -> tuple[np.ndarray, float | np.ndarray]:
-    """The best mixture p* = argmax_p f(mu p) on the simplex and its value.
+    """The best mixture p* = argmax_p f(mu p) on the simplex (hard guardrails kept) and its value.
+
+    Each problem is solved exactly by :func:`solve`; with infeasible hard guardrails, its mixture
+    (smallest largest shortfall) and value are returned.
 
     Parameters
     ----------
@@ -311,7 +774,8 @@ def best_mixture(
     probabilities = np.empty(batch + means.shape[-1:])
     values = np.empty(batch)
     for index in np.ndindex(*batch):
-        probabilities[index], values[index] = _best_mixture_single(objective, means[index], thresholds[index])
+        solution = solve(objective, means[index], thresholds[index])
+        probabilities[index], values[index] = solution.probabilities, solution.value
     if not batch:
         return probabilities, float(values)
     return probabilities, values
@@ -320,13 +784,39 @@ def best_mixture(
 def best_single(
     objective: Objective, means: np.ndarray, thresholds: np.ndarray | None = None
 ) -> tuple[int | np.ndarray, float | np.ndarray]:
-    """The best single arm argmax_k f(mu[:, k]) and its value (arrays with batch dimensions)."""
+    """The best single arm argmax_k f(mu[:, k]) among the arms meeting every hard guardrail.
+
+    An arm breaking a hard guardrail (by more than 1e-12 relative) is not eligible. When no arm is
+    eligible, the arm with the smallest largest hard shortfall is returned (ties: the best value),
+    the single-arm counterpart of :func:`solve`'s infeasible answer.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (..., M, K)
+    thresholds : ndarray, shape (..., G), optional
+        Defaults to ``objective.thresholds(means)``.
+
+    Returns
+    -------
+    (int or ndarray, float or ndarray)
+        The arm index and its value f (arrays with the batch shape when batched).
+    """
     means = np.asarray(means, dtype=float)
     if thresholds is None:
         thresholds = objective.thresholds(means)
     thresholds = np.asarray(thresholds, dtype=float)
-    values = objective.value(np.swapaxes(means, -1, -2), thresholds[..., None, :])
-    index = np.argmax(values, axis=-1)
+    per_arm = np.swapaxes(means, -1, -2)
+    values = objective.value(per_arm, thresholds[..., None, :])
+    slack = objective.hard_slack(per_arm, thresholds[..., None, :])
+    scale = 1.0 + np.abs(thresholds[..., None, objective.hard_indices])
+    shortfall = np.max(np.maximum(-slack / scale, 0.0), axis=-1, initial=0.0)
+    eligible = shortfall <= 1e-12
+    none_eligible = ~np.any(eligible, axis=-1, keepdims=True)
+    # Among eligible arms the best value; with none, the smallest shortfall, then the best value.
+    least = np.min(shortfall, axis=-1, keepdims=True)
+    candidates = np.where(none_eligible, shortfall <= least, eligible)
+    index = np.argmax(np.where(candidates, values, -np.inf), axis=-1)
     value = np.take_along_axis(values, index[..., None], axis=-1)[..., 0]
     if index.ndim == 0:
         return int(index), float(value)

@@ -31,12 +31,13 @@ SERVICE_STACK = (
     "duckdb", "duckdb_engine", "pyspark", "py4j",  # service/sources (the warehouse extra)
 )
 
-#: What the pure core may import: itself, numpy, scipy and standard-library modules that compute only
-#: (an allowlist, so that no module that reads files, the clock, the environment or the network, or
-#: starts threads or processes, can come in unnoticed: os, sys, io, pathlib, importlib, socket,
-#: subprocess, threading, atexit, logging, time, random... are all outside it).
+#: What the pure core may import: itself, numpy, scipy, highspy (pasto.optimum's exact solver) and
+#: standard-library modules that compute only (an allowlist, so that no module that reads files, the
+#: clock, the environment or the network, or starts threads or processes, can come in unnoticed: os,
+#: sys, io, pathlib, importlib, socket, subprocess, threading, atexit, logging, time, random... are all
+#: outside it).
 PURE_CORE_IMPORTS = (
-    "pasto", "numpy", "scipy", "__future__", "abc", "bisect", "cmath", "collections", "copy",
+    "pasto", "numpy", "scipy", "highspy", "__future__", "abc", "bisect", "cmath", "collections", "copy",
     "dataclasses", "decimal", "enum", "fractions", "functools", "hashlib", "heapq", "itertools", "json",
     "math", "numbers", "operator", "re", "statistics", "string", "struct", "textwrap", "types", "typing",
     "warnings",

@@ -139,3 +139,64 @@ def test_guardrail_dataclass_is_frozen():
     guardrail = Guardrail("y", 0.0, 5.0)
     with pytest.raises(AttributeError):
         guardrail.penalty = 1.0  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ hard guardrails and the baseline
+HARD_SPEC = {
+    "primary": "x",
+    "guardrails": [
+        {"metric": "y", "threshold": 0.06, "hard": True},
+        {"metric": "z", "threshold": -0.05, "hard": True, "relative_to": "b"},
+        {"metric": "w", "threshold": 0.0, "penalty": 5.0},
+    ],
+}
+
+
+def test_hard_guardrail_spec_round_trips_and_has_no_penalty():
+    objective = Objective.from_spec(["x", "y", "z", "w"], HARD_SPEC, arm_names=["a", "b"])
+    assert [g.hard for g in objective.guardrails] == [True, True, False]
+    np.testing.assert_array_equal(objective.penalties, [0.0, 0.0, 5.0])
+    np.testing.assert_array_equal(objective.hard_indices, [0, 1])
+    np.testing.assert_array_equal(objective.soft_indices, [2])
+    assert objective.to_spec() == HARD_SPEC
+    assert Objective.from_spec(["x", "y", "z", "w"], objective.to_spec(), arm_names=["a", "b"]) == objective
+
+
+def test_hard_guardrail_with_a_penalty_is_rejected_with_a_sentence():
+    spec = {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True, "penalty": 5.0}]}
+    with pytest.raises(ValueError, match="either 'hard': true or a 'penalty', not both"):
+        Objective.from_spec(["x", "y"], spec)
+    with pytest.raises(ValueError, match="missing the required key 'penalty'"):
+        Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0}]})
+    with pytest.raises(ValueError, match="'hard' must be true or false"):
+        Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": 1}]})
+    with pytest.raises(ValueError, match="constraint with no penalty"):
+        Objective(metrics=("x", "y"), primary=(("x", 1.0),),
+                  guardrails=(Guardrail(metric="y", threshold=0.0, penalty=2.0, hard=True),))
+
+
+def test_value_excludes_hard_guardrails_and_hard_slack_reports_them():
+    objective = Objective.from_spec(["x", "y", "z", "w"], HARD_SPEC, arm_names=["a", "b"])
+    means = np.array([[1.0, 2.0], [0.05, 0.08], [0.010, 0.020], [-1.0, 1.0]])
+    thresholds = objective.thresholds(means)
+    # The relative hard threshold is 95% of arm b's share rate, a constant.
+    np.testing.assert_allclose(thresholds, [0.06, 0.019, 0.0])
+    x = means[:, 0]
+    assert objective.value(x, thresholds) == pytest.approx(1.0 - 5.0 * 1.0)
+    np.testing.assert_allclose(objective.hard_slack(x, thresholds), [0.05 - 0.06, 0.010 - 0.019])
+    np.testing.assert_allclose(objective.hard_slack(means.T, thresholds), [[-0.01, -0.009], [0.02, 0.001]])
+
+
+def test_baseline_index_named_or_from_relative_to():
+    metrics = ["x", "y", "z", "w"]
+    assert Objective.from_spec(metrics, HARD_SPEC, arm_names=["a", "b"]).baseline_index == 1
+    named = dict(HARD_SPEC, baseline="a")
+    objective = Objective.from_spec(metrics, named, arm_names=["a", "b"])
+    assert objective.baseline_index == 0 and objective.to_spec()["baseline"] == "a"
+    assert Objective.from_spec(["x", "y"], SPEC_A).baseline_index is None
+    with pytest.raises(ValueError, match="baseline 'c' is not one of the arms"):
+        Objective.from_spec(metrics, dict(HARD_SPEC, baseline="c"), arm_names=["a", "b"])
+    with pytest.raises(ValueError, match="no arm names were given"):
+        Objective.from_spec(["x", "y"], dict(SPEC_A, baseline="a"))
+    with pytest.raises(ValueError, match="'baseline' must be an arm name"):
+        Objective.from_spec(["x", "y"], dict(SPEC_A, baseline=3), arm_names=["a"])
