@@ -13,7 +13,7 @@ from typing import Any
 
 from flask import Flask
 
-from . import auth, cache, db
+from . import auth, cache, db, params, security
 from .config import load_config
 from .errors import register_error_handlers
 
@@ -46,6 +46,8 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     app.json.sort_keys = False
 
     register_error_handlers(app)
+    params.init_app(app)  # before any route: its converter checks every path parameter
+    security.init_app(app)
     database = db.init_app(app)
     if app.config["PASTO_CHECK_SCHEMA"]:
         db.check_connection(database.engine)

@@ -1,8 +1,25 @@
-"""Bearer tokens with three roles, ``read`` < ``ingest`` < ``admin``.
+"""Bearer tokens with four roles, ``metrics`` < ``read`` < ``ingest`` < ``admin``: ``metrics`` may
+only scrape ``/metrics`` (a Prometheus scrape token), and ``/metrics`` needs at least that unless
+``PASTO_METRICS_ANONYMOUS`` opts in to anonymous scrapes.
 
 Only the SHA-256 digest of a token is stored (the bootstrap ``PASTO_ADMIN_TOKEN`` is kept in memory as
 its digest too). Digests are compared with :func:`hmac.compare_digest`. Valid tokens are cached per
-process for a few seconds so the assignment hot path does not query the token table on every request.
+process for :data:`TOKEN_CACHE_SECONDS` (1 s) so the assignment hot path does not query the token
+table on every request; a token revoked (``pasto tokens revoke``) or past its ``expires_at`` is
+therefore refused by every worker within 1 s.
+
+Unknown tokens (not revoked or expired ones: those are clients not updated yet, not guesses) are
+counted per client address in the database (``auth_failures``), so the limit holds
+across every worker process: the first failure of an address in a window of
+:data:`AUTH_FAILURE_WINDOW_SECONDS` is logged (one line per address and window, not one per
+attempt), and after ``PASTO_AUTH_FAILURE_LIMIT`` failures in the window every request of that
+address that is not already authenticated is refused 429 with ``Retry-After`` until the window ends.
+The address is the TCP peer (``REMOTE_ADDR``): behind a reverse proxy every client shares the
+proxy's address.
+
+``PASTO_ADMIN_TOKEN`` is checked at start (:func:`admin_token_weakness`): a weak one is accepted (a
+placeholder is normal for a server on loopback: the demo, the tests) but logged as a warning that
+says how to make a strong one.
 """
 
 from __future__ import annotations
@@ -11,11 +28,13 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import sqlalchemy as sa
 from flask import Flask, current_app, g, request
@@ -23,10 +42,17 @@ from sqlalchemy.orm import Session
 
 from .db import get_db
 from .errors import ApiError
-from .models import ROLES, Token
+from .models import ROLES, AuthFailure, Token, utcnow
+
+log = logging.getLogger(__name__)
 
 ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
-TOKEN_CACHE_SECONDS = 10.0
+#: How long a worker trusts a token it has looked up: the bound on how late a revocation bites.
+TOKEN_CACHE_SECONDS = 1.0
+#: Invalid tokens are counted per client address over windows of this many seconds.
+AUTH_FAILURE_WINDOW_SECONDS = 60.0
+#: An admin token with fewer bits (estimated from its length and character classes) is weak.
+STRONG_TOKEN_BITS = 128
 _EXTENSION = "pasto.auth"
 
 
@@ -35,13 +61,77 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-def create_token(session: Session, role: str, name: str) -> str:
-    """Store a new token for ``role`` and return it; this is the only time it is ever visible."""
+def create_token(session: Session, role: str, name: str, expires_in: float | None = None) -> str:
+    """Store a new token for ``role`` and return it; this is the only time it is ever visible.
+
+    ``expires_in``: seconds from now after which the token is refused (None: it does not expire).
+    """
     if role not in ROLE_RANK:
         raise ValueError(f"The role must be one of {', '.join(ROLES)}, got {role!r}.")
+    if expires_in is not None and not (math.isfinite(expires_in) and expires_in > 0):
+        raise ValueError(f"A token's lifetime must be a positive number of seconds, got {expires_in!r}.")
     token = secrets.token_urlsafe(32)
-    session.add(Token(name=name, role=role, token_hash=hash_token(token), created_at=datetime.now(timezone.utc)))
+    now = utcnow()
+    session.add(Token(name=name, role=role, token_hash=hash_token(token), created_at=now,
+                      expires_at=None if expires_in is None else now + timedelta(seconds=expires_in)))
     return token
+
+
+def find_tokens(session: Session, which: str) -> list[Token]:
+    """The tokens that are still usable (not revoked, not expired) named by ``which``: a token id
+    (digits) or a name. Raises ``LookupError`` with a sentence when none is."""
+    now = utcnow()
+    query = sa.select(Token).where(Token.revoked_at.is_(None)).order_by(Token.id)
+    query = query.where(Token.id == int(which)) if which.isascii() and which.isdigit() and len(which) < 19 \
+        else query.where(Token.name == which)
+    tokens = [token for token in session.scalars(query) if token.expires_at is None or token.expires_at > now]
+    if not tokens:
+        raise LookupError(f"No usable token has the id or name {which!r}; `pasto tokens list` shows them.")
+    return tokens
+
+
+def revoke_tokens(session: Session, which: str) -> list[Token]:
+    """Revoke every usable token with the id or name ``which``; returns them."""
+    tokens = find_tokens(session, which)
+    now = utcnow()
+    for token in tokens:
+        token.revoked_at = now
+    return tokens
+
+
+def rotate_token(session: Session, which: str, grace_seconds: float = 0.0) -> tuple[str, Token]:
+    """A new token with the name, role and lifetime of the one token ``which`` names; the old one is
+    revoked now, or expires in ``grace_seconds`` (time to deploy the new one). Returns the new token
+    and the old row. Raises ``LookupError`` when ``which`` names no usable token or several."""
+    tokens = find_tokens(session, which)
+    if len(tokens) > 1:
+        raise LookupError(f"{len(tokens)} usable tokens are named {which!r} (ids "
+                          f"{', '.join(str(token.id) for token in tokens)}); rotate one by its id.")
+    (old,) = tokens
+    now = utcnow()
+    lifetime = None if old.expires_at is None else (old.expires_at - old.created_at).total_seconds()
+    token = create_token(session, old.role, old.name, lifetime)
+    if grace_seconds > 0:
+        grace_end = now + timedelta(seconds=grace_seconds)
+        old.expires_at = grace_end if old.expires_at is None else min(old.expires_at, grace_end)
+    else:
+        old.revoked_at = now
+    return token, old
+
+
+def admin_token_weakness(token: str) -> str | None:
+    """Why ``token`` is too weak for ``PASTO_ADMIN_TOKEN`` (None when it is strong): its estimated
+    strength, length times log2 of the size of the character classes it uses, is under
+    :data:`STRONG_TOKEN_BITS`, or one character makes up half of it."""
+    classes = [(str.islower, 26), (str.isupper, 26), (str.isdigit, 10)]
+    alphabet = sum(size for test, size in classes if any(test(c) for c in token if c.isascii()))
+    if any(not (c.isascii() and c.isalnum()) for c in token):
+        alphabet += 33
+    bits = len(token) * math.log2(max(alphabet, 2))
+    most_common = max(token.count(c) for c in set(token)) if token else 0
+    if bits < STRONG_TOKEN_BITS or most_common * 2 >= len(token):
+        return f"{len(token)} characters, about {min(bits, 2 * len(token)):.0f} bits"
+    return None
 
 
 class _Authenticator:
@@ -50,26 +140,82 @@ class _Authenticator:
         self._cache: dict[str, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
-    def role_of(self, token: str) -> str | None:
+    def role_of(self, token: str, address: str) -> str | None:
+        """The role of ``token`` (None when it is not valid); 429 when ``address`` is throttled."""
         digest = hash_token(token)
         if self.admin_digest is not None and hmac.compare_digest(digest, self.admin_digest):
             return "admin"
         cached = self._cache.get(digest)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
-        with get_db().read() as session:
-            row = session.execute(sa.select(Token.token_hash, Token.role).where(Token.token_hash == digest)).first()
+        database = get_db()
+        now = utcnow()
+        with database.read() as session:
+            self._refuse_if_throttled(session, address, now)
+            row = session.execute(
+                sa.select(Token.token_hash, Token.role, Token.expires_at, Token.revoked_at)
+                .where(Token.token_hash == digest)
+            ).first()
         if row is None or not hmac.compare_digest(row.token_hash, digest):
+            # Only unknown tokens count towards throttling: a revoked or expired one is a client
+            # not updated yet, not a guess, and must not get its whole address refused.
+            self._record_failure(address, now)
             return None
+        if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
+            return None
+        seconds = TOKEN_CACHE_SECONDS
+        if row.expires_at is not None:
+            seconds = min(seconds, (row.expires_at - now).total_seconds())
         with self._lock:
             if len(self._cache) > 10_000:
                 self._cache.clear()
-            self._cache[digest] = (row.role, time.monotonic() + TOKEN_CACHE_SECONDS)
+            self._cache[digest] = (row.role, time.monotonic() + seconds)
         return row.role
+
+    def _refuse_if_throttled(self, session: Session, address: str, now: datetime) -> None:
+        row = session.execute(sa.select(AuthFailure.failures, AuthFailure.window_started_at)
+                              .where(AuthFailure.address == address)).first()
+        if row is None or row.failures < current_app.config["PASTO_AUTH_FAILURE_LIMIT"]:
+            return
+        remaining = (row.window_started_at - now).total_seconds() + AUTH_FAILURE_WINDOW_SECONDS
+        if remaining <= 0:
+            return
+        retry_after = max(1, math.ceil(remaining))
+        raise ApiError(429, "too_many_requests",
+                       f"Too many invalid tokens from this address ({row.failures} in "
+                       f"{AUTH_FAILURE_WINDOW_SECONDS:g} s); retry in {retry_after} s.",
+                       {"retry_after_seconds": retry_after}, headers={"Retry-After": str(retry_after)})
+
+    def _record_failure(self, address: str, now: datetime) -> None:
+        """Count one invalid token from ``address``; log the first of its window."""
+        database = get_db()
+        table = AuthFailure.__table__
+        insert = database.insert(table).values(address=address, window_started_at=now, failures=1)
+        stale = table.c.window_started_at <= now - timedelta(seconds=AUTH_FAILURE_WINDOW_SECONDS)
+        statement = insert.on_conflict_do_update(index_elements=["address"], set_={
+            "failures": sa.case((stale, 1), else_=table.c.failures + 1),
+            "window_started_at": sa.case((stale, insert.excluded.window_started_at),
+                                         else_=table.c.window_started_at),
+        }).returning(table.c.failures)
+        with database.write() as session:
+            failures = session.execute(statement).scalar_one()
+        if failures == 1:
+            log.warning("Invalid bearer token from %s (%s %s). Further failures from this address are "
+                        "counted, not logged, for %g s; after %d of them it is refused 429 until then.",
+                        address, request.method, request.path[:200], AUTH_FAILURE_WINDOW_SECONDS,
+                        current_app.config["PASTO_AUTH_FAILURE_LIMIT"])
 
 
 def init_app(app: Flask) -> None:
-    app.extensions[_EXTENSION] = _Authenticator(app.config.get("PASTO_ADMIN_TOKEN"))
+    admin_token = app.config.get("PASTO_ADMIN_TOKEN")
+    if admin_token:
+        weakness = admin_token_weakness(admin_token)
+        if weakness is not None:
+            log.warning("PASTO_ADMIN_TOKEN is weak (%s): anyone who guesses it administers every experiment. "
+                        "Use at least 32 random characters, e.g. the output of `python3 -c \"import secrets; "
+                        "print(secrets.token_urlsafe(32))\"`, or none and `pasto tokens create --role admin`.",
+                        weakness)
+    app.extensions[_EXTENSION] = _Authenticator(admin_token)
 
 
 def authenticate(required_role: str) -> str:
@@ -78,14 +224,17 @@ def authenticate(required_role: str) -> str:
     Raises 401 when the token is missing or unknown, 403 when its role is too low.
     """
     header = request.headers.get("Authorization", "")
-    if not header and required_role == "read" and anonymous_read_allowed():
+    if not header and required_role == "metrics" and current_app.config["PASTO_METRICS_ANONYMOUS"]:
+        g.token_role = "metrics"
+        return "metrics"
+    if not header and required_role in ("metrics", "read") and anonymous_read_allowed():
         g.token_role = "read"
         return "read"
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         raise ApiError(401, "unauthorized", "This endpoint needs an `Authorization: Bearer <token>` header.")
-    role = current_app.extensions[_EXTENSION].role_of(token)
+    role = current_app.extensions[_EXTENSION].role_of(token, (request.remote_addr or "unknown")[:64])
     if role is None:
         raise ApiError(401, "unauthorized", "The bearer token is not valid.")
     if ROLE_RANK[role] < ROLE_RANK[required_role]:

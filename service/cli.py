@@ -1,4 +1,5 @@
-"""Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``, ``tokens create``, ``demo``.
+"""Service commands of ``pasto``: ``serve``, ``worker``, ``db upgrade|downgrade|current``,
+``tokens create|list|revoke|rotate``, ``demo``.
 
 Each command is a :class:`Command` declared in pyproject.toml's entry-point group ``pasto.commands``;
 ``pasto.cli`` discovers them there and calls the one named on the command line, so the core never
@@ -23,7 +24,7 @@ SERVICE_COMMANDS = {
     "serve": "serve the HTTP API (waitress) with the round scheduler",
     "worker": "run the round scheduler alone (no HTTP)",
     "db": "database schema: upgrade, current, downgrade (Alembic)",
-    "tokens": "API tokens: create",
+    "tokens": "API tokens: create, list, revoke, rotate",
     "demo": "run the service with a live demo experiment and synthetic traffic",
 }
 
@@ -87,9 +88,39 @@ def _build_parser() -> argparse.ArgumentParser:
     tokens = commands.add_parser("tokens", help=SERVICE_COMMANDS["tokens"])
     token_commands = tokens.add_subparsers(dest="tokens_command", required=True, metavar="action")
     create = token_commands.add_parser("create", help="create a token and print it (only its hash is stored)")
-    create.add_argument("--role", required=True, choices=("read", "ingest", "admin"))
+    create.add_argument("--role", required=True, choices=("metrics", "read", "ingest", "admin"),
+                        help="metrics: scrape /metrics only; read: every GET; ingest: assign and observe; "
+                             "admin: everything")
     create.add_argument("--name", default="", help="what the token is for (default: the role)")
+    create.add_argument("--expires-in", type=_duration, default=None, metavar="DURATION",
+                        help="refuse the token after this long: seconds, or a number with s, m, h or d "
+                             "(e.g. 90d); default: it does not expire")
+    token_commands.add_parser("list", help="list the tokens (id, name, role, created, expires, revoked); "
+                                           "never the tokens themselves")
+    revoke = token_commands.add_parser("revoke", help="revoke tokens: refused by every worker within 1 s")
+    revoke.add_argument("token", metavar="ID_OR_NAME", help="a token id, or a name (every usable token of it)")
+    rotate = token_commands.add_parser("rotate", help="print a new token with the name, role and lifetime of "
+                                                      "an old one, and revoke the old one")
+    rotate.add_argument("token", metavar="ID_OR_NAME", help="a token id, or a name that one usable token has")
+    rotate.add_argument("--grace", type=_duration, default=0.0, metavar="DURATION",
+                        help="let the old token work this much longer (time to deploy the new one); "
+                             "default: revoked at once")
     return parser
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``12h``, ``90d`` -> seconds (argparse type)."""
+    number, unit = (text[:-1], text[-1]) if text[-1:].lower() in _DURATION_UNITS else (text, "s")
+    try:
+        seconds = float(number) * _DURATION_UNITS[unit.lower()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use seconds or a number with s, m, h or d.")
+    if not (0 <= seconds < 100 * 365 * 86400):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration between 0 and 100 years.")
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pasto: error: {error}", file=sys.stderr)
         return 1
     if args.command == "tokens":
-        return _create_token(app, args.role, args.name or args.role)
+        return _tokens(app, args)
     if args.command == "worker":
         return _worker(app)
     return _serve(app, args.host, args.port, args.threads, scheduler=not args.no_scheduler,
@@ -158,13 +189,53 @@ def _db(args: argparse.Namespace, create_app) -> int:
     return 0
 
 
-def _create_token(app: Flask, role: str, name: str) -> int:
-    from .auth import create_token
-    from .db import get_db
+def _tokens(app: Flask, args: argparse.Namespace) -> int:
+    """``pasto tokens create|list|revoke|rotate``."""
+    import sqlalchemy as sa
 
-    with get_db(app).write() as session:
-        token = create_token(session, role, name)
-    print(token)
+    from .auth import create_token, revoke_tokens, rotate_token
+    from .db import get_db
+    from .models import Token, utcnow
+
+    def shown(moment) -> str:
+        return "-" if moment is None else moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+    database = get_db(app)
+    if args.tokens_command == "create":
+        if args.expires_in is not None and args.expires_in <= 0:
+            print("pasto: error: --expires-in must be longer than 0 s.", file=sys.stderr)
+            return 2
+        with database.write() as session:
+            token = create_token(session, args.role, args.name or args.role, args.expires_in)
+        print(token)
+        return 0
+    if args.tokens_command == "list":
+        now = utcnow()
+        with database.read() as session:
+            rows = session.scalars(sa.select(Token).order_by(Token.id)).all()
+        print(f"{'id':>5}  {'name':<24} {'role':<7} {'created':<21} {'expires':<21} {'revoked':<21} state")
+        for row in rows:
+            state = ("revoked" if row.revoked_at is not None else
+                     "expired" if row.expires_at is not None and row.expires_at <= now else "usable")
+            print(f"{row.id:>5}  {row.name[:24]:<24} {row.role:<7} {shown(row.created_at):<21} "
+                  f"{shown(row.expires_at):<21} {shown(row.revoked_at):<21} {state}")
+        return 0
+    try:
+        with database.write() as session:
+            if args.tokens_command == "revoke":
+                revoked = revoke_tokens(session, args.token)
+                message = "\n".join(f"revoked token {t.id} ({t.name}, {t.role})" for t in revoked)
+            else:
+                token, old = rotate_token(session, args.token, args.grace)
+                message = token
+                note = (f"token {old.id} ({old.name}, {old.role}) "
+                        + (f"expires at {shown(old.expires_at)}" if args.grace > 0 else "is revoked"))
+    except LookupError as error:
+        print(f"pasto: error: {error}", file=sys.stderr)
+        return 2
+    print(message)
+    if args.tokens_command == "rotate":
+        print(note, file=sys.stderr)
     return 0
 
 

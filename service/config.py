@@ -14,6 +14,23 @@ DEFAULT_MAX_CONTENT_LENGTH = 16 * 1024 * 1024
 #: Seconds between the dashboard's reads of the API.
 DEFAULT_DASHBOARD_POLL_SECONDS = 5.0
 
+#: Database deadlines in seconds, every one well under gunicorn's 30 s worker timeout: a request that
+#: meets a database which is down or stalled fails with 503 after at most about pool + connect +
+#: statement seconds instead of hanging until gunicorn kills its worker.
+DATABASE_TIMEOUTS = {
+    "PASTO_DATABASE_CONNECT_TIMEOUT": 3.0,    # opening a connection (PostgreSQL; libpq's minimum is 2)
+    "PASTO_DATABASE_STATEMENT_TIMEOUT": 10.0,  # one statement (PostgreSQL server-side, and client-side)
+    "PASTO_DATABASE_POOL_TIMEOUT": 5.0,        # waiting for a free connection of the pool
+    "PASTO_SQLITE_BUSY_TIMEOUT": 10.0,         # waiting for SQLite's write lock
+    "PASTO_HEALTHZ_TIMEOUT": 1.5,              # /healthz answers 503 when its check takes longer
+}
+
+#: ``Retry-After`` (seconds) of a 503 ``database_unavailable``.
+DEFAULT_DATABASE_RETRY_AFTER = 5
+
+#: Invalid tokens one client address may send per minute before it is refused 429.
+DEFAULT_AUTH_FAILURE_LIMIT = 20
+
 
 class ConfigurationError(ValueError):
     """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
@@ -33,7 +50,14 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     ``PASTO_VERSION_CHECK_SECONDS`` (how stale a worker's cached experiment may be, default 0.05),
     ``PASTO_ANONYMOUS_LOOPBACK_READ`` (let requests from 127.0.0.1/::1 read without a token, default
     false: for a dashboard on the same machine, never behind a reverse proxy on that machine),
+    ``PASTO_METRICS_ANONYMOUS`` (let anyone scrape ``/metrics`` without a token, default false: a
+    scrape needs a token with the ``metrics`` role or higher),
     ``PASTO_DASHBOARD_POLL_SECONDS`` (how often the dashboard re-reads the API, default 5),
+    ``PASTO_DATABASE_CONNECT_TIMEOUT`` / ``PASTO_DATABASE_STATEMENT_TIMEOUT`` /
+    ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` (seconds,
+    defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
+    when the database is unavailable, whole seconds, default 5), ``PASTO_AUTH_FAILURE_LIMIT`` (invalid
+    tokens one client address may send per minute before it is refused 429, default 20),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -46,16 +70,21 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_CHECK_SCHEMA": True,
         "PASTO_VERSION_CHECK_SECONDS": 0.05,
         "PASTO_ANONYMOUS_LOOPBACK_READ": False,
+        "PASTO_METRICS_ANONYMOUS": False,
         "PASTO_DASHBOARD_POLL_SECONDS": DEFAULT_DASHBOARD_POLL_SECONDS,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
+        **DATABASE_TIMEOUTS,
+        "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
+        "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
-                "PASTO_DASHBOARD_POLL_SECONDS"):
+                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
+                *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
-    if os.environ.get("PASTO_ANONYMOUS_LOOPBACK_READ"):
-        config["PASTO_ANONYMOUS_LOOPBACK_READ"] = _flag("PASTO_ANONYMOUS_LOOPBACK_READ",
-                                                        os.environ["PASTO_ANONYMOUS_LOOPBACK_READ"])
+    for flag in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_METRICS_ANONYMOUS"):
+        if os.environ.get(flag):
+            config[flag] = _flag(flag, os.environ[flag])
     if os.environ.get("PASTO_MAX_CONTENT_LENGTH"):
         config["MAX_CONTENT_LENGTH"] = os.environ["PASTO_MAX_CONTENT_LENGTH"]
     if overrides:
@@ -66,7 +95,27 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     config["PASTO_DASHBOARD_POLL_SECONDS"] = _seconds("PASTO_DASHBOARD_POLL_SECONDS",
                                                       config["PASTO_DASHBOARD_POLL_SECONDS"])
     config["MAX_CONTENT_LENGTH"] = _bytes("PASTO_MAX_CONTENT_LENGTH", config["MAX_CONTENT_LENGTH"])
+    for key in DATABASE_TIMEOUTS:
+        config[key] = _seconds(key, config[key])
+    config["PASTO_DATABASE_RETRY_AFTER"] = _whole_seconds("PASTO_DATABASE_RETRY_AFTER",
+                                                          config["PASTO_DATABASE_RETRY_AFTER"])
+    config["PASTO_AUTH_FAILURE_LIMIT"] = _whole_seconds("PASTO_AUTH_FAILURE_LIMIT",
+                                                        config["PASTO_AUTH_FAILURE_LIMIT"], "invalid tokens")
     return config
+
+
+def _whole_seconds(key: str, value: Any, unit: str = "seconds") -> int:
+    """``value`` (an integer, or its text from the environment) as a positive whole number of ``unit``."""
+    wanted = f"{key} must be a positive whole number of {unit}"
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            raise ConfigurationError(f"{wanted}, got {value!r}.") from None
+    if isinstance(number, bool) or not isinstance(number, int) or number < 1 or number > 86_400:
+        raise ConfigurationError(f"{wanted} (at most 86400), got {value!r}.")
+    return number
 
 
 def _seconds(key: str, value: Any, zero_allowed: bool = False) -> float:

@@ -1,5 +1,11 @@
 """Database engine per application, sessions, and the dialect-specific pieces (upserts, locking).
 
+Every wait on the database has a deadline (:class:`DatabaseTimeouts`, from the ``PASTO_DATABASE_*``
+settings): opening a connection, each statement (on PostgreSQL both server-side, ``statement_timeout``,
+and client-side, for a server that cannot answer at all, :func:`_deadline_connection_class`), a free
+connection of the pool, SQLite's write lock. A database that is down or stalled therefore raises
+within seconds; :class:`DatabaseStatus` records the outage and ``service.errors`` answers 503.
+
 SQLite runs in WAL mode with a busy timeout. Write transactions on SQLite start with
 ``BEGIN IMMEDIATE``: a deferred transaction that reads and then writes fails at once with "database is
 locked" when another connection committed in between (the busy timeout does not apply to that case),
@@ -9,10 +15,13 @@ and run concurrently with a writer thanks to WAL.
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -20,10 +29,11 @@ from flask import Flask, current_app
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
-from .config import ConfigurationError
+from .config import DATABASE_TIMEOUTS, ConfigurationError
+
+log = logging.getLogger(__name__)
 
 _EXTENSION = "pasto.db"
-SQLITE_BUSY_TIMEOUT_MS = 30_000
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 
 
@@ -39,12 +49,115 @@ class KeysExist(Exception):
 
 
 @dataclass(frozen=True)
+class DatabaseTimeouts:
+    """Deadlines, in seconds, of every wait on the database (defaults: ``service.config.DATABASE_TIMEOUTS``).
+
+    ``connect``: opening a PostgreSQL connection. ``statement``: one statement; PostgreSQL's
+    ``statement_timeout`` cancels it server-side, and the client gives up one second later if the
+    server does not answer at all (stopped, or a network that drops packets). ``pool``: waiting for a
+    free connection of the pool. ``sqlite_busy``: waiting for SQLite's write lock.
+    """
+
+    connect: float = DATABASE_TIMEOUTS["PASTO_DATABASE_CONNECT_TIMEOUT"]
+    statement: float = DATABASE_TIMEOUTS["PASTO_DATABASE_STATEMENT_TIMEOUT"]
+    pool: float = DATABASE_TIMEOUTS["PASTO_DATABASE_POOL_TIMEOUT"]
+    sqlite_busy: float = DATABASE_TIMEOUTS["PASTO_SQLITE_BUSY_TIMEOUT"]
+
+    @classmethod
+    def from_config(cls, config) -> DatabaseTimeouts:
+        return cls(connect=config["PASTO_DATABASE_CONNECT_TIMEOUT"],
+                   statement=config["PASTO_DATABASE_STATEMENT_TIMEOUT"],
+                   pool=config["PASTO_DATABASE_POOL_TIMEOUT"],
+                   sqlite_busy=config["PASTO_SQLITE_BUSY_TIMEOUT"])
+
+
+#: How much longer than ``statement_timeout`` the client waits for an answer before it gives the
+#: connection up: the server's own cancellation (a clean error, the connection kept) comes first.
+CLIENT_DEADLINE_MARGIN = 1.0
+
+
+def is_unavailable_error(error: BaseException) -> bool:
+    """Whether ``error`` means the database cannot serve now (down, unreachable, stalled, locked, out
+    of connections) rather than a bug or bad data: SQLAlchemy's ``OperationalError`` (connection
+    failures, timeouts, SQLite's "database is locked"), a disconnect it detected, a pool checkout
+    timeout, :class:`DatabaseUnreachable`, and the same DBAPI errors raised by raw cursors."""
+    if isinstance(error, (sa.exc.OperationalError, sa.exc.TimeoutError, DatabaseUnreachable)):
+        return True
+    if isinstance(error, sa.exc.DBAPIError) and error.connection_invalidated:
+        return True
+    import sqlite3
+
+    if isinstance(error, sqlite3.OperationalError):
+        return True
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
+#: A process logs at most one outage (its start and its end) per this many seconds: a database that
+#: flaps (SQLite's write lock contended while reads still succeed) does not fill the log either.
+OUTAGE_LOG_INTERVAL_SECONDS = 60.0
+
+
+class DatabaseStatus:
+    """Whether this process last found the database usable (``up``, for the ``pasto_database_up``
+    gauge), and the log of its outages: one line when the database becomes unavailable and one when
+    it is back, not one per failed request. A database that flaps (SQLite's write lock contended
+    while reads still succeed) logs at most one outage per :data:`OUTAGE_LOG_INTERVAL_SECONDS`; a
+    failure in a period not logged yet is logged once that interval has passed."""
+
+    def __init__(self) -> None:
+        self.up = True
+        self._lock = threading.Lock()
+        self._logged_outage_start: float | None = None  # set while a logged outage is not over
+        self._last_logged = -OUTAGE_LOG_INTERVAL_SECONDS
+        self._failures = 0
+
+    def failed(self, error: BaseException) -> None:
+        """Record a request (or scheduler run) that failed because the database is unavailable."""
+        with self._lock:
+            self.up = False
+            self._failures += 1
+            now = time.monotonic()
+            if self._logged_outage_start is not None or now - self._last_logged < OUTAGE_LOG_INTERVAL_SECONDS:
+                return
+            self._logged_outage_start = self._last_logged = now
+            self._failures = 1
+        log.error("The database is unavailable (%s); answering 503 database_unavailable until it is back.",
+                  _one_line(error))
+
+    def succeeded(self) -> None:
+        """Record a statement that completed: the database is usable (cheap when it already was)."""
+        if self.up:
+            return
+        with self._lock:
+            if self.up:
+                return
+            self.up = True
+            if self._logged_outage_start is None:
+                return
+            down_for, failures = time.monotonic() - self._logged_outage_start, self._failures
+            self._logged_outage_start = None
+        log.warning("The database is available again after %.1f s (%d requests or runs failed meanwhile).",
+                    down_for, failures)
+
+
+def _one_line(error: BaseException) -> str:
+    cause = getattr(error, "orig", None) or error
+    text = " ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    return f"{type(cause).__name__}: {text[:300]}"
+
+
+@dataclass(frozen=True)
 class Database:
     """The engine of one application and its two session factories."""
 
     engine: sa.Engine
     read_sessions: sessionmaker[Session]
     write_sessions: sessionmaker[Session]
+    status: DatabaseStatus = field(default_factory=DatabaseStatus, compare=False)
 
     @property
     def dialect(self) -> str:
@@ -182,8 +295,9 @@ def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list
 _URL_EXAMPLES = "sqlite:///path/to/pasto.sqlite or postgresql+psycopg://user:password@host/database"
 
 
-def make_engine(url: str) -> sa.Engine:
-    """Create an engine for ``url`` with the settings this service relies on.
+def make_engine(url: str, timeouts: DatabaseTimeouts = DatabaseTimeouts()) -> sa.Engine:
+    """Create an engine for ``url`` with the settings this service relies on and the deadlines of
+    ``timeouts``.
 
     Raises :class:`~service.config.ConfigurationError` naming ``PASTO_DATABASE_URL`` when the URL does
     not parse, names a database other than SQLite or PostgreSQL or a driver that is not installed, or
@@ -213,11 +327,26 @@ def make_engine(url: str) -> sa.Engine:
                         f"created ({error.strerror})."
                     ) from None
             engine = sa.create_engine(
-                parsed, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+                parsed, connect_args={"check_same_thread": False, "timeout": timeouts.sqlite_busy},
+                pool_timeout=timeouts.pool,
             )
-            _configure_sqlite(engine)
+            _configure_sqlite(engine, round(timeouts.sqlite_busy * 1000))
             return engine
-        return sa.create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=20)
+        # statement_timeout through libpq's "options" (no extra round trip per connection), after
+        # any options the URL gives; connect_timeout is whole seconds in libpq.
+        options = " ".join(filter(None, [str(parsed.query.get("options") or ""),
+                                         f"-c statement_timeout={round(timeouts.statement * 1000)}"]))
+        engine = sa.create_engine(
+            parsed, pool_pre_ping=True, pool_size=10, max_overflow=20, pool_timeout=timeouts.pool,
+            connect_args={"connect_timeout": max(1, round(timeouts.connect)), "options": options},
+        )
+        connection_class = _deadline_connection_class(timeouts.statement + CLIENT_DEADLINE_MARGIN)
+
+        @sa.event.listens_for(engine, "do_connect")
+        def connect(_dialect, _record, cargs, cparams):
+            return connection_class.connect(*cargs, **cparams)
+
+        return engine
     except (sa.exc.NoSuchModuleError, ImportError) as error:  # an unknown driver name, or one not installed
         raise ConfigurationError(
             f"PASTO_DATABASE_URL {shown}: its database driver cannot be loaded ({error}); pasto installs "
@@ -245,14 +374,43 @@ def check_connection(engine: sa.Engine) -> None:
         ) from error
 
 
-def _configure_sqlite(engine: sa.Engine) -> None:
+def _deadline_connection_class(seconds: float) -> type:
+    """A psycopg ``Connection`` whose every wait for the server (a statement, a fetch, a commit, the
+    pool's ping) gives up after ``seconds``.
+
+    ``statement_timeout`` is enforced by the server, so it does nothing when the server cannot answer:
+    stopped (SIGSTOP), swapping, or behind a network that drops packets; on loopback the kernel even
+    acknowledges what the client sends, so no TCP timeout fires either. Every blocking operation of a
+    psycopg connection goes through :meth:`psycopg.Connection.wait`, whose ``timeout`` raises
+    psycopg's ``_WaitTimeout``. The connection is then in an unknown state (half a result may be
+    unread): it is closed, so SQLAlchemy sees a disconnect and drops it from the pool.
+    """
+    import psycopg
+    from psycopg import errors
+
+    class DeadlineConnection(psycopg.Connection):
+        def wait(self, gen, interval=0.1, timeout=None):
+            limit = seconds if timeout is None else min(timeout, seconds)
+            try:
+                return super().wait(gen, interval=interval, timeout=limit)
+            except errors._WaitTimeout:  # psycopg's (internal) wait timeout: give the connection up
+                self.close()
+                raise psycopg.OperationalError(
+                    f"The database server did not answer within {limit:g} s (PASTO_DATABASE_STATEMENT_TIMEOUT "
+                    f"+ {CLIENT_DEADLINE_MARGIN:g} s); the connection was closed."
+                ) from None
+
+    return DeadlineConnection
+
+
+def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
     @sa.event.listens_for(engine, "connect")
     def on_connect(dbapi_connection, _record):
         # Let SQLAlchemy's "begin" event below emit BEGIN itself (pysqlite's implicit BEGIN is DEFERRED).
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
@@ -264,13 +422,19 @@ def _configure_sqlite(engine: sa.Engine) -> None:
 
 
 def init_app(app: Flask) -> Database:
-    """Create the application's engine from ``PASTO_DATABASE_URL`` and register it."""
-    engine = make_engine(app.config["PASTO_DATABASE_URL"])
+    """Create the application's engine from ``PASTO_DATABASE_URL`` (deadlines from the
+    ``PASTO_DATABASE_*`` settings) and register it."""
+    engine = make_engine(app.config["PASTO_DATABASE_URL"], DatabaseTimeouts.from_config(app.config))
     database = Database(
         engine=engine,
         read_sessions=sessionmaker(bind=engine, expire_on_commit=False),
         write_sessions=sessionmaker(bind=engine.execution_options(pasto_write=True), expire_on_commit=False),
     )
+    status = database.status
+
+    @sa.event.listens_for(engine, "after_cursor_execute")
+    def statement_completed(*_):
+        status.succeeded()
     app.extensions[_EXTENSION] = database
     return database
 

@@ -2,6 +2,10 @@
 
 Every error leaves the service through :func:`error_response`, including werkzeug's HTTP errors
 (404, 405, 413, ...) and unexpected exceptions (500), so clients only ever parse one shape.
+
+A database that is down, stalled, locked or out of connections (``service.db.is_unavailable_error``)
+is not a server bug: it is answered 503 ``database_unavailable`` with ``Retry-After``, and logged once
+per outage by ``service.db.DatabaseStatus`` instead of one traceback per request.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import logging
 import re
 from typing import Any
 
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, current_app, jsonify, request
 from pydantic import ValidationError
 from werkzeug.exceptions import HTTPException
 
@@ -20,12 +24,14 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     """An error with an HTTP status, a stable machine-readable code and a sentence for humans."""
 
-    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+    def __init__(self, status: int, code: str, message: str, details: Any = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.details = details
+        self.headers = headers or {}
 
 
 def error_response(status: int, code: str, message: str, details: Any = None) -> Response:
@@ -88,6 +94,7 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(error: ApiError):
         response = error_response(error.status, error.code, error.message, error.details)
+        response.headers.update(error.headers)
         if error.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="pasto"'
         return response
@@ -110,5 +117,21 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def handle_unexpected(error: Exception):
+        from .db import get_db, is_unavailable_error
+
+        if is_unavailable_error(error):
+            get_db().status.failed(error)
+            return database_unavailable()
         log.exception("Unhandled error while serving a request")
         return error_response(500, "internal_error", "The server failed to handle the request; see its log.")
+
+
+def database_unavailable() -> Response:
+    """503 ``database_unavailable`` with ``Retry-After`` (``PASTO_DATABASE_RETRY_AFTER`` seconds)."""
+    retry_after = current_app.config["PASTO_DATABASE_RETRY_AFTER"]
+    response = error_response(
+        503, "database_unavailable",
+        f"The database is unavailable (down, unreachable or overloaded); retry in {retry_after} s.",
+        {"retry_after_seconds": retry_after})
+    response.headers["Retry-After"] = str(retry_after)
+    return response

@@ -50,7 +50,7 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: sa.JSON, list[Any]: sa.JSON, datetime: UTCDateTime}
 
 
-ROLES = ("read", "ingest", "admin")
+ROLES = ("metrics", "read", "ingest", "admin")  # each role can do what the ones before it can
 STATUSES = ("running", "paused", "stopped")
 
 
@@ -199,7 +199,8 @@ class RoundUnit(Base):
 
 
 class Token(Base):
-    """An API token; only the SHA-256 hex digest of the token is stored."""
+    """An API token; only the SHA-256 hex digest of the token is stored. It is refused from
+    ``expires_at`` on (if set) and once ``revoked_at`` is set (rows are kept for the record)."""
 
     __tablename__ = "tokens"
 
@@ -208,6 +209,19 @@ class Token(Base):
     role: Mapped[str] = mapped_column(sa.String(16))
     token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True)
     created_at: Mapped[datetime]
+    expires_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class AuthFailure(Base):
+    """Invalid bearer tokens sent from one client address in its current throttling window
+    (``service.auth``): shared by every worker process, so the limit holds for the whole service."""
+
+    __tablename__ = "auth_failures"
+
+    address: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    window_started_at: Mapped[datetime]
+    failures: Mapped[int]
 
 
 class SchedulerHeartbeat(Base):

@@ -1,4 +1,5 @@
-"""Prometheus metrics: ``GET /metrics`` (no token, like ``/healthz``).
+"""Prometheus metrics: ``GET /metrics`` (a token with the ``metrics`` role or higher, or none when
+``PASTO_METRICS_ANONYMOUS`` is on).
 
 Two kinds of series, each from the source that knows it:
 
@@ -31,6 +32,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
+from .auth import require_role
 from .db import get_db
 from .diagnostics import traffic_report
 from .models import STATUSES, Arm, ArmRoundCount, Experiment, Round, SchedulerHeartbeat, utcnow
@@ -291,7 +293,9 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
         MultiProcessCollector(registry)
     else:
         registry.register(PROCESS_REGISTRY)
-    registry.register(ControllerCollector(app))
+    from .health import DatabaseGuardedCollector  # adds pasto_database_up; an outage does not fail the scrape
+
+    registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     return registry
 
 
@@ -299,6 +303,7 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
 
 
 @bp.get("/metrics")
+@require_role("metrics")  # a scrape token, unless PASTO_METRICS_ANONYMOUS opts in
 def metrics() -> Response:
     return Response(generate_latest(scrape_registry(current_app._get_current_object())),
                     mimetype=CONTENT_TYPE_LATEST)

@@ -206,7 +206,7 @@ def _paths() -> dict[str, Any]:
             {"200": _json(_ref("Health"), "Healthy."), "503": _json(_ref("Health"), "Database or schema not ready.")},
             path_name=False)},
         "/metrics": {"get": _operation(
-            "Prometheus metrics (text exposition format).", None,
+            "Prometheus metrics (text exposition format).", "metrics",
             {"200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
             path_name=False)},
         "/api/v1/openapi.json": {"get": _operation(

@@ -59,6 +59,7 @@ from .errors import ApiError, invalid
 from .experiments import iso
 from .models import (Arm, ArmRoundCount, Experiment, LateStatistic, PooledStatistic, Round, RoundStatistic,
                      utcnow)
+from .params import query_integer
 from .schemas import json_body
 
 log = logging.getLogger(__name__)
@@ -445,16 +446,7 @@ def close_current_round(name: str):
 MAX_ROUND_INDEX = 2**31 - 1
 
 
-def _query_integer(name: str, default: int | None, minimum: int, maximum: int | None = None) -> int | None:
-    text = request.args.get(name)
-    if text is None:
-        return default
-    # ASCII only: str.isdigit() is also true for "²", which int() refuses.
-    if not (text.isascii() and text.isdigit()) or int(text) < minimum:
-        raise invalid(name, f"Must be an integer >= {minimum}, got {text!r}.")
-    if maximum is not None and int(text) > maximum:
-        raise invalid(name, f"Must be an integer <= {maximum}, got {text!r}.")
-    return int(text)
+_query_integer = query_integer  # service.params: digits and bounds checked before int()
 
 
 @bp.get("/<name>/rounds")

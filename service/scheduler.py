@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
-from .db import Database, get_db
+from .db import Database, get_db, is_unavailable_error
 from .models import SchedulerHeartbeat, utcnow
 from .rounds import RoundAdvance, close_due_rounds
 
@@ -36,11 +36,20 @@ def heartbeat(database: Database, name: str, now: datetime) -> None:
 
 
 def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:
-    """One scheduler tick: record the heartbeat, then close due rounds."""
+    """One scheduler tick: record the heartbeat, then close due rounds.
+
+    While the database is unavailable a tick does nothing (the next one tries again) and the outage
+    is logged once, not once per tick."""
     database = get_db(app)
     now = utcnow()
-    heartbeat(database, name, now)
-    advances = close_due_rounds(database, now)
+    try:
+        heartbeat(database, name, now)
+        advances = close_due_rounds(database, now)
+    except Exception as error:
+        if not is_unavailable_error(error):
+            raise
+        database.status.failed(error)
+        return []
     for advance in advances:
         log.info("Experiment %s: closed round %s, applied %s, now serving round %s (%.1f ms)",
                  advance.experiment, advance.closed_round, list(advance.applied), advance.round_index,

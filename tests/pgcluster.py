@@ -33,6 +33,11 @@ def postgres_bin_dir() -> str | None:
 class Cluster:
     """A private PostgreSQL cluster in a temporary folder (run as user ``postgres`` when we are root)."""
 
+    #: Off: a commit returns before its WAL is written, so a crash of the server loses the last
+    #: acknowledged commits. A test that kills the server itself sets it on (the WAL then reaches the
+    #: operating system before the commit returns, which a killed process cannot lose; fsync stays off).
+    synchronous_commit = "off"
+
     def __init__(self, bin_dir: str) -> None:
         self.bin_dir = bin_dir
         self.root = tempfile.mkdtemp(prefix="pasto-pg-")
@@ -52,11 +57,20 @@ class Cluster:
     def start(self) -> None:
         self._run(os.path.join(self.bin_dir, "initdb"), "-D", self.data_dir, "-A", "trust",
                   "-U", self.user, "-E", "UTF8", "--no-sync")
+        self.start_server()
+
+    def start_server(self) -> None:
+        """Start the server of the initialised cluster (again, after a crash: it recovers first)."""
         options = (f"-c listen_addresses=127.0.0.1 -c port={self.port} "
                    f"-c unix_socket_directories={self.root} -c fsync=off "
-                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+                   f"-c synchronous_commit={self.synchronous_commit} -c full_page_writes=off -c max_connections=200")
         self._run(os.path.join(self.bin_dir, "pg_ctl"), "-D", self.data_dir, "-o", options,
                   "-l", os.path.join(self.root, "server.log"), "-w", "start")
+
+    def postmaster_pid(self) -> int:
+        """The pid of the running server's postmaster (first line of ``postmaster.pid``)."""
+        with open(os.path.join(self.data_dir, "postmaster.pid")) as pid_file:
+            return int(pid_file.readline())
 
     def stop(self) -> None:
         try:

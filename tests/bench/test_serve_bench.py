@@ -42,7 +42,10 @@ def test_quick_run_measures_every_row(run):
     assert results["ingest"]["pasto"]["stored"] == results["ingest"]["pasto"]["sent"] > 0
     statements = dict(results["assign"]["statements"])
     assert statements.pop("requests") > 0
-    assert set(statements) <= {"SELECT"}  # the assignment path writes nothing
+    # The assignment path writes nothing: reads only (the token and snapshot checks), each in a read
+    # transaction that SQLAlchemy opens with BEGIN since the SQLite connection runs in autocommit mode
+    # (service/db.py: write transactions need BEGIN IMMEDIATE) and ends with ROLLBACK.
+    assert set(statements) <= {"SELECT", "BEGIN", "ROLLBACK"}, statements
     for preset in ("default", "paper"):
         close = results["close"][f"100/{preset}"]
         assert close["transaction"]["median_ms"] > 0 and close["total"]["median_ms"] > 0 and close["reload_ms"] > 0

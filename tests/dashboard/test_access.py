@@ -64,7 +64,7 @@ def test_reading_needs_a_token_unless_anonymous_loopback_read_is_enabled(app):
     assert page_config(remote.get("/"))["anonymousRead"] is False
 
 
-def test_pages_render_without_a_token_and_unknown_experiments_are_404(app):
+def test_pages_render_without_a_token_and_do_not_tell_which_experiments_exist(app):
     client = client_from(app, "192.0.2.10")
     overview = client.get("/")
     assert overview.status_code == 200 and overview.mimetype == "text/html"
@@ -74,7 +74,10 @@ def test_pages_render_without_a_token_and_unknown_experiments_are_404(app):
     page = client.get("/experiments/pages")
     assert page.status_code == 200
     assert 'data-name="pages"' in page.get_data(as_text=True)
-    assert client.get("/experiments/nothing-here").status_code == 404
+    # Without a token, a missing experiment's page is the existing one's with the other name.
+    missing = client.get("/experiments/nothing-here")
+    assert missing.status_code == 200
+    assert missing.get_data(as_text=True).replace("nothing-here", "pages") == page.get_data(as_text=True)
     # Everything the pages load is served by this server: no network beyond it is needed.
     for asset in re.findall(r'(?:src|href)="(/static/[^"]+)"', overview.get_data(as_text=True)):
         assert client.get(asset).status_code == 200, asset
@@ -91,3 +94,22 @@ def test_a_malformed_flag_is_refused_with_a_sentence(monkeypatch, tmp_path):
     monkeypatch.setenv("PASTO_ANONYMOUS_LOOPBACK_READ", "maybe")
     with pytest.raises(ValueError, match="PASTO_ANONYMOUS_LOOPBACK_READ must be"):
         load_config(str(tmp_path))
+
+
+def test_html_pages_send_a_content_security_policy_and_refuse_framing(app):
+    client = client_from(app, "192.0.2.10")
+    for path in ("/", "/experiments/pages", "/experiments/nothing-here"):
+        response = client.get(path)
+        assert response.mimetype == "text/html"
+        policy = dict(directive.strip().split(" ", 1) for directive in response.headers["Content-Security-Policy"].split(";"))
+        assert policy["default-src"] == "'none'"
+        assert policy["script-src"] == "'self'" and policy["style-src"] == "'self'"
+        assert policy["frame-ancestors"] == "'none'"
+        assert response.headers["X-Frame-Options"] == "DENY"
+        assert response.headers["X-Content-Type-Options"] == "nosniff"
+        # The only <script> without a src is the JSON data block, which browsers never execute.
+        inline = re.findall(r"<script(?![^>]*\bsrc=)([^>]*)>", response.get_data(as_text=True))
+        assert inline == [' id="page-config" type="application/json"'], inline
+        assert " style=" not in response.get_data(as_text=True)
+    api = client.get("/api/v1/experiments")
+    assert api.headers["X-Content-Type-Options"] == "nosniff" and "Content-Security-Policy" not in api.headers

@@ -151,29 +151,33 @@ class ServiceProcesses:
         return env
 
     def _launch(self, label: str, command: list[str], database_url: str, scheduler_interval: float,
-                port: int | None, access_log: Path | None = None) -> ServiceProcess:
+                port: int | None, access_log: Path | None = None,
+                settings: dict[str, str] | None = None) -> ServiceProcess:
         count = sum(1 for process in self.started if process.label == label)
         log_path = self.log_dir / f"{label}-{count}.log"
-        process = ServiceProcess(label, command, self._env(database_url, scheduler_interval), log_path, port,
-                                 access_log)
+        env = {**self._env(database_url, scheduler_interval), **(settings or {})}
+        process = ServiceProcess(label, command, env, log_path, port, access_log)
         self.started.append(process)
         process.start()
         return process
 
     def serve(self, database_url: str, *, threads: int = 8, scheduler: bool = False,
-              scheduler_interval: float = 0.2, wait: bool = True) -> ServiceProcess:
-        """``pasto serve`` (waitress with ``threads`` threads), healthy when returned (if ``wait``)."""
+              scheduler_interval: float = 0.2, wait: bool = True,
+              settings: dict[str, str] | None = None) -> ServiceProcess:
+        """``pasto serve`` (waitress with ``threads`` threads), healthy when returned (if ``wait``);
+        ``settings``: more environment variables (``PASTO_*`` settings)."""
         port = free_port()
         command = [PYTHON, "-m", "pasto.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                    "--threads", str(threads)]
         if not scheduler:
             command.append("--no-scheduler")
-        process = self._launch("serve", command, database_url, scheduler_interval, port)
+        process = self._launch("serve", command, database_url, scheduler_interval, port, settings=settings)
         if wait:
             process.wait_healthy()
         return process
 
-    def gunicorn(self, database_url: str, *, workers: int = 4, wait: bool = True) -> ServiceProcess:
+    def gunicorn(self, database_url: str, *, workers: int = 4, wait: bool = True, timeout: int = 30,
+                 settings: dict[str, str] | None = None) -> ServiceProcess:
         """``gunicorn -w N -b 127.0.0.1:PORT service.wsgi:app``, healthy when returned (if ``wait``).
 
         The access log records the pid of the worker that served each request (``%(p)s``), so a
@@ -184,8 +188,8 @@ class ServiceProcesses:
         command = [PYTHON, "-m", "gunicorn", "-w", str(workers), "-b", f"127.0.0.1:{port}",
                    "--access-logfile", str(access_log),
                    "--access-logformat", "%(p)s %(m)s %(U)s %(q)s %(s)s",
-                   "--graceful-timeout", "5", "service.wsgi:app"]
-        process = self._launch("gunicorn", command, database_url, 1.0, port, access_log)
+                   "--graceful-timeout", "5", "--timeout", str(timeout), "service.wsgi:app"]
+        process = self._launch("gunicorn", command, database_url, 1.0, port, access_log, settings)
         if wait:
             process.wait_healthy()
         return process

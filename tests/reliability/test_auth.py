@@ -159,6 +159,7 @@ def test_mutating_routes_refuse_missing_bad_and_lower_tokens(backend_api):
     """On SQLite and PostgreSQL (the token lookup is a query on each), through the test client."""
     api = backend_api
     app = api.client.application
+    app.config["PASTO_AUTH_FAILURE_LIMIT"] = 1_000_000  # every kind of bad token, many times: not throttled here
     assert api("POST", "/api/v1/experiments", json=setup_a_body(NAME)).status_code == 201
     before = database_state(app)
 
@@ -176,6 +177,7 @@ def test_mutating_routes_refuse_missing_bad_and_lower_tokens(backend_api):
 
 def test_mutating_routes_refuse_missing_bad_and_lower_tokens_over_real_http(tmp_path, tokens_of, serve):  # noqa: F811
     app, tokens = tokens_of(f"sqlite:///{tmp_path / 'pasto.sqlite'}")
+    app.config["PASTO_AUTH_FAILURE_LIMIT"] = 1_000_000  # every kind of bad token, many times: not throttled here
     base = serve(app)
     session = requests.Session()
     created = session.post(f"{base}/api/v1/experiments", json=setup_a_body(NAME), timeout=30,

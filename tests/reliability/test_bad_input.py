@@ -41,7 +41,7 @@ from service.config import DEFAULT_MAX_CONTENT_LENGTH
 from service.db import get_db
 from tests.service.conftest import backend_url, make_app, serve, setup_a_body  # noqa: F401 (fixtures used below)
 
-ROLES = ("read", "ingest", "admin")
+ROLES = ("metrics", "read", "ingest", "admin")
 INGESTION_TABLES = ("observation_ids", "round_statistics", "arm_round_counts", "round_units")
 
 LIVE = "live"  # running; rounds 0 and 1 closed with observations; serving round 2

@@ -81,3 +81,30 @@ def test_an_unusable_value_is_refused_naming_the_setting(clean_environment, tmp_
 def test_max_content_length_in_the_mapping_is_checked_too(clean_environment, tmp_path, value):
     with pytest.raises(ConfigurationError, match="PASTO_MAX_CONTENT_LENGTH must be a positive whole number"):
         load_config(str(tmp_path), {"MAX_CONTENT_LENGTH": value})
+
+
+def test_database_deadlines_from_the_environment_reach_the_engine(monkeypatch, tmp_path):
+    monkeypatch.setenv("PASTO_DATABASE_STATEMENT_TIMEOUT", "4.5")
+    monkeypatch.setenv("PASTO_SQLITE_BUSY_TIMEOUT", "0.25")
+    monkeypatch.setenv("PASTO_DATABASE_RETRY_AFTER", "7")
+    config = load_config(str(tmp_path))
+    assert config["PASTO_DATABASE_STATEMENT_TIMEOUT"] == 4.5
+    assert config["PASTO_DATABASE_CONNECT_TIMEOUT"] == 3.0 and config["PASTO_DATABASE_POOL_TIMEOUT"] == 5.0
+    assert config["PASTO_DATABASE_RETRY_AFTER"] == 7
+    app = make_app(f"sqlite:///{tmp_path / 'pasto.sqlite'}")
+    try:
+        engine = get_db(app).engine
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 250
+        assert engine.pool.timeout() == 5.0
+    finally:
+        get_db(app).engine.dispose()
+
+
+@pytest.mark.parametrize("key, value", [("PASTO_DATABASE_STATEMENT_TIMEOUT", "0"),
+                                        ("PASTO_HEALTHZ_TIMEOUT", "soon"),
+                                        ("PASTO_DATABASE_RETRY_AFTER", "2.5")])
+def test_unusable_database_deadlines_are_refused(monkeypatch, tmp_path, key, value):
+    monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigurationError, match=key):
+        load_config(str(tmp_path))

@@ -127,3 +127,35 @@ def test_plain_insert_waits_for_a_concurrent_writer_of_the_same_id(postgres_url,
         assert stored_ids(database) == ["other", "shared"]
     finally:
         engine.dispose()
+
+
+def test_database_status_logs_an_outage_once_and_a_flapping_database_at_most_once_a_minute(caplog, monkeypatch):
+    import logging
+
+    import service.db as db_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(db_module.time, "monotonic", lambda: clock[0])
+    status = db_module.DatabaseStatus()
+    error = sa.exc.OperationalError("SELECT 1", {}, Exception("connection refused"))
+    with caplog.at_level(logging.WARNING, logger="service.db"):
+        for _ in range(50):  # an outage: many failed requests
+            status.failed(error)
+            clock[0] += 0.1
+        assert status.up is False
+        status.succeeded()
+        assert status.up is True
+        for _ in range(100):  # then flapping for 20 s: lines only for the first outage
+            status.failed(error)
+            clock[0] += 0.1
+            status.succeeded()
+            clock[0] += 0.1
+        status.failed(error)
+        clock[0] += 60  # a minute later, still failing: logged again
+        status.failed(error)
+        status.succeeded()
+    messages = [record.getMessage() for record in caplog.records]
+    assert [m.split(" (")[0] for m in messages] == [
+        "The database is unavailable", "The database is available again after 5.0 s",
+        "The database is unavailable", "The database is available again after 0.0 s"]
+    assert "50 requests or runs failed" in messages[1] and "connection refused" in messages[0]

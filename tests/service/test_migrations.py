@@ -21,6 +21,33 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+def _check_token_lifecycle_round_trip(url: str) -> None:
+    """0005: tokens gain expires_at/revoked_at and auth_failures appears; the downgrade deletes the
+    revoked and expiring tokens (they would become valid forever) and keeps the others."""
+    engine = sa.create_engine(url)
+    try:
+        columns = [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
+        assert columns[-2:] == ["expires_at", "revoked_at"]
+        with engine.begin() as connection:
+            connection.execute(sa.text(
+                "INSERT INTO tokens (name, role, token_hash, created_at, expires_at, revoked_at) VALUES "
+                "('kept', 'read', 'a', '2026-01-01', NULL, NULL), ('revoked', 'read', 'b', '2026-01-01', NULL, "
+                "'2026-01-02'), ('expiring', 'read', 'c', '2026-01-01', '2027-01-01', NULL)"))
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0004")
+    engine = sa.create_engine(url)
+    try:
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures"}
+        assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
+        with engine.connect() as connection:
+            assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
+            connection.execute(sa.text("DELETE FROM tokens"))
+            connection.commit()
+    finally:
+        engine.dispose()
+
+
 def _check_round_trip(url: str) -> None:
     migrations.upgrade(url)
     assert _tables(url) == EXPECTED_TABLES
@@ -35,10 +62,11 @@ def _check_round_trip(url: str) -> None:
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
     finally:
         engine.dispose()
+    _check_token_lifecycle_round_trip(url)
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics"}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -52,7 +80,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"pooled_statistics", "late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics"}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []

@@ -26,8 +26,8 @@ GRAFANA = ROOT / "dashboards" / "grafana" / "pasto.json"
 
 
 def scrape(api) -> dict[str, list]:
-    """Samples by sample name, from ``GET /metrics`` without a token."""
-    response = api("GET", "/metrics", role=None)
+    """Samples by sample name, from ``GET /metrics`` with a read token (``metrics`` or higher)."""
+    response = api("GET", "/metrics", role="read")
     assert response.status_code == 200
     assert response.mimetype == "text/plain"
     samples: dict[str, list] = {}
@@ -177,7 +177,7 @@ response = client.post("/api/v1/experiments/shared/assign", headers={"Authorizat
                        json={"units": [f"{prefix}-{i}" for i in range(units)]})
 assert response.status_code == 200, response.get_data(as_text=True)
 if then_scrape:
-    sys.stdout.write(client.get("/metrics").get_data(as_text=True))
+    sys.stdout.write(client.get("/metrics", headers={"Authorization": "Bearer admin"}).get_data(as_text=True))
 """
 
 
@@ -250,7 +250,7 @@ def test_grafana_dashboard_is_valid_and_queries_only_exported_metrics(api):
 
     queries = [target["expr"] for panel in panels for target in panel.get("targets", [])]
     queries.append(variables["experiment"]["query"]["query"])
-    exported = _exported_sample_names(api("GET", "/metrics", role=None).get_data(as_text=True))
+    exported = _exported_sample_names(api("GET", "/metrics", role="read").get_data(as_text=True))
     referenced = {name for query in queries for name in re.findall(r"\bpasto_[a-z0-9_]+", query)}
     assert referenced, "the dashboard queries no pasto metric"
     assert referenced - exported == set()

@@ -149,6 +149,7 @@ export function element(tag, attributes = {}, ...children) {
     if (value === undefined || value === null || value === false) continue;
     if (key === "class") node.className = value;
     else if (key === "dataset") Object.assign(node.dataset, value);
+    else if (key === "style") node.style.cssText = value; // CSSOM: the CSP forbids style attributes
     else node.setAttribute(key, value === true ? "" : value);
   }
   node.append(...children.filter((child) => child !== null && child !== undefined));
