@@ -427,19 +427,32 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"{summary['best_mixture_after_drift']:.4f})"
             )
         lines.append(line)
-    header = (
-        f"{'round':>6} | {'objective':>9} {'median':>8} {'p25':>8} {'p75':>8} | "
-        f"{'rel.gain':>9} {'median':>8} {'p25':>8} {'p75':>8} {'excl.':>5} | {'cum.regret':>10}"
+    # Two header lines: what each group of columns measures, then each column's own label.
+    groups = (
+        f"{'':>6} | {'objective f(mu p_hat), over runs':<35} | {'relative gain r, over runs':<44} | "
+        f"{'cumulative':>10}"
     )
-    lines += [header, "-" * len(header)]
+    header = (
+        f"{'round':>6} | {'mean':>8} {'median':>8} {'p25':>8} {'p75':>8} | "
+        f"{'mean':>8} {'median':>8} {'p25':>8} {'p75':>8} {'excluded':>8} | {'regret':>10}"
+    )
+    lines += [groups, header, "-" * len(header)]
     for row in summary["checkpoints"]:
         objective, gain = row["objective"], row["relative_gain"]
         lines.append(
-            f"{row['round']:>6} | {_cell(objective['mean'], 9)} {_cell(objective['median'], 8)} "
+            f"{row['round']:>6} | {_cell(objective['mean'], 8)} {_cell(objective['median'], 8)} "
             f"{_cell(objective['p25'], 8)} {_cell(objective['p75'], 8)} | "
-            f"{_cell(gain['mean'], 9)} {_cell(gain['median'], 8)} {_cell(gain['p25'], 8)} "
-            f"{_cell(gain['p75'], 8)} {gain['excluded']:>5} | {_cell(row['cumulative_regret']['mean'], 10, 2)}"
+            f"{_cell(gain['mean'], 8)} {_cell(gain['median'], 8)} {_cell(gain['p25'], 8)} "
+            f"{_cell(gain['p75'], 8)} {gain['excluded']:>8} | {_cell(row['cumulative_regret']['mean'], 10, 2)}"
         )
-    lines.append("objective = f(mu p_hat) under the true means (mean over runs, then quartiles); "
-                 "rel.gain = (f - f_single*) / (f_mix* - f_single*).")
+    lines += [
+        "objective: f(mu p_hat), the deployed mixture p_hat scored under the true means mu; mean, median and "
+        "25th/75th percentiles over the runs.",
+        "relative gain: r = (f - f_single*) / (f_mix* - f_single*): 0 at the best single arm, 1 at the optimal "
+        "mixture; same statistics.",
+        "excluded: runs left out of r because their optimal mixture beats their best single arm by less than "
+        f"{GAP_TOLERANCE:g} (r is undefined).",
+        "regret: sum over rounds so far of f_mix* - f(mu p_t) for the mixtures p_t actually served, mean over "
+        "runs.",
+    ]
     return "\n".join(lines)

@@ -239,10 +239,26 @@ def _tokens(app: Flask, args: argparse.Namespace) -> int:
     return 0
 
 
+def _ignore_further_sigterm() -> None:
+    """Ignore SIGTERM from now on: an orderly shutdown is under way, and a repeated request changes nothing.
+
+    Ignored (SIG_IGN), not handled by a Python function: interpreter shutdown resets every Python-level
+    handler to the default action, so a second SIGTERM arriving in those last milliseconds (a process
+    manager or test harness that repeats it, as tests/reliability's stop() does) would kill the process
+    and turn an orderly exit with status 0 into death by signal (-15). SIGKILL still ends a stuck shutdown.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _wait_for_signal() -> None:
     stop = threading.Event()
+
+    def request_stop(_signum, _frame) -> None:
+        _ignore_further_sigterm()
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, request_stop)
     while not stop.wait(3600):
         pass
 
@@ -260,6 +276,9 @@ def _worker(app: Flask) -> int:
 
 
 def _exit_on_signal(signum, _frame) -> None:
+    # A second SIGTERM would otherwise raise SystemExit again in the middle of the cleanup below
+    # (or, during interpreter shutdown, kill the process with -15).
+    _ignore_further_sigterm()
     raise SystemExit(0)
 
 

@@ -54,13 +54,35 @@ def format_location(location: tuple[Any, ...] | list[Any]) -> str:
 MAX_DETAILS = 100  # a 10,000-item batch that is wrong throughout still gets a small answer
 
 
+def validation_problems(error: ValidationError) -> list[tuple[tuple[Any, ...], str]]:
+    """Every problem pydantic found, as (location path, full-sentence message), in its order."""
+    return [(tuple(item["loc"]), _sentence(item["msg"].removeprefix("Value error, ")))
+            for item in error.errors(include_url=False, include_input=False, include_context=False)]
+
+
 def validation_error(error: ValidationError, prefix: tuple[Any, ...] = ()) -> ApiError:
     """A 422 :class:`ApiError` listing every problem pydantic found, each with where it is."""
-    return problems_error([
-        {"location": format_location((*prefix, *item["loc"])),
-         "message": _sentence(item["msg"].removeprefix("Value error, "))}
-        for item in error.errors(include_url=False, include_input=False, include_context=False)
-    ])
+    return problems_error([{"location": format_location((*prefix, *location)), "message": message}
+                           for location, message in validation_problems(error)])
+
+
+def body_order(data: Any, location: tuple[Any, ...]) -> tuple[int, ...]:
+    """Where ``location`` is in the decoded JSON ``data``, as positions (list index, rank of a key in
+    its object): sorting problems by it lists them in the order of the request body. A part that is
+    not in the body (a missing field) sorts after everything present at its level."""
+    key: list[int] = []
+    node = data
+    for part in location:
+        if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            key.append(part)
+            node = node[part]
+        elif isinstance(node, dict) and part in node:
+            key.append(list(node).index(part))
+            node = node[part]
+        else:
+            key.append(len(node) if isinstance(node, (list, dict)) else 0)
+            node = None
+    return tuple(key)
 
 
 def problems_error(problems: list[dict[str, str]]) -> ApiError:
@@ -68,10 +90,11 @@ def problems_error(problems: list[dict[str, str]]) -> ApiError:
     the first in the message, and up to :data:`MAX_DETAILS` of them in ``details``."""
     first = problems[0]
     more = ""
+    others = len(problems) - 1
     if len(problems) > MAX_DETAILS:
-        more = f" ({len(problems) - 1} more problems; details lists the first {MAX_DETAILS})"
-    elif len(problems) > 1:
-        more = f" ({len(problems) - 1} more problems in details)"
+        more = f" ({others} more problems; details lists the first {MAX_DETAILS})"
+    elif others:
+        more = f" ({others} more {'problem' if others == 1 else 'problems'} in details)"
     return ApiError(422, "invalid_request", f"{first['location']}: {first['message']}{more}",
                     problems[:MAX_DETAILS])
 

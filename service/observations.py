@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -33,7 +34,7 @@ from .cache import Snapshot, get_cache
 from .db import Database, KeysExist, get_db
 from .errors import ApiError, problems_error
 from .models import ArmRoundCount, Experiment, LateStatistic, ObservationId, RoundStatistic, RoundUnit
-from .schemas import Observation, ObservationBatch, json_bytes, parse_json
+from .schemas import Observation, ObservationBatch, json_bytes, observation_name_problems, parse_json
 
 bp = Blueprint("observations", __name__, url_prefix="/api/v1/experiments")
 
@@ -53,7 +54,7 @@ def ingest_observations(name: str):
     snapshot = cache.get(name, check=False)
     if snapshot.status == "stopped":  # maybe stale: ingest() checks again under the row lock
         raise _stopped(name)
-    batch = parse_json(ObservationBatch, body).observations
+    batch = parse_json(ObservationBatch, body, also_check=lambda data: _name_problems(name, data)).observations
     if max(observation.round for observation in batch) > snapshot.round_index:
         snapshot = cache.get(name, fresh=True)  # another worker may have started a newer round
     arm_indices = resolve_arms(snapshot, batch)
@@ -63,6 +64,12 @@ def ingest_observations(name: str):
     response = jsonify({"accepted": result.accepted, "duplicates": result.duplicates})
     response.status_code = 202
     return response
+
+
+def _name_problems(name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
+    """Unknown names and future rounds of a batch that failed validation, for the same 422 as its type errors."""
+    fresh = get_cache().get(name, fresh=True)  # only on this error path: the current round, however new
+    return observation_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
 
 
 def _stopped(name: str) -> ApiError:

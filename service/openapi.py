@@ -52,6 +52,19 @@ _LIMIT_PARAMETER = {
     "schema": {"type": "integer", "minimum": 1},
 }
 
+_GUARDRAIL = {
+    "type": "object", "required": ["metric", "threshold", "estimate", "interval", "holds"],
+    "properties": {
+        "metric": {"type": "string"},
+        "threshold": {"type": "number", "description": "c_j, resolved (relative thresholds made absolute)."},
+        "relative_to": {"type": ["string", "null"], "description": "The arm a relative threshold refers to."},
+        "estimate": {"type": "number", "description": "The guardrail metric under the mixture."},
+        "interval": {"type": "array", "items": {"type": ["number", "null"]}, "description": "95% interval."},
+        "holds": {"type": "boolean", "description": "estimate >= threshold."},
+        "confidently_holds": {"type": "boolean", "description": "The interval's lower end >= threshold."},
+    },
+}
+
 _RESPONSE_SCHEMAS: dict[str, Any] = {
     "Error": {
         "type": "object", "required": ["error"],
@@ -140,7 +153,7 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
             "best_mixture": {"type": ["number", "null"]},
             "best_single": {"type": ["object", "null"]},
             "regret": {"type": ["number", "null"], "description": "Estimated f(V p*) - f(V p_t)."},
-            "guardrails": {"type": ["array", "null"], "items": {"type": "object"}},
+            "guardrails": {"type": ["array", "null"], "items": _GUARDRAIL},
         },
     },
     "RoundList": {
@@ -161,9 +174,10 @@ _RESPONSE_SCHEMAS: dict[str, Any] = {
             "mixing_gain": {"type": ["number", "null"]},
             "regret": {"type": "object", "required": ["cumulative", "per_round"],
                        "properties": {"cumulative": {"type": "number"}, "per_round": {"type": "array"}}},
-            "guardrails": {"type": "array", "items": {
-                "type": "object", "required": ["metric", "threshold", "estimate", "interval", "holds"]}},
-            "srm": {"type": "object", "required": ["statistic", "p_value", "ok"]},
+            "guardrails": {"type": "array", "items": _GUARDRAIL},
+            "srm": {"type": "object", "required": ["statistic", "p_value", "ok"],
+                    "properties": {"statistic": {"type": ["number", "null"]}, "p_value": {"type": ["number", "null"]},
+                                   "ok": {"type": "boolean"}}},
             "late_observations": {"type": "integer"},
             "units": {"type": "array", "items": {"type": "integer"}},
             "estimate": {"type": "object"},

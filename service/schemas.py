@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Collection
 from typing import Annotated, Any, Literal
 
 from flask import request
@@ -15,7 +16,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       ValidationError, model_validator)
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from .errors import ApiError, invalid, validation_error
+from .errors import ApiError, body_order, format_location, invalid, problems_error, validation_problems
 
 MAX_BATCH = 10_000
 MAX_ARMS = 10_000
@@ -180,18 +181,30 @@ def decode_json(data: bytes) -> Any:
         raise ApiError(400, "invalid_json", "The request body nests JSON too deeply.") from None
 
 
-def parse(model: type[BaseModel], data: Any) -> Any:
-    """Validate ``data`` against ``model``; a 422 naming each offending item otherwise."""
+#: Checks of a decoded body that need more than its model (the experiment's metrics, arms, round):
+#: the problems found, as (location path, full-sentence message).
+BodyCheck = Callable[[Any], list[tuple[tuple[Any, ...], str]]]
+
+
+def parse(model: type[BaseModel], data: Any, also_check: BodyCheck | None = None) -> Any:
+    """Validate ``data`` against ``model``; a 422 naming each offending item otherwise.
+
+    When the model refuses ``data``, ``also_check(data)`` adds its problems to the same answer (type
+    errors and unknown names together, in body order), so a client fixes everything in one go.
+    """
     if not isinstance(data, dict):
         raise ApiError(422, "invalid_request", "The request body must be a JSON object.",
                        [{"location": "body", "message": "Must be a JSON object."}])
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise validation_error(error) from None
+        problems = validation_problems(error) + (also_check(data) if also_check is not None else [])
+        problems.sort(key=lambda problem: body_order(data, problem[0]))  # stable: same place, same order
+        raise problems_error([{"location": format_location(location), "message": message}
+                              for location, message in problems]) from None
 
 
-def parse_json(model: type[BaseModel], data: bytes) -> Any:
+def parse_json(model: type[BaseModel], data: bytes, also_check: BodyCheck | None = None) -> Any:
     """``data`` (JSON text) validated against ``model``: the same result and the same errors as
     ``parse(model, decode_json(data))``.
 
@@ -203,4 +216,39 @@ def parse_json(model: type[BaseModel], data: bytes) -> Any:
     try:
         return model.model_validate_json(data)
     except ValidationError:
-        return parse(model, decode_json(data))
+        return parse(model, decode_json(data), also_check)
+
+
+def unknown_metric_message(metric: str, metrics: Collection[str]) -> str:
+    return f"Unknown metric {metric!r}; the metrics are {list(metrics)}."
+
+
+def unknown_arm_message(arm: str) -> str:
+    return f"Unknown arm {arm!r}."
+
+
+def round_not_started_message(round_index: int, current_round: int) -> str:
+    return f"Round {round_index} has not started; the current round is {current_round}."
+
+
+def observation_name_problems(data: Any, metrics: Collection[str], arms: Collection[str],
+                              current_round: int) -> list[tuple[tuple[Any, ...], str]]:
+    """Unknown metrics and arms and rounds not started yet in a decoded observations body, wherever
+    their item is well-formed enough to tell, for the 422 of a body that also has type errors (a
+    well-typed batch gets the same checks, same words, from ``observations.resolve_arms``)."""
+    items = data.get("observations") if isinstance(data, dict) else None
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    for position, item in enumerate(items if isinstance(items, list) else []):
+        if not isinstance(item, dict):
+            continue
+        round_index = item.get("round")
+        if type(round_index) is int and round_index > current_round:
+            problems.append((("observations", position, "round"), round_not_started_message(round_index, current_round)))
+        values = item.get("values")
+        for metric in values if isinstance(values, dict) else ():
+            if metric not in metrics:
+                problems.append((("observations", position, "values", metric), unknown_metric_message(metric, metrics)))
+        arm = item.get("arm")
+        if isinstance(arm, str) and arm not in arms:
+            problems.append((("observations", position, "arm"), unknown_arm_message(arm)))
+    return problems

@@ -41,6 +41,22 @@ def chart_data(page, canvas_id: str) -> list[dict]:
     )
 
 
+def legend_swatches(page, canvas_id: str) -> dict[str, bool | None]:
+    """Per legend entry: whether its swatch is a dashed stroke (gaps along its middle row), False for a
+    solid one, None when it is not a drawn line (a box)."""
+    return page.evaluate(
+        """(id) => Object.fromEntries(Chart.getChart(id).legend.legendItems.map((item) => {
+               const swatch = item.pointStyle;
+               if (!(swatch instanceof HTMLCanvasElement)) return [item.text, null];
+               const row = swatch.getContext("2d").getImageData(0, swatch.height / 2, swatch.width, 1).data;
+               let gaps = 0;
+               for (let x = 1; x < swatch.width - 1; x += 1) if (row[4 * x + 3] === 0) gaps += 1;
+               return [item.text, gaps > 0];
+           }))""",
+        canvas_id,
+    )
+
+
 def chart_labels(page, canvas_id: str) -> list[str]:
     return page.evaluate("(id) => Chart.getChart(id).data.labels", canvas_id)
 
@@ -172,10 +188,26 @@ def test_experiment_page_draws_every_panel_from_the_api(live_server, browser, sc
     assert "[" in body_rows.first.locator("td").nth(5).inner_text()  # mean with its interval
 
     # (6) Data health: observations per round (on time + late), late total, SRM p-value.
+    # The round being served is its own "in progress" series, not a short data bar among the others.
     health = {dataset["label"]: dataset["y"] for dataset in chart_data(page, "chart-observations")}
-    assert [on_time + late for on_time, late in zip(health["on time"], health["late"])] == [
-        sum(entry["counts"]) for entry in rounds]
-    assert sum(health["late"]) == diagnostics["late_observations"] > 0
+    in_progress = health["current round so far (in progress)"]
+    assert in_progress == [None] * (n_rounds - 1) + [sum(rounds[-1]["counts"])] and rounds[-1]["closed_at"] is None
+    assert [on_time + late for on_time, late in zip(health["on time"][:-1], health["late"][:-1])] == [
+        sum(entry["counts"]) for entry in rounds[:-1]]
+    assert health["on time"][-1] is None and health["late"][-1] is None
+    assert sum(health["late"][:-1]) == diagnostics["late_observations"] > 0
+    # No empty slot before round 0: the axis starts half a round before the first bar.
+    assert page.evaluate("Chart.getChart('chart-observations').scales.x.min") == -0.5
+
+    # The Round card names the round the charts end at, in progress, and the last round updated.
+    assert " ".join(page.locator("#fig-round").inner_text().split()) == (
+        f"{experiment['round']['index']} in progress · updated through {experiment['applied_rounds'] - 1}")
+    assert experiment["round"]["index"] == rounds[-1]["index"]
+
+    # Legend swatches are drawn like their lines: dashed where the line is dashed.
+    swatches = legend_swatches(page, "chart-objective")
+    assert swatches == {"served p_t": False, "deployed mixture": False, "best single arm": True, "best mixture": True}
+    assert legend_swatches(page, "chart-guardrail-0") == {"95% interval": None, "estimate": False, "threshold": True}
     assert page.locator("#fig-late").inner_text() == str(diagnostics["late_observations"])
     assert page.locator("#fig-srm-p").inner_text() != "–"
 
@@ -198,7 +230,7 @@ def test_experiment_page_refreshes_without_reloading(live_server, browser, anony
     page.wait_for_selector(f'#experiment[data-rounds="{before + 1}"]', timeout=15_000)
     assert page.evaluate("window.__sameDocument === true")
     assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
-    assert page.locator("#fig-round").inner_text() == str(before)
+    assert " ".join(page.locator("#fig-round").inner_text().split()).startswith(f"{before} in progress")
     assert console.problems == []
     context.close()
 
@@ -232,4 +264,32 @@ def test_a_rejected_token_is_asked_for_again(live_server, browser):
     page.wait_for_selector("#experiments-body tr[data-experiment]")
     # The browser logs the one rejected request, and nothing else.
     assert len(console.problems) == 1 and "401" in console.problems[0]
+    context.close()
+
+
+def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, browser, anonymous_loopback):
+    name = live_server.experiment
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"]
+    diagnostics = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    assert page.locator("#round-range").input_value() == "1000"  # the default: every round of this one
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    # A range shorter than the history (added here: the page's shortest is 50, this experiment has ~33).
+    page.evaluate("document.getElementById('round-range').add(new Option('the last 10 rounds', '10'))")
+    page.select_option("#round-range", "10")
+    last = [entry["index"] for entry in rounds[-10:]]
+    for chart in ("chart-mixture", "chart-objective", "chart-regret", "chart-observations", "chart-guardrail-0"):
+        for dataset in chart_data(page, chart):
+            assert dataset["x"] == last, (chart, dataset["label"])
+    # Cumulative regret still sums from round 0, and the observation total counts every round.
+    regret = [value for value in chart_data(page, "chart-regret")[0]["y"] if value is not None]
+    assert math.isclose(regret[-1], diagnostics["regret"]["cumulative"], rel_tol=1e-9)
+    assert page.locator("#fig-observations").inner_text().replace(",", "") == str(
+        sum(sum(entry["counts"]) for entry in rounds))
+    assert page.locator("#round-range-note").inner_text() == f"(rounds {last[0]}–{last[-1]} of {len(rounds)})"
+    page.select_option("#round-range", "all")
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
     context.close()

@@ -311,3 +311,16 @@ def test_deploy_rules_score_the_same_runs_as_separate_simulations():
         simulate(scenario, make_policy("scgd"), deploy_rules=("average",))
     with pytest.raises(ValueError, match="Unknown deploy rule 'best'"):
         simulate(scenario, make_policy("default"), deploy_rules=("best",))
+
+
+def test_every_column_of_the_table_is_labelled_and_explained():
+    result = simulate(small(), make_policy("default"))
+    lines = format_table(result.summary).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("round"))
+    first_row = lines[lines.index(header) + 2]
+    assert len(header.replace("|", " ").split()) == len(first_row.replace("|", " ").split()) == 11
+    assert "objective f(mu p_hat)" in lines[lines.index(header) - 1] and "relative gain r" in lines[lines.index(header) - 1]
+    legend = "\n".join(lines[lines.index(header) + 2 + len(result.summary["checkpoints"]):])
+    for label in ("objective:", "relative gain:", "excluded:", "regret:"):
+        assert label in legend
+    assert "excl." not in header

@@ -326,3 +326,32 @@ def test_a_stopped_experiment_cannot_be_paused_or_resumed(api, created, action):
     assert api("POST", "/api/v1/experiments/setup-a/stop").status_code == 200
     error = error_of(api("POST", f"/api/v1/experiments/setup-a/{action}"), 409)
     assert "stopped" in error["message"]
+
+
+def test_type_errors_and_unknown_names_are_reported_together_in_body_order(api, app, created):
+    # The batch: a string where a number belongs and an unknown metric, in different items
+    # and in one item; the 422 names every one of them (type errors used to hide the rest).
+    batch = [
+        observation(id="o0", values={"x": "60"}),
+        observation(id="o1", values={"z": 1.0}),
+        observation(id="o2", values={"x": "60", "z": 1.0}, arm="c"),
+        observation(id="o3", round=9),
+    ]
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": batch}), 422)
+    assert [item["location"] for item in error["details"]] == [
+        "observations[0].values.x", "observations[1].values.z", "observations[2].values.x",
+        "observations[2].values.z", "observations[2].arm", "observations[3].round"]  # "arm" is last in o2
+    assert error["details"][1]["message"] == "Unknown metric 'z'; the metrics are ['x', 'y']."
+    assert error["details"][4]["message"] == "Unknown arm 'c'."
+    assert error["details"][5]["message"] == "Round 9 has not started; the current round is 0."
+    assert error["message"].startswith("observations[0].values.x: ") and "(5 more problems in details)" in error["message"]
+    assert count_rows(app, ObservationId) == 0
+    # The same unknown metric in a well-typed batch is worded the same way (the other check).
+    alone = error_of(api("POST", OBSERVATIONS, json={"observations": [observation(values={"z": 1.0})]}), 422)
+    assert alone["details"] == [error["details"][1] | {"location": "observations[0].values.z"}]
+
+
+def test_one_more_problem_is_singular(api, created):
+    error = error_of(api("POST", OBSERVATIONS, json={"observations": [
+        observation(id="o0", values={"x": "60"}), observation(id="o1", values={"z": 1.0})]}), 422)
+    assert error["message"].endswith("(1 more problem in details)"), error["message"]

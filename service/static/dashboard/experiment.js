@@ -25,8 +25,35 @@ Chart.defaults.interaction.intersect = false;
 Chart.defaults.elements.point.radius = 0;
 Chart.defaults.elements.point.hoverRadius = 3;
 
-// Line series show their legend sample as a line (each dataset's `pointStyle`), bands as a box.
-const LINE_LEGEND = { labels: { usePointStyle: true, pointStyleWidth: 24 } };
+// A legend sample of a line series: a short stroke in its colour, width and dash pattern (Chart.js's
+// own "line" point style is always solid, so a dashed threshold got a solid swatch).
+function lineSwatch(colour, dash, width) {
+  const canvas = document.createElement("canvas");
+  canvas.width = 24;
+  canvas.height = 12;
+  const context = canvas.getContext("2d");
+  context.strokeStyle = colour;
+  context.lineWidth = Math.max(1.5, width ?? 2);
+  context.setLineDash(dash ?? []);
+  context.beginPath();
+  context.moveTo(0, 6);
+  context.lineTo(24, 6);
+  context.stroke();
+  return canvas;
+}
+
+// Line series show their legend sample as a line drawn like the series, bands as a box.
+const LINE_LEGEND = {
+  labels: {
+    usePointStyle: true,
+    generateLabels: (chart) => Chart.defaults.plugins.legend.labels.generateLabels(chart).map((item) => {
+      const dataset = chart.data.datasets[item.datasetIndex];
+      return dataset.pointStyle === "line"
+        ? { ...item, pointStyle: lineSwatch(dataset.borderColor, dataset.borderDash, dataset.borderWidth) }
+        : item;
+    }),
+  },
+};
 
 const charts = {};
 
@@ -137,11 +164,12 @@ function drawObjective(rounds) {
   });
 }
 
-function drawRegret(rounds) {
+// `cumulative` is over every round; only the shown `rounds` (the last of them) are drawn.
+function drawRegret(rounds, cumulative) {
   drawChart("chart-regret", {
     type: "line",
     data: {
-      datasets: [line("cumulative regret", points(rounds, cumulativeRegret(rounds)), "#CC79A7", {
+      datasets: [line("cumulative regret", points(rounds, cumulative.slice(-rounds.length)), "#CC79A7", {
         backgroundColor: withAlpha("#CC79A7", 0.15), fill: "origin",
       })],
     },
@@ -202,18 +230,23 @@ function drawGuardrails(experiment, rounds, diagnostics) {
 }
 
 function drawObservations(rounds) {
-  const { onTime, late } = observationsSeries(rounds);
+  const { onTime, late, inProgress } = observationsSeries(rounds);
+  const axis = roundAxis(rounds);
   drawChart("chart-observations", {
     type: "bar",
     data: {
       datasets: [
         { label: "on time", data: points(rounds, onTime), backgroundColor: withAlpha("#0072B2", 0.75) },
         { label: "late", data: points(rounds, late), backgroundColor: withAlpha("#E69F00", 0.9) },
+        { label: "current round so far (in progress)", data: points(rounds, inProgress),
+          backgroundColor: withAlpha("#8a93a3", 0.15), borderColor: "#8a93a3", borderWidth: 1 },
       ],
     },
     options: {
       scales: {
-        x: { ...roundAxis(rounds), offset: true, stacked: true },
+        // Half a round either side of the first and last bar: no empty slot before round 0
+        // (the category-style offset added a whole one).
+        x: { ...axis, min: axis.min - 0.5, max: axis.max + 0.5, offset: false, stacked: true },
         y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } },
       },
     },
@@ -310,7 +343,12 @@ function drawFigures(experiment, rounds, diagnostics) {
   const status = document.getElementById("status-badge");
   status.textContent = experiment.status;
   status.className = `badge ${experiment.status}`;
-  show("fig-round", formatInteger(experiment.round.index));
+  // The charts run to the current round, whose bar is "in progress" and whose objective is not known
+  // until its update: say so here, so the card and the charts tell the same story.
+  const applied = experiment.applied_rounds;
+  show("fig-round", formatInteger(experiment.round.index), element("span", { class: "interval" },
+    experiment.status === "stopped" ? " stopped" : " in progress",
+    applied > 0 ? ` · updated through ${formatInteger(applied - 1)}` : " · no update yet"));
   const primary = primaryEstimate(experiment, diagnostics, experiment.deployed);
   document.getElementById("fig-primary-label").textContent = `${primaryLabel(experiment)}, deployed`;
   show("fig-primary", primary ? formatNumber(primary.estimate) : "–",
@@ -338,15 +376,30 @@ function drawFigures(experiment, rounds, diagnostics) {
 
 let latest = null;
 
+// The time range: the charts draw the last N rounds only, so thousands of rounds stay quick to draw
+// and to read; totals (observations per arm, cumulative regret) still count every round.
+const rangeSelect = document.getElementById("round-range");
+rangeSelect.addEventListener("change", () => render());
+
+function shownRounds(rounds) {
+  const limit = rangeSelect.value === "all" ? rounds.length : Number(rangeSelect.value);
+  const shown = rounds.slice(-limit);
+  document.getElementById("round-range-note").textContent = shown.length < rounds.length
+    ? `(rounds ${formatInteger(shown[0].index)}–${formatInteger(shown[shown.length - 1].index)} of ${formatInteger(rounds.length)})`
+    : "";
+  return shown;
+}
+
 function render() {
   if (!latest) return;
   const { experiment, rounds, diagnostics } = latest;
-  const colourOf = drawMixture(experiment, rounds);
+  const shown = shownRounds(rounds);
+  const colourOf = drawMixture(experiment, shown);
   drawDeployed(experiment, colourOf);
-  drawObjective(rounds);
-  drawRegret(rounds);
-  drawGuardrails(experiment, rounds, diagnostics);
-  drawObservations(rounds);
+  drawObjective(shown);
+  drawRegret(shown, cumulativeRegret(rounds));
+  drawGuardrails(experiment, shown, diagnostics);
+  drawObservations(shown);
   drawArms(experiment, rounds, diagnostics, colourOf);
   drawFigures(experiment, rounds, diagnostics);
   // Tells a reader (and the browser test) which response the page shows.

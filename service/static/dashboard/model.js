@@ -138,12 +138,16 @@ export function guardrailSeries(experiment, rounds, diagnostics) {
   });
 }
 
-// Observations per round, split into those that arrived before the round's update and late ones.
+// Observations per round, split into those that arrived before the round's update and late ones;
+// the round still being served (not closed) is its own series: its count so far is not a finished
+// round's traffic, and drawn like one it reads as a drop.
 export function observationsSeries(rounds) {
   const totals = rounds.map((round) => round.counts.reduce((sum, count) => sum + count, 0));
+  const open = rounds.map((round) => round.closed_at === null);
   return {
-    onTime: totals.map((total, position) => total - rounds[position].late_observations),
-    late: rounds.map((round) => round.late_observations),
+    onTime: totals.map((total, position) => (open[position] ? null : total - rounds[position].late_observations)),
+    late: rounds.map((round, position) => (open[position] ? null : round.late_observations)),
+    inProgress: totals.map((total, position) => (open[position] ? total : null)),
   };
 }
 
