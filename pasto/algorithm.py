@@ -62,6 +62,7 @@ EXPLORATION_SCHEDULES = ("paper", "sqrt", "constant")
 DEPLOY_RULES = ("average", "stage", "last")
 SOLVE_OBJECTIVES = ("plug_in", "expected")
 GUARDRAIL_WEIGHT_RULES = ("fixed", "dual_ascent")
+SERVING_RULES = ("exploration", "safe")
 
 # Before a solve, log weights are lifted to at least (max - this): an arm written off under an
 # earlier estimate can come back within a few mirror-ascent steps (e^-30 ~ 1e-13 of the mass).
@@ -120,6 +121,15 @@ class AlgorithmConfig:
         Fixed penalties lambda, or lambda_{t+1} = max(0, lambda_t + dual_step (c - y_t)) with y_t the
         estimated guardrail metrics of the exploitation mixture.
     dual_step : float
+    serving : {"exploration", "safe"}
+        What is served and deployed: the exploration mixture above and the ``deploy`` rule, or
+        :func:`pasto.serving.choose` (issue 14): every hard guardrail's lower confidence bound kept
+        by the served mixture, optimistic exploration without a floor, the deployed mixture only
+        when it confidently beats the best single arm. The estimate is the pooled statistics (the
+        discounted ones with ``discount`` < 1); the change detection of
+        :func:`pasto.serving.update` needs its own state and is not part of this option.
+    serving_level : float
+        One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
     """
 
     estimator: str = "pooled"
@@ -139,6 +149,8 @@ class AlgorithmConfig:
     solve_objective: str = "expected"
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
+    serving: str = "exploration"
+    serving_level: float = 0.95
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -148,6 +160,7 @@ class AlgorithmConfig:
             ("deploy", DEPLOY_RULES),
             ("solve_objective", SOLVE_OBJECTIVES),
             ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
+            ("serving", SERVING_RULES),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -160,11 +173,20 @@ class AlgorithmConfig:
             "directed_share",
             "directed_z",
             "dual_step",
+            "serving_level",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
             object.__setattr__(self, name, float(value))
+        if self.serving == "safe" and self.estimator != "pooled":
+            # Safe serving gives arms exactly zero traffic, which inverse-propensity estimates
+            # cannot take; its bounds come from the pooled statistics anyway.
+            raise ValueError(
+                f"Algorithm option serving='safe' needs estimator='pooled', got estimator={self.estimator!r}."
+            )
+        if not 0.5 < self.serving_level < 1.0:
+            raise ValueError(f"Algorithm option 'serving_level' must be in (0.5, 1), got {self.serving_level}.")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
         for name in ("step_size", "exploration_scale", "dual_step", "directed_z"):
@@ -624,6 +646,10 @@ def _advance(
         )
     probabilities = _exploration_step(config, objective, current, thresholds, penalties, exploitation, t)
     probability_sum, stage_probability_sum, deployed = _deploy_step(config, state, exploitation, t)
+    if config.serving == "safe":
+        probabilities, deployed, log_weights = _safe_serving_step(
+            config, objective, state, accumulators, round_statistics, pooled_statistics, log_weights, t
+        )
     return ControllerState(
         round_index=t,
         probabilities=probabilities,
@@ -637,6 +663,33 @@ def _advance(
         baseline=accumulators.baseline,
         discounted=accumulators.discounted,
     )
+
+
+def _safe_serving_step(
+    config: AlgorithmConfig,
+    objective: Objective,
+    state: ControllerState,
+    accumulators: Accumulators,
+    round_statistics: Statistics,
+    pooled_statistics: Statistics,
+    log_weights: np.ndarray,
+    t: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Step 7 (``serving = "safe"``): served and deployed mixtures from :func:`pasto.serving.choose`.
+
+    Until its bounds are defined (two arms with data, one of them twice), a run is served the
+    uniform mixture and keeps its deployed one.
+    """
+    from pasto import serving
+
+    statistics = pooled_statistics if accumulators.discounted is None else accumulators.discounted
+    batch = max(1, int(np.prod(state.batch_shape)))
+    observations = float(round_statistics.counts[..., 0, :].sum()) / batch
+    rule = serving.ServingConfig(level=config.serving_level, change_level=0.0)
+    served, safe_deployed, plug_in_log_weights = serving.choose(
+        rule, objective, statistics, t, log_weights, observations, state.deployed
+    )
+    return served, safe_deployed, np.maximum(plug_in_log_weights, plug_in_log_weights.max(axis=-1, keepdims=True) - 700.0)
 
 
 def _estimate_step(

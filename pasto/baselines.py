@@ -331,6 +331,7 @@ def thompson_update(
     probabilities = one_hot.mean(axis=-2)
 
     point_scores = objective.value(np.swapaxes(means, -1, -2), thresholds[..., None, :])  # (..., K)
+    point_scores = point_scores - _hard_shortfall_cost(objective, means, thresholds)
     point_scores = np.where(unobserved, -np.inf, point_scores)
     best = np.argmax(point_scores, axis=-1)
     deployed = np.where(
@@ -383,7 +384,7 @@ def _arm_scores(objective: Objective, samples: np.ndarray, thresholds: np.ndarra
     the leading dimensions of ``samples``. Returns (..., K).
     """
     plane_shape = samples.shape[:-2] + samples.shape[-1:]
-    primary = np.zeros(plane_shape)
+    primary = -_hard_shortfall_cost(objective, samples, thresholds)
     term = np.empty(plane_shape)
     for metric, weight in enumerate(objective.primary_weights):
         if weight != 0.0:
@@ -393,6 +394,8 @@ def _arm_scores(objective: Objective, samples: np.ndarray, thresholds: np.ndarra
         return primary
     penalty = np.zeros(plane_shape)
     for j, (row, lam) in enumerate(zip(objective.guardrail_rows, objective.penalties)):
+        if lam == 0.0:
+            continue
         np.subtract(samples[..., row, :], thresholds[..., j, None], out=term)
         np.minimum(term, 0.0, out=term)
         np.square(term, out=term)
@@ -400,6 +403,27 @@ def _arm_scores(objective: Objective, samples: np.ndarray, thresholds: np.ndarra
         penalty += term
     primary -= penalty
     return primary
+
+
+# An arm (sample) that breaks a hard guardrail ranks below every arm that keeps them all; among
+# arms that break some, the smaller total shortfall (in units of the thresholds) ranks higher.
+_HARD_RANK = 1e12
+
+
+def _hard_shortfall_cost(objective: Objective, samples: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """_HARD_RANK times the relative shortfall of each arm's hard guardrails; samples (..., M, K) -> (..., K).
+
+    Thompson sampling on a scalarised objective has no notion of a constraint; with hard guardrails
+    a sampled arm that breaks one cannot be the best (as Ax drops infeasible posterior samples).
+    """
+    cost = np.zeros(samples.shape[:-2] + samples.shape[-1:])
+    for j, guardrail in enumerate(objective.guardrails):
+        if not getattr(guardrail, "hard", False):
+            continue
+        threshold = np.asarray(thresholds)[..., j, None]
+        shortfall = np.maximum(0.0, threshold - samples[..., objective.guardrail_rows[j], :])
+        cost = cost + _HARD_RANK * shortfall / np.maximum(np.abs(threshold), 1e-12)
+    return cost
 
 
 # --------------------------------------------------------------------------- oracle

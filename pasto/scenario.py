@@ -71,6 +71,7 @@ __all__ = [
     "MeansSpec",
     "Noise",
     "Drift",
+    "SegmentsSpec",
     "Scenario",
     "scenario_from_dict",
 ]
@@ -86,6 +87,7 @@ _TOP_LEVEL_OPTIONAL = (
     "checkpoints",
     "drift",
     "delay_rounds",
+    "segments",
 )
 _DEFAULT_RUNS = 100
 
@@ -177,6 +179,7 @@ class Scenario:
     checkpoints: tuple[int, ...]
     drift: Drift | None = None
     delay_rounds: int = 0
+    segments: SegmentsSpec | None = None
 
     @property
     def n_metrics(self) -> int:
@@ -258,6 +261,8 @@ class Scenario:
             data["drift"] = {"at_round": self.drift.at_round, "means": self.drift.means.to_json()}
         if self.delay_rounds:
             data["delay_rounds"] = self.delay_rounds
+        if self.segments is not None:
+            data["segments"] = self.segments.to_json()
         return data
 
 
@@ -302,7 +307,9 @@ def scenario_from_dict(data: Any) -> Scenario:
     objective_spec = data["objective"]
     if not isinstance(objective_spec, dict):
         raise ValueError(f"objective must be an object, not {_describe(objective_spec)}.")
-    _check_keys(objective_spec, "objective", ("primary",), ("guardrails",))
+    # "baseline" (the known-safe arm) and a guardrail's "hard" flag are validated by
+    # Objective.from_spec, like every other objective key's value.
+    _check_keys(objective_spec, "objective", ("primary",), ("guardrails", "baseline"))
     guardrails = objective_spec.get("guardrails", [])
     if not isinstance(guardrails, list):
         raise ValueError(f"objective.guardrails must be a list, not {_describe(guardrails)}.")
@@ -310,7 +317,9 @@ def scenario_from_dict(data: Any) -> Scenario:
         where = f"objective.guardrails[{index}]"
         if not isinstance(guardrail, dict):
             raise ValueError(f"{where} must be an object, not {_describe(guardrail)}.")
-        _check_keys(guardrail, where, ("metric", "threshold", "penalty"), ("relative_to",))
+        # A hard guardrail is a constraint and needs no penalty; Objective.from_spec says which
+        # combinations are valid.
+        _check_keys(guardrail, where, ("metric", "threshold"), ("penalty", "relative_to", "hard"))
 
     scenario = Scenario(
         name=name,
@@ -326,6 +335,7 @@ def scenario_from_dict(data: Any) -> Scenario:
         checkpoints=checkpoints,
         drift=drift,
         delay_rounds=delay,
+        segments=_segments(data["segments"], len(metrics), means.n_arms, len(guardrails)) if "segments" in data else None,
     )
     try:
         scenario.objective()
@@ -502,3 +512,93 @@ def _drift(value: Any, n_metrics: int, n_arms: int) -> Drift:
     means = _means(value["means"], "drift", n_metrics, n_arms)
     return Drift(at_round=at_round, means=means)
 
+
+
+@dataclass(frozen=True)
+class SegmentsSpec:
+    """User segments (key ``segments``; simulated by ``pasto.segmented_simulate``).
+
+    ``{"names": [...] | "count": S, "shares": [...] | "zipf": a, "means": S x M x K | "spread": s,
+    "scopes": ["global" | "segment", ...]}``: segment names (or S segments named "0".."S-1");
+    traffic shares (normalised to sum 1) or Zipf shares proportional to 1 / rank^a; per-segment true
+    means, or ``arms.means`` plus ``spread`` * N(0, 1) per entry drawn afresh per run; one scope per
+    objective guardrail (default: all global).
+    """
+
+    names: tuple[str, ...]
+    shares: tuple[float, ...]
+    means: tuple | None
+    spread: float | None
+    scopes: tuple[str, ...]
+
+    def draw(self, rng: np.random.Generator, base: np.ndarray, runs: int) -> np.ndarray:
+        """Per-segment true means: (S, M, K) when fixed, else (runs, S, M, K) around ``base``."""
+        if self.means is not None:
+            return np.array(self.means, dtype=np.float64)
+        base = np.asarray(base, dtype=float)
+        if base.ndim == 2:
+            base = np.broadcast_to(base, (runs,) + base.shape)
+        shape = (runs, len(self.names)) + base.shape[1:]
+        return base[:, None] + self.spread * rng.standard_normal(shape)
+
+    def to_json(self) -> dict:
+        data: dict[str, Any] = {"names": list(self.names), "shares": list(self.shares), "scopes": list(self.scopes)}
+        if self.means is not None:
+            data["means"] = [[list(row) for row in segment] for segment in self.means]
+        else:
+            data["spread"] = self.spread
+        return data
+
+
+def _segments(value: Any, n_metrics: int, n_arms: int, n_guardrails: int) -> SegmentsSpec:
+    if not isinstance(value, dict):
+        raise ValueError(f"segments must be an object, not {_describe(value)}.")
+    _check_keys(value, "segments", (), ("names", "count", "shares", "zipf", "means", "spread", "scopes"))
+    for first, second in (("names", "count"), ("shares", "zipf"), ("means", "spread")):
+        if (first in value) == (second in value):
+            raise ValueError(f"segments needs exactly one of {first!r} and {second!r}.")
+    if "names" in value:
+        names = value["names"]
+        if not isinstance(names, list) or len(names) < 1 or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"segments.names must be a non-empty list of non-empty strings, not {_describe(names)}.")
+        if len(set(names)) != len(names):
+            raise ValueError("segments.names names a segment more than once.")
+        names = tuple(names)
+    else:
+        names = tuple(str(s) for s in range(_integer(value["count"], "segments.count", minimum=1)))
+    count = len(names)
+    if "shares" in value:
+        raw = value["shares"]
+        if not isinstance(raw, list) or len(raw) != count:
+            raise ValueError(f"segments.shares must be a list with one share per segment ({count}), not {_describe(raw)}.")
+        shares = np.array([_number(x, f"segments.shares[{i}]") for i, x in enumerate(raw)])
+        if np.any(shares < 0) or shares.sum() <= 0:
+            raise ValueError("segments.shares must be non-negative and not all 0.")
+    else:
+        exponent = _number(value["zipf"], "segments.zipf")
+        if exponent < 0:
+            raise ValueError(f"segments.zipf must be >= 0, not {exponent}.")
+        shares = 1.0 / np.arange(1, count + 1) ** exponent
+    if abs(shares.sum() - 1.0) > 1e-12:  # normalised once, so a round trip keeps the same floats
+        shares = shares / shares.sum()
+    shares = tuple(float(x) for x in shares)
+    means = spread = None
+    if "means" in value:
+        raw = value["means"]
+        if not isinstance(raw, list) or len(raw) != count:
+            raise ValueError(f"segments.means must be a list of one M x K matrix per segment ({count}).")
+        parsed = [_means(matrix, f"segments[{s}]", n_metrics, n_arms) for s, matrix in enumerate(raw)]
+        means = tuple(spec.fixed for spec in parsed)
+        if any(spec.fixed is None for spec in parsed):
+            raise ValueError("segments.means must give fixed M x K matrices.")
+    else:
+        spread = _number(value["spread"], "segments.spread")
+        if spread < 0:
+            raise ValueError(f"segments.spread must be >= 0, not {spread}.")
+    scopes = value.get("scopes", ["global"] * n_guardrails)
+    if not isinstance(scopes, list) or len(scopes) != n_guardrails or any(s not in ("global", "segment") for s in scopes):
+        raise ValueError(
+            f"segments.scopes must list 'global' or 'segment' for each of the {n_guardrails} guardrail(s), "
+            f"not {_describe(scopes)}."
+        )
+    return SegmentsSpec(names=names, shares=shares, means=means, spread=spread, scopes=tuple(scopes))

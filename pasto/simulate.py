@@ -54,8 +54,12 @@ __all__ = [
     "format_table",
 ]
 
-ALGORITHMS = ("paper", "default", "scgd", "thompson")
+ALGORITHMS = ("paper", "default", "safe", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
+# A guardrail holds when y >= c - GUARDRAIL_TOLERANCE * |c| (issue 14: 0.1% of the threshold).
+GUARDRAIL_TOLERANCE = 1e-3
+# Served hard guardrails are judged over the (run, round) pairs after this round.
+HOLD_AFTER_ROUND = 20
 
 
 # --------------------------------------------------------------------------- policies
@@ -75,7 +79,11 @@ class Policy:
     initial: Callable[..., Any] = field(repr=False)
     step: Callable[..., Any] = field(repr=False)
 
-    def initial_state(self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = ()):
+    def initial_state(
+        self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = (), objective: Objective | None = None
+    ):
+        if self.name == "safe":
+            return self.initial(self.config, n_arms, n_metrics, batch_shape, objective)
         return self.initial(self.config, n_arms, n_metrics, batch_shape)
 
     def update(self, objective, state, round_statistics, pooled_statistics, propensities, rng):
@@ -92,6 +100,13 @@ def _algorithm_update(config, objective, state, round_statistics, pooled_statist
 
     del rng
     return algorithm.update(config, objective, state, round_statistics, pooled_statistics, propensities)
+
+
+def _serving_update(config, objective, state, round_statistics, pooled_statistics, propensities, rng):
+    from pasto import serving
+
+    del rng
+    return serving.update(config, objective, state, round_statistics, pooled_statistics, propensities)
 
 
 def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
@@ -113,6 +128,11 @@ def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
                 )
         config = algorithm.AlgorithmConfig.from_preset(name, **overrides)
         return Policy(name, config, algorithm.initial_state, _algorithm_update)
+    if name == "safe":
+        from pasto import serving
+
+        config = serving.ServingConfig.from_dict(overrides)
+        return Policy(name, config, serving.initial_state, _serving_update)
     if name == "scgd":
         config = baselines.ScgdConfig.from_dict(overrides)
         return Policy(name, config, baselines.scgd_initial_state, baselines.scgd_update)
@@ -166,6 +186,17 @@ def reference_values(
     ``progress("optimum", runs_solved, runs)`` is called after each per-run solve.
     """
     from pasto.optimum import best_mixture
+    from pasto.serving import constrained_optimum, has_hard_guardrails
+
+    if has_hard_guardrails(objective):
+        # Hard guardrails only: the exact LP (pasto.serving.constrained_optimum) per distinct means.
+        singles, mixtures = [], []
+        for means in regimes:
+            batch = means if means.ndim == 3 else means[None]
+            solved = [constrained_optimum(objective, m)[1:] for m in batch]
+            mixtures.append(np.broadcast_to([float(v) for v, _ in solved], (runs,)).astype(float))
+            singles.append(np.broadcast_to([float(s) for _, s in solved], (runs,)).astype(float))
+        return References(np.stack(singles), np.stack(mixtures))
 
     singles, mixtures = [], []
     for means in regimes:
@@ -234,6 +265,32 @@ def _mixture_values(objective: Objective, means: np.ndarray, thresholds, probabi
     else:
         x = np.einsum("rmk,rk->rm", means, probabilities)
     return objective.value(x, thresholds)
+
+
+def _guardrail_values(objective: Objective, means: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
+    """Guarded metrics (R, G) of the mixtures (R, K) under ``means`` (M, K) or (R, M, K)."""
+    if means.ndim == 2:
+        x = probabilities @ means.T
+    else:
+        x = np.einsum("rmk,rk->rm", means, probabilities)
+    return x[:, objective.guardrail_rows]
+
+
+def _guardrails_hold(objective, means, thresholds, probabilities, mask) -> np.ndarray:
+    """Per run: every guardrail in ``mask`` holds to ``GUARDRAIL_TOLERANCE`` of its threshold; (R,)."""
+    values = _guardrail_values(objective, means, probabilities)
+    thresholds = np.broadcast_to(thresholds, values.shape)
+    held = values >= thresholds - GUARDRAIL_TOLERANCE * np.abs(thresholds)
+    return np.all(held[:, mask], axis=-1)
+
+
+def _breaking_single_arm(objective, means, thresholds, deployed) -> np.ndarray:
+    """Per run: the deployed mixture is one arm alone and that arm breaks some guardrail; (R,)."""
+    if not objective.guardrails:
+        return np.zeros(deployed.shape[0], dtype=bool)
+    single = deployed.max(axis=-1) >= 1.0 - 1e-9
+    every = np.ones(len(objective.guardrails), dtype=bool)
+    return single & ~_guardrails_hold(objective, means, thresholds, deployed, every)
 
 
 # --------------------------------------------------------------------------- results
@@ -325,11 +382,16 @@ def simulate(
 
     _, simulation_seed = np.random.SeedSequence(scenario.seed).spawn(2)
     rng = np.random.default_rng(simulation_seed)
-    state = policy.initial_state(n_arms, n_metrics, (runs,))
+    state = policy.initial_state(n_arms, n_metrics, (runs,), objective)
     pooled = Statistics.zeros(n_metrics, n_arms, (runs,))
     empty = Statistics.zeros(n_metrics, n_arms, (runs,))
     in_flight: deque[tuple[Statistics, np.ndarray]] = deque()
 
+    # Hard guardrails are judged on what is served and deployed, under the true means in force:
+    # held when y >= c - GUARDRAIL_TOLERANCE |c| (every hard guardrail at once).
+    hard = np.array([bool(getattr(g, "hard", False)) for g in objective.guardrails], dtype=bool)
+    served_holds = np.ones((rounds, runs), dtype=bool)
+    deployed_holds = np.ones((rounds, runs), dtype=bool)
     deployed_values = np.empty((rounds, runs))
     rule_values = {rule: np.empty((rounds, runs)) for rule in deploy_rules}
     regret = np.zeros(runs)
@@ -351,12 +413,15 @@ def simulate(
 
         regret += references.best_mixture[regime] - _mixture_values(objective, means, thresholds[regime], served)
         deployed_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], state.deployed)
+        if hard.any():
+            for holds, mixture in ((served_holds, served), (deployed_holds, state.deployed)):
+                holds[round_number - 1] = _guardrails_hold(objective, means, thresholds[regime], mixture, hard)
         for rule, values_by_round in rule_values.items():
             values_by_round[round_number - 1] = _mixture_values(
                 objective, means, thresholds[regime], algorithm.deployed_mixture(state, rule)
             )
         if round_number in checkpoints:
-            checkpoint_regret[round_number] = regret.mean()
+            checkpoint_regret[round_number] = float(np.nanmean(regret))
         if progress is not None:
             progress("rounds", round_number, rounds)
 
@@ -394,6 +459,19 @@ def simulate(
         "noise": {"kind": scenario.noise.kind, "std": list(scenario.noise.std)},
         "checkpoints": rows,
     }
+    if hard.any():
+        after = slice(min(HOLD_AFTER_ROUND, rounds - 1), rounds)
+        summary["hard_guardrails"] = {
+            "tolerance": GUARDRAIL_TOLERANCE,
+            "after_round": HOLD_AFTER_ROUND,
+            "served_hold_share": float(served_holds[after].mean()),
+            "deployed_hold_share": float(deployed_holds[after].mean()),
+            "deployed_hold_share_at": {str(c): float(deployed_holds[c - 1].mean()) for c in scenario.checkpoints},
+        }
+    summary["runs_ending_on_a_breaking_arm"] = int(_breaking_single_arm(
+        objective, regimes[-1] if drift_round <= rounds else regimes[0],
+        thresholds[-1] if drift_round <= rounds else thresholds[0], state.deployed,
+    ).sum())
     if deploy_rules:
         summary["deploy_rules"] = {rule: checkpoint_rows(values)[0] for rule, values in rule_values.items()}
     for regime, means in enumerate(regimes):

@@ -403,6 +403,17 @@ def _deadline_connection_class(seconds: float) -> type:
     return DeadlineConnection
 
 
+#: SQLite's automatic checkpoint threshold, in WAL pages (SQLite's default is 1,000; 10,000 pages of
+#: 4 KiB is a WAL of at most about 40 MB). Ingestion inserts random text keys (observation ids, units)
+#: into two B-trees, so a batch of 1,000 observations dirties about one leaf page per observation and
+#: index once the indexes are large: more than 1,000 pages per commit. With the default every such
+#: commit checkpoints (copies its pages into the database file and fsyncs it, the only fsync of
+#: synchronous=NORMAL), and that cost grows with the index until it dominates the batch. A 10x larger
+#: threshold checkpoints every several batches and copies a leaf dirtied by several of them once
+#: (docs/benchmarks.md, "SQLite ingestion over 10^6 observations": bench/sqlite_decay.py).
+SQLITE_WAL_AUTOCHECKPOINT_PAGES = 10_000
+
+
 def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
     @sa.event.listens_for(engine, "connect")
     def on_connect(dbapi_connection, _record):
@@ -412,6 +423,7 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
         cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 

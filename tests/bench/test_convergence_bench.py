@@ -49,3 +49,34 @@ def test_a_tiny_pass_reports_every_row_and_the_paper_reference(bench, tmp_path, 
     assert "| paper, A, mean f at 100 = 0.59 +- 0.02 (ALGORITHM.md) |" in section
     assert "| 100 | 0.59 |" in section  # the paper-against-reference table, with the extra seeds
     assert "2 more seeds" in section
+
+
+def test_the_serving_subsection_is_replaced_alone_and_kept_by_full_runs(bench, tmp_path):
+    path = tmp_path / "benchmarks.md"
+    path.write_text("# Benchmarks\n\n## Convergence\n\nold table\n\n## Serving\n\nfigures B\n")
+    bench.write_serving_subsection("### Safe serving (issue 14)\n\nrows 1\n", path)
+    assert path.read_text() == (
+        "# Benchmarks\n\n## Convergence\n\n### Safe serving (issue 14)\n\nrows 1\n\nold table\n\n## Serving\n\nfigures B\n"
+    )
+    bench.write_serving_subsection("### Safe serving (issue 14)\n\nrows 2\n", path)
+    assert "rows 2" in path.read_text() and "rows 1" not in path.read_text()
+    bench.write_section("## Convergence\n\nnew table\n", path)
+    assert path.read_text() == (
+        "# Benchmarks\n\n## Convergence\n\n### Safe serving (issue 14)\n\nrows 2\n\nnew table\n\n## Serving\n\nfigures B\n"
+    )
+
+
+def test_a_tiny_serving_pass_reports_served_and_deployed_figures_and_the_targets(bench, monkeypatch, tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n## Convergence\n\nold table\n")
+    monkeypatch.setattr(bench, "DOCS", docs)
+    monkeypatch.setattr(bench, "SERVING_ROWS", (
+        ("demo", "demo", None, 25, ("safe", "thompson")),
+        ("A drift", "setup-a-drift", None, 1030, ("safe",)),
+    ))
+    assert bench.main(["--serving", "--runs", "2", "--workers", "1"]) == 0
+    text = docs.read_text()
+    assert "### Safe serving (issue 14)" in text and "old table" in text
+    assert "| demo | safe | 25 |" in text and "| demo | thompson | 25 |" in text
+    assert "| demo: served holds every hard guardrail in >= 97% of (run, round) pairs after round 20 |" not in text
+    assert "| drift: no run ends on a guardrail-breaking single arm |" in text

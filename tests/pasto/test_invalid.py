@@ -88,7 +88,7 @@ CASES = [
     (document(objective={"primary": "z"}), "objective: Primary metric 'z' is not one of the metrics"),
     (document(objective={"primary": "x", "guardrails": {"metric": "y"}}), "objective.guardrails must be a list"),
     (document(objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0}]}),
-     r"Missing required key objective.guardrails\[0\].penalty"),
+     r"objective: Guardrail 0 is missing the required key .penalty. \(a soft guardrail.s weight\); give .hard.: true"),
     (document(objective={"primary": "x", "guardrails": [
         {"metric": "y", "threshold": 0.0, "penalty": 1.0, "limit": 2}]}),
      r"Unknown key objective.guardrails\[0\].limit"),
@@ -119,7 +119,7 @@ def test_invalid_json_file(tmp_path):
 
 
 def test_unknown_scenario_name_lists_the_packaged_ones():
-    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: setup-a, setup-b"):
+    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: demo, segments-global-guardrail, segments-zipf, setup-a, setup-a-drift, setup-b, setup-b-hard"):
         load_scenario("setup-z")
 
 

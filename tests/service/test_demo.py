@@ -4,8 +4,6 @@ SIGHUP, leaves no server behind when killed, and the mixture it learns beats the
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import os
 import pty
@@ -23,7 +21,19 @@ import pytest
 
 from pasto.algorithm import AlgorithmConfig
 from pasto_client import Client, PastoAPIError, PastoConnectionError
-from service.demo import EXPERIMENT, build_scenario, check_scenario, ensure_experiment
+from service import create_app
+from service.auth import revoke_tokens
+from service.db import get_db
+from service.demo import EXPERIMENT, check_scenario, ensure_experiment, load_demo_scenario
+from service.demo.groundtruth import (
+    GUARDRAIL_PENALTIES,
+    arms,
+    experiment_objective,
+    experiment_objective_spec,
+    simulate_session,
+    true_means,
+)
+from service.demo.setup import prepare_database
 from tests.pgcluster import free_port
 
 
@@ -101,8 +111,40 @@ def wait_until_gone(pid: int, seconds: float) -> bool:
     return True
 
 
+def test_the_demo_runs_the_shipped_scenario():
+    # The ground truth is pasto's scenario "demo" (what `pasto simulate demo` runs): the blends'
+    # means, convex in the blend's weight t on watch time, and its guardrails, made soft for the
+    # service with the demo's penalties.
+    scenario = load_demo_scenario()
+    means = true_means(scenario)
+    t = np.linspace(0.0, 1.0, 20)
+    np.testing.assert_allclose(means, np.stack([4.0 + 2.0 * t**2, 0.03 + 0.07 * (1 - t) ** 2,
+                                                0.010 + 0.006 * (1 - t) ** 2]), atol=1e-9)
+    assert scenario.metrics == ("watch_time", "like_rate", "share_rate")
+    assert experiment_objective_spec(scenario) == {"primary": "watch_time", "guardrails": [
+        {"metric": "like_rate", "threshold": 0.06, "penalty": GUARDRAIL_PENALTIES["like_rate"]},
+        {"metric": "share_rate", "threshold": -0.05, "penalty": GUARDRAIL_PENALTIES["share_rate"],
+         "relative_to": "blend-10"},
+    ]}
+    assert [arm["name"] for arm in arms(scenario)] == [f"blend-{k:02d}" for k in range(20)]
+
+
+def test_sessions_are_drawn_from_the_scenarios_noise():
+    scenario = load_demo_scenario()
+    means = true_means(scenario)
+    rng = np.random.default_rng(3)
+    sessions = [simulate_session(scenario, means, 7, rng) for _ in range(20_000)]
+    values = np.array([[session[metric] for metric in scenario.metrics] for session in sessions])
+    # Means within 4 standard errors; standard deviations within 3% (their own relative standard
+    # error is 1/sqrt(2 n) = 0.5% for Gaussian noise).
+    std = np.asarray(scenario.noise.std)
+    assert np.all(np.abs(values.mean(axis=0) - means[:, 7]) < 4 * std / np.sqrt(len(values)))
+    np.testing.assert_allclose(values.std(axis=0), std, rtol=0.03)
+
+
 def test_the_scenario_rewards_mixing_within_its_guardrails():
-    scenario = build_scenario()
+    scenario = load_demo_scenario()
+    means = true_means(scenario)
     solution = check_scenario(scenario)
     assert solution.mixture_value > solution.single_value + 0.5
     assert solution.mixture[solution.single] < 0.5 and (solution.mixture > 0.05).sum() >= 2
@@ -113,18 +155,15 @@ def test_the_scenario_rewards_mixing_within_its_guardrails():
     assert round(like_rate, 4) == 0.06
     assert share_rate >= solution.thresholds[1]
     # ...and beats on watch time every single blend that keeps both guardrails.
-    watch_time = scenario.means[0] @ solution.mixture
-    feasible = np.all(scenario.means[1:] >= solution.thresholds[:, None], axis=0)
-    assert feasible.any() and watch_time > scenario.means[0, feasible].max() + 0.5
+    watch_time = means[0] @ solution.mixture
+    feasible = np.all(means[1:] >= solution.thresholds[:, None], axis=0)
+    assert feasible.any() and watch_time > means[0, feasible].max() + 0.5
 
 
 def test_the_scenario_check_rejects_an_optimum_past_its_guardrail():
     # The penalty the demo had: its optimum's like rate was 0.0593, shown as a violated guardrail.
-    scenario = build_scenario()
-    spec = copy.deepcopy(scenario.objective_spec)
-    spec["guardrails"][0]["penalty"] = 20000.0
     with pytest.raises(RuntimeError, match="like_rate 0.0592"):
-        check_scenario(dataclasses.replace(scenario, objective_spec=spec))
+        check_scenario(load_demo_scenario(), {**GUARDRAIL_PENALTIES, "like_rate": 20000.0})
 
 
 class ExperimentsInMemory:
@@ -150,23 +189,42 @@ class ExperimentsInMemory:
 
 
 def test_an_earlier_demos_experiment_is_paused_and_replaced():
-    scenario = build_scenario()
-    spec = copy.deepcopy(scenario.objective_spec)
-    spec["guardrails"][0]["penalty"] = 20000.0  # what the demo used to create
+    scenario = load_demo_scenario()
+    spec = experiment_objective_spec(scenario, {**GUARDRAIL_PENALTIES, "like_rate": 20000.0})  # what it was
     client = ExperimentsInMemory({})
-    client.create_experiment(EXPERIMENT, scenario.arms, (), spec, 5.0, {"preset": "default"})
+    client.create_experiment(EXPERIMENT, arms(scenario), (), spec, 5.0, {"preset": "default"})
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[EXPERIMENT]["status"] == "paused"
-    assert client.experiments[f"{EXPERIMENT}-2"]["objective"] == scenario.objective_spec
+    assert client.experiments[f"{EXPERIMENT}-2"]["objective"] == experiment_objective_spec(scenario)
     # The next run passes over the old one again and resumes its replacement.
     client.experiments[f"{EXPERIMENT}-2"] = {  # as the server stores it: normalised settings
         **client.experiments[f"{EXPERIMENT}-2"], "status": "paused",
-        "objective": scenario.objective().to_spec(),
+        "objective": experiment_objective(scenario).to_spec(),
         "algorithm": {"preset": "default", **AlgorithmConfig.from_preset("default", solve_every=1).to_dict()},
     }
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
     assert client.experiments[EXPERIMENT]["status"] == "paused"
+    # A server that stores only the resolved options (no preset name) is resumed the same way.
+    del client.experiments[f"{EXPERIMENT}-2"]["algorithm"]["preset"]
+    client.experiments[f"{EXPERIMENT}-2"]["status"] = "paused"
+    assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
+    assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"
+
+
+def test_a_revoked_demo_token_is_replaced(tmp_path, monkeypatch):
+    # `pasto tokens revoke "pasto demo (read)"`: the next run must not print a sign-in link whose
+    # token the server refuses, so it makes a new read token and keeps the admin one.
+    monkeypatch.delenv("PASTO_DATABASE_URL", raising=False)
+    url, _, admin, read = prepare_database(tmp_path)
+    assert prepare_database(tmp_path)[2:] == (admin, read)  # reused while usable
+    app = create_app({"PASTO_DATABASE_URL": url, "PASTO_CHECK_SCHEMA": False})
+    with get_db(app).write() as session:
+        assert [token.role for token in revoke_tokens(session, "pasto demo (read)")] == ["read"]
+    get_db(app).engine.dispose()
+    _, _, admin_again, read_again = prepare_database(tmp_path)
+    assert admin_again == admin and read_again != read
+    assert json.loads((tmp_path / "demo-tokens.json").read_text()) == {"admin": admin, "read": read_again}
 
 
 def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
@@ -181,47 +239,97 @@ def test_without_a_terminal_every_round_gets_its_own_line(tmp_path):
     assert re.search(r"^Stopped after", result.stdout, flags=re.MULTILINE)
 
 
+# The live check below reads the experiment in WINDOW_ROUNDS rounds from the one where it holds
+# WINDOW_SESSIONS sessions. Windowed by data, not by round number, so that a loaded machine (fewer
+# sessions per 1-second round) does not judge the controller on less data than the bounds assume.
+WINDOW_SESSIONS = 12_000
+WINDOW_ROUNDS = 5
+
+
+def printed_commands(output: str) -> list[str]:
+    """The `pasto tokens create` commands the demo prints, as a shell would read them."""
+    return [line.strip() for line in output.splitlines() if "tokens create --role" in line]
+
+
 def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     port = free_port()
     first = subprocess.run(demo_command(tmp_path, port, rounds=4), capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert f"Dashboard: http://127.0.0.1:{port}/" in first.stdout
-    assert "read token:" in first.stdout
     assert "Created experiment" in first.stderr
     assert round_numbers(first.stdout) == [1, 2, 3, 4], first.stdout  # the round that ends the demo too
     assert port_is_closed(port), "the demo left its server running"
     tokens = json.loads((tmp_path / "demo-tokens.json").read_text())
     assert (tmp_path / "demo-tokens.json").stat().st_mode & 0o077 == 0
+    # One URL, signed in: the read token travels in the fragment (never sent to the server).
+    urls = re.findall(r"https?://\S+", first.stdout)
+    assert [url for url in urls if "token" in url] == [f"http://127.0.0.1:{port}/#token={tokens['read']}"], urls
+    assert f"port {port}" in first.stdout
+    database = f"sqlite:///{tmp_path.resolve() / 'pasto.sqlite'}"
+    commands = printed_commands(first.stdout)
+    assert [command.rsplit(" ", 1)[1] for command in commands] == ["admin", "ingest"], first.stdout
+    assert all(command.startswith(f"PASTO_DATABASE_URL={database} ") for command in commands), commands
 
-    # Second run: resumes the same experiment; read through the API in each of rounds 20 to 24, then
-    # stopped with Ctrl-C (SIGINT).
+    # The ground truth the demo serves, to judge what it deploys without the estimates' noise.
+    means = true_means(load_demo_scenario())
+    solution = check_scenario(load_demo_scenario())
+    watch_single = means[0, solution.single]  # the best single blend that keeps the guardrails
+    watch_best = means[0] @ solution.mixture
+    # Second run: resumes the same experiment; read through the API in WINDOW_ROUNDS rounds (see
+    # above), then stopped with Ctrl-C (SIGINT).
     second = subprocess.Popen(demo_command(tmp_path, port, rounds=1000), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
         with Client(f"http://127.0.0.1:{port}", tokens["read"], timeout=10) as reader:
-            deadline = time.monotonic() + 120
-            by_round: dict[int, dict] = {}
-            index = -1
-            while time.monotonic() < deadline and second.poll() is None and index < 24:
+            deadline = time.monotonic() + 180
+            by_round: dict[int, tuple[dict, list[float]]] = {}
+            while time.monotonic() < deadline and second.poll() is None and len(by_round) < WINDOW_ROUNDS:
                 try:
                     index = reader.get_experiment(EXPERIMENT)["round"]["index"]
-                    if 20 <= index < 25 and index not in by_round:
-                        by_round[index] = reader.diagnostics(EXPERIMENT)
+                    if index not in by_round:
+                        diagnostics = reader.diagnostics(EXPERIMENT)
+                        experiment = reader.get_experiment(EXPERIMENT)
+                        if (diagnostics["round"] == experiment["round"]["index"]
+                                and (by_round or sum(diagnostics["units"]) >= WINDOW_SESSIONS)):
+                            by_round[diagnostics["round"]] = (diagnostics, experiment["deployed"])
                 except (PastoConnectionError, PastoAPIError):
                     pass  # the server is still starting
                 time.sleep(0.1)
-            assert len(by_round) >= 3, f"the demo was read in rounds {sorted(by_round)} of 20-24 only"
-            for index, diagnostics in sorted(by_round.items()):
-                # Most of the gain of mixing is had already, every round (re-solving only every 5
-                # rounds, the deployed mixture kept a quarter to a half of it between solves), with
-                # the like rate the mixture leans on at or above its guardrail. (The share-rate
-                # guardrail's threshold is relative to the production blend's estimate, which this
-                # little traffic leaves noisy.)
-                single, best = diagnostics["best_single"]["value"], diagnostics["best_mixture"]["value"]
-                assert diagnostics["objective"]["deployed"] > single + 0.7 * (best - single), (index, diagnostics)
-                like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
-                assert like_rate["holds"], (index, like_rate)
-            assert sum(diagnostics["units"]) > 5000
+            assert len(by_round) == WINDOW_ROUNDS, f"the demo was read in rounds {sorted(by_round)} only"
+            # The commands the demo printed make working admin and ingest tokens for its database.
+            made = {command.rsplit(" ", 1)[1]: subprocess.run(command, shell=True, capture_output=True,
+                                                              text=True, timeout=60)
+                    for command in commands}
+            assert all(result.returncode == 0 for result in made.values()), made
+            with Client(f"http://127.0.0.1:{port}", made["ingest"].stdout.strip(), timeout=10) as ingest:
+                assert ingest.assign(EXPERIMENT, "a-curious-user").arm.startswith("blend-")
+            with Client(f"http://127.0.0.1:{port}", made["admin"].stdout.strip(), timeout=10) as admin:
+                admin.create_experiment(name="beside-the-demo", arms=[{"name": "a", "params": {}},
+                                        {"name": "b", "params": {}}], metrics=["x"],
+                                        objective={"primary": "x"}, round_seconds=60)
+        for index, (diagnostics, deployed) in sorted(by_round.items()):
+            deployed = np.asarray(deployed)
+            # Judged on the ground truth, not on the estimates. On the estimates the test once failed
+            # (deployed 4.755 against 70% of the gain, 4.857; issue 18), and it fails in about 1% of
+            # the runs of an offline replica of this window (bench/demo_test_bounds.py --estimates:
+            # 2 of 300): the estimated best mixture and best single blend are maxima over noisy
+            # estimates (biased upward), the deployed mixture hedges against that noise by design,
+            # and with the like-rate penalty of 1e6 a like-rate error of one standard error (0.0006)
+            # moves any penalised value near the threshold by 1e6 * 0.0006^2 = 0.36, more than the
+            # 70% bound's whole margin. The tolerances below come from 12,000 runs of the replica
+            # (bench/demo_test_bounds.py --runs 4000 at 300, 630 and 1,000 sessions per round):
+            # the deployed mixture's true watch time had at least 51% of the gain of mixing (0.1%
+            # quantile 59%, 1% quantile 68%, median 94%), so half the gain is asked for; ...
+            watch = float(means[0] @ deployed)
+            assert watch >= watch_single + 0.5 * (watch_best - watch_single), (index, watch, deployed)
+            like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
+            # ... the like rate the mixture leans on holds on the estimate (it is solved on that
+            # estimate with a hedge: smallest margin 0.00074, about 1.3 standard errors), and its
+            # true like rate was at worst 2.5 standard errors of that estimate below the threshold,
+            # so 4 are allowed (a mixture that ignored the guardrail would be 25 or more below).
+            assert like_rate["holds"], (index, like_rate)
+            standard_error = (like_rate["interval"][1] - like_rate["interval"][0]) / (2 * 1.959964)
+            true_like_rate = float(means[1] @ deployed)
+            assert true_like_rate >= like_rate["threshold"] - 4 * standard_error, (index, true_like_rate, like_rate)
         second.send_signal(signal.SIGINT)
         output, _ = second.communicate(timeout=60)
     finally:

@@ -16,6 +16,24 @@ function storedToken() {
   return sessionStorage.getItem(TOKEN_KEY);
 }
 
+// A sign-in link (`pasto demo` prints one) carries the read token in the URL fragment, which the
+// browser never sends to the server, so it stays out of access logs. The token is kept as the
+// token dialog keeps it and removed from the address bar, so that it is not bookmarked, copied
+// along with the address or left in the tab's history.
+function takeTokenFromFragment() {
+  if (!window.location.hash.startsWith("#")) return;
+  const fragment = new URLSearchParams(window.location.hash.slice(1));
+  const token = fragment.get("token");
+  if (token === null) return;
+  if (token.trim()) sessionStorage.setItem(TOKEN_KEY, token.trim());
+  fragment.delete("token");
+  const rest = fragment.toString();
+  const { pathname, search } = window.location;
+  window.history.replaceState(window.history.state, "", pathname + search + (rest ? `#${rest}` : ""));
+}
+
+takeTokenFromFragment();
+
 let tokenRequest = null;
 
 // Escape would close the dialog and leave the page without data and no way back: keep it open.

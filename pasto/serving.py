@@ -1,0 +1,763 @@
+"""Safe serving: what is served keeps the hard guardrails, exploration is optimistic and shrinks.
+
+The paper's Algorithm 1 guarantees the *average* of the served mixtures p_t; users live with every
+p_t. This controller chooses each round's p_t from per-arm confidence bounds (issue 14):
+
+1. **Estimate.** Per arm and metric, the sample mean of the observations since the last detected
+   change, shrunk by an empirical-Bayes normal prior centred on the pooled mean across arms (the
+   prior variance is the spread of the arms' means beyond their noise), so that arms with little or
+   no data still get a finite mean and standard error. The noise variance of an arm is its own
+   sample variance pooled with the metric's within-arm variance over all arms.
+2. **Pessimistic constraints.** Every hard guardrail becomes linear constraints ``A p >= c`` on lower
+   confidence bounds L = mean - z se (one-sided level ``level``, 95% by default). An absolute
+   guardrail reads ``L_g . p >= c_g``. A relative one, ``mu_g . p >= (1 + theta) mu_g,b``, is
+   pessimistic in both the arms and the reference arm b: ``sum_{k != b} p_k L_k + (p_b - 1 - theta)
+   B_b >= 0`` for B_b = U_b and B_b = L_b (two rows: the coefficient of mu_b changes sign at
+   p_b = 1 + theta). The baseline arm (``Objective.baseline_index``, known to be acceptable) is
+   treated as meeting every absolute guardrail (its coefficient is max(L, c)), so padding with it
+   always restores feasibility.
+3. **Serve.** With hard guardrails: the LP max U_primary . p subject to those constraints, U the
+   optimistic (upper) bound of the primary metrics with z_t = optimism * sqrt(2 ln t): arms whose
+   upper bound could enter the optimal support get traffic, and that traffic shrinks as the bounds
+   narrow. No fixed exploration floor. When no mixture is feasible even with the baseline (no
+   baseline, or the fixed shares forbid it), the mixture with the largest worst relative slack is
+   served. Without hard guardrails (soft penalties only, or none): the plug-in optimum of f(V p)
+   (mirror ascent) plus a share directed at the *plausible* arms, those whose optimistic gradient
+   (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the optimum's level; each gets
+   1 / (n sqrt(t)) of the traffic (n observations per round), so the exploration vanishes as soon
+   as no arm outside the support can still improve the objective.
+4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
+   carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
+5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
+   optimism, no fixed shares) is deployed when its estimated objective beats the best single arm's
+   (the arm with the best lower bound among the arms that meet the hard constraints) by more than
+   ``z_deploy`` standard errors of the difference (delta method); otherwise that single arm.
+6. **Change.** Every ``change_every`` rounds the observations of the latest block are compared with
+   the earlier ones since the last reset, per arm and metric (two-sample z test at family-wise level
+   ``change_level`` over the K M pairs). A detected change drops every observation so far (the
+   block that raised the alarm too: it is the most extreme stretch of the data); the run is served
+   uniformly, keeping its deployed mixture, until its bounds are defined again. No discount
+   constant: stale evidence is dropped when the data say it is stale.
+
+The controller follows the contract of :mod:`pasto.algorithm` (``initial_state`` / ``update`` with
+leading batch dimensions), so :mod:`pasto.simulate` runs it like the presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy.optimize import linprog
+from scipy.special import ndtri
+
+from pasto.estimators import Estimate, Statistics
+from pasto.objectives import Objective
+from pasto.optimum import mirror_ascent
+
+__all__ = [
+    "ServingConfig",
+    "ServingState",
+    "HardConstraints",
+    "constrained_optimum",
+    "has_hard_guardrails",
+    "arm_posterior",
+    "choose",
+    "hard_constraints",
+    "initial_state",
+    "update",
+    "served_lp",
+]
+
+# Prior degrees of freedom pooling an arm's own noise variance with the metric's pooled one.
+_VARIANCE_PRIOR_DF = 5.0
+# A probability below this in a plug-in optimum counts as outside its support.
+_SUPPORT = 1e-3
+# Shares of a mirror-ascent solution below this fraction of its largest are served as 0.
+_NEGLIGIBLE = 1e-9
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Settings of safe serving.
+
+    Attributes
+    ----------
+    level : float
+        One-sided confidence level of the hard guardrails' lower bounds, in (0.5, 1) (0.95).
+    optimism : float
+        Scale of the primary metrics' upper-bound width z_t = optimism * sqrt(2 ln t) (>= 0).
+    min_share : float
+        Share every arm keeps, in [0, 1 / K) (0: no floor).
+    holdout : float
+        Fixed share of the baseline arm, in [0, 1) (0: none; needs a baseline arm).
+    deploy_level : float
+        One-sided confidence with which the deployed mixture must beat the best single arm.
+    change_level : float
+        Family-wise false-alarm probability of each change test, in [0, 1) (0 disables detection).
+    change_every : int
+        Rounds per change-test block.
+    mirror_steps : int
+        Mirror-ascent steps of the plug-in solve (soft guardrails).
+    """
+
+    level: float = 0.95
+    optimism: float = 1.0
+    min_share: float = 0.0
+    holdout: float = 0.0
+    deploy_level: float = 0.95
+    change_level: float = 1e-4
+    change_every: int = 25
+    mirror_steps: int = 50
+
+    def __post_init__(self) -> None:
+        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"Serving option {name!r} must be a finite number, got {value!r}.")
+            object.__setattr__(self, name, float(value))
+        for name in ("level", "deploy_level"):
+            if not 0.5 < getattr(self, name) < 1.0:
+                raise ValueError(f"Serving option {name!r} must be in (0.5, 1), got {getattr(self, name)}.")
+        if self.optimism < 0:
+            raise ValueError(f"Serving option 'optimism' must be >= 0, got {self.optimism}.")
+        for name in ("min_share", "holdout", "change_level"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"Serving option {name!r} must be in [0, 1), got {getattr(self, name)}.")
+        for name in ("change_every", "mirror_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Serving option {name!r} must be an integer >= 1, got {value!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServingConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"Unknown serving option(s) {unknown}; the options are {sorted(names)}.")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ServingState:
+    """Learned state of safe serving.
+
+    Attributes
+    ----------
+    round_index : int
+        Rounds closed so far (shared by the batch).
+    probabilities : ndarray, shape (..., K)
+        p served in the current round.
+    deployed : ndarray, shape (..., K)
+        The mixture recommended now.
+    log_weights : ndarray, shape (..., K)
+        Log of the latest plug-in optimum (warm start of the next solve).
+    statistics : Statistics, shape (..., M, K)
+        Observations since the last detected change (the estimate's data).
+    block : Statistics, shape (..., M, K)
+        Observations of the current change-test block.
+    resets : ndarray of int, shape (...)
+        Changes detected so far.
+    """
+
+    round_index: int
+    probabilities: np.ndarray
+    deployed: np.ndarray
+    log_weights: np.ndarray
+    statistics: Statistics
+    block: Statistics
+    resets: np.ndarray
+
+
+@dataclass(frozen=True)
+class HardConstraints:
+    """Hard guardrails as pessimistic linear constraints ``A p >= c``.
+
+    Attributes
+    ----------
+    matrix : ndarray, shape (..., H, K)
+        A; H = one row per absolute and two per relative hard guardrail.
+    bounds : ndarray, shape (..., H)
+        c.
+    scale : ndarray, shape (..., H)
+        Positive scale of each row (|threshold|, or 1), for relative slacks.
+    """
+
+    matrix: np.ndarray
+    bounds: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.matrix.shape[-2])
+
+
+def has_hard_guardrails(objective: Objective) -> bool:
+    """Whether some guardrail of ``objective`` is a hard constraint."""
+    return any(_is_hard(g) for g in objective.guardrails)
+
+
+def constrained_optimum(objective: Objective, means: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The exact optimum under known means (M, K) with hard guardrails only (an LP).
+
+    Returns
+    -------
+    probabilities : ndarray, shape (K,)
+    value : ndarray, shape ()
+        Primary value of the optimum (nan when no mixture meets the hard guardrails).
+    best_single : ndarray, shape ()
+        Primary value of the best single arm that meets them (nan when none does).
+    """
+    if any(not _is_hard(g) for g in objective.guardrails):
+        raise ValueError("constrained_optimum handles hard guardrails only; mixed objectives need pasto.optimum.")
+    rows = hard_constraints(objective, means, means, trust_baseline=False)
+    gains = objective.primary_weights @ means
+    probabilities, feasible = served_lp(gains, rows, np.zeros(means.shape[-1]))
+    value = float(gains @ probabilities) if feasible else math.nan
+    allowed = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
+    single = float(np.max(gains[allowed])) if allowed.any() else math.nan
+    return probabilities, np.array(value), np.array(single)
+
+
+def _is_hard(guardrail) -> bool:
+    return bool(getattr(guardrail, "hard", False))
+
+
+def _baseline_index(objective: Objective) -> int | None:
+    index = getattr(objective, "baseline_index", None)
+    return None if index is None else int(index)
+
+
+def _arm_index(objective: Objective, name: str) -> int:
+    return list(objective.arm_names).index(name)
+
+
+# --------------------------------------------------------------------------- estimate
+
+
+def arm_posterior(statistics: Statistics) -> Estimate:
+    """Empirical-Bayes per-arm means and standard errors; shapes (..., M, K).
+
+    Each metric's arm means get the normal prior N(m, tau^2): m the mean of the observed arms'
+    sample means, tau^2 their variance beyond the average squared standard error (at least 1% of
+    their variance). Arm k's noise variance pools its sample variance (n_k - 1 degrees of freedom)
+    with the metric's within-arm variance (``_VARIANCE_PRIOR_DF``). Posterior precision
+    1 / tau^2 + n_k / s_k^2. Entries are infinite (standard error) while fewer than two arms of a
+    metric have data or no arm has two observations.
+    """
+    n = statistics.counts
+    has = n > 0
+    mean = np.divide(statistics.sums, n, out=np.zeros_like(statistics.sums), where=has)
+    centred = np.maximum(statistics.sums_of_squares - n * mean**2, 0.0)
+    df = np.maximum(n - 1.0, 0.0)
+    pooled_df = df.sum(axis=-1, keepdims=True)
+    pooled_var = np.divide(
+        centred.sum(axis=-1, keepdims=True), pooled_df, out=np.full_like(pooled_df, np.inf), where=pooled_df > 0
+    )
+    with np.errstate(invalid="ignore"):
+        noise_var = np.where(
+            np.isfinite(pooled_var),
+            (centred + _VARIANCE_PRIOR_DF * np.where(np.isfinite(pooled_var), pooled_var, 0.0))
+            / (df + _VARIANCE_PRIOR_DF),
+            np.inf,
+        )
+    noise_var = np.maximum(noise_var, 1e-300)
+    observed_arms = has.sum(axis=-1, keepdims=True)
+    prior_mean = np.divide(
+        np.where(has, mean, 0.0).sum(axis=-1, keepdims=True), observed_arms,
+        out=np.zeros_like(pooled_df), where=observed_arms > 0,
+    )
+    spread = np.divide(
+        np.where(has, (mean - prior_mean) ** 2, 0.0).sum(axis=-1, keepdims=True), observed_arms - 1.0,
+        out=np.full_like(pooled_df, np.inf), where=observed_arms > 1,
+    )
+    with np.errstate(invalid="ignore", divide="ignore"):
+        sampling = np.divide(noise_var, n, out=np.zeros_like(noise_var), where=has)
+        average_sampling = np.where(has, sampling, 0.0).sum(axis=-1, keepdims=True) / np.maximum(observed_arms, 1)
+        prior_var = np.maximum(spread - average_sampling, 0.01 * spread)
+        prior_var = np.where(np.isfinite(prior_var) & (prior_var > 0), prior_var, np.where(spread == 0, 1e-300, np.inf))
+        precision = 1.0 / prior_var + np.where(np.isfinite(noise_var), n / noise_var, 0.0)
+        posterior_mean = np.where(
+            np.isfinite(prior_var),
+            (prior_mean / prior_var + np.where(np.isfinite(noise_var), n * mean / noise_var, 0.0)) / precision,
+            np.where(has, mean, prior_mean),
+        )
+        error = np.where(precision > 0, 1.0 / np.sqrt(precision), np.inf)
+    error = np.where(np.isfinite(noise_var) | np.isfinite(prior_var), error, np.inf)
+    return Estimate(means=posterior_mean, standard_errors=error)
+
+
+# --------------------------------------------------------------------------- constraints
+
+
+def hard_constraints(
+    objective: Objective, lower: np.ndarray, upper: np.ndarray, trust_baseline: bool = True
+) -> HardConstraints:
+    """The hard guardrails as pessimistic rows ``A p >= c`` (module docstring, step 2).
+
+    Parameters
+    ----------
+    objective : Objective
+    lower, upper : ndarray, shape (..., M, K)
+        Lower and upper confidence bounds of the means (both the true means for the exact problem).
+    trust_baseline : bool
+        Treat the baseline arm as meeting every absolute guardrail (serving); False for the exact
+        problem under known means.
+    """
+    batch = lower.shape[:-2]
+    n_arms = lower.shape[-1]
+    baseline = _baseline_index(objective) if trust_baseline else None
+    rows, bounds, scales = [], [], []
+    for guardrail in objective.guardrails:
+        if not _is_hard(guardrail):
+            continue
+        row = objective.metrics.index(guardrail.metric)
+        if guardrail.relative_to is None:
+            threshold = np.full(batch, guardrail.threshold)
+            coefficients = lower[..., row, :].copy()
+            if baseline is not None:
+                coefficients[..., baseline] = np.maximum(coefficients[..., baseline], threshold)
+            rows.append(coefficients)
+            bounds.append(threshold)
+            scales.append(np.full(batch, abs(guardrail.threshold) or 1.0))
+            continue
+        reference = _arm_index(objective, guardrail.relative_to)
+        factor = 1.0 + guardrail.threshold
+        for bound in (upper, lower):
+            coefficients = lower[..., row, :].copy()
+            coefficients[..., reference] = bound[..., row, reference]
+            rows.append(coefficients)
+            bounds.append(factor * bound[..., row, reference])
+            scales.append(np.maximum(np.abs(factor * bound[..., row, reference]), 1e-12))
+    if not rows:
+        empty = np.zeros(batch + (0,))
+        return HardConstraints(np.zeros(batch + (0, n_arms)), empty, empty.copy())
+    return HardConstraints(np.stack(rows, axis=-2), np.stack(bounds, axis=-1), np.stack(scales, axis=-1))
+
+
+def served_lp(
+    gains: np.ndarray, constraints: HardConstraints, fixed: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """max gains . p  s.t.  A p >= c, p = fixed + (1 - sum fixed) q, q on the simplex; one run.
+
+    Parameters
+    ----------
+    gains : ndarray, shape (K,)
+    constraints : HardConstraints
+        Unbatched (matrix (H, K)).
+    fixed : ndarray, shape (K,)
+        Shares carved out before optimising (min shares, holdout).
+
+    Returns
+    -------
+    probabilities : ndarray, shape (K,)
+    feasible : ndarray of bool, shape ()
+        False when no mixture meets the constraints; the mixture with the largest worst relative
+        slack (A p - c) / scale is returned then.
+    """
+    n_arms = gains.shape[-1]
+    free = 1.0 - fixed.sum()
+    matrix = constraints.matrix * free
+    bounds = constraints.bounds - constraints.matrix @ fixed
+    equality = np.ones((1, n_arms))
+    if constraints.count:
+        result = linprog(
+            -gains, A_ub=-matrix, b_ub=-bounds, A_eq=equality, b_eq=[1.0], bounds=(0, None), method="highs"
+        )
+    else:
+        result = None
+    if result is None or result.status == 0:
+        if result is None:
+            q = np.zeros(n_arms)
+            q[np.argmax(gains)] = 1.0
+        else:
+            q = np.clip(result.x, 0.0, None)
+            q /= q.sum()
+        return fixed + free * q, np.array(True)
+    return largest_slack(constraints, fixed), np.array(False)
+
+
+def largest_slack(constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray:
+    """The mixture maximising the worst relative slack min_h (A p - c)_h / scale_h; one run, (K,).
+
+    ``p = fixed + (1 - sum fixed) q`` with q on the simplex, as in :func:`served_lp`.
+    """
+    n_arms = fixed.shape[-1]
+    free = 1.0 - fixed.sum()
+    matrix = constraints.matrix * free
+    bounds = constraints.bounds - constraints.matrix @ fixed
+    equality = np.ones((1, n_arms))
+    scaled = matrix / constraints.scale[:, None]
+    scaled_bounds = bounds / constraints.scale
+    objective = np.zeros(n_arms + 1)
+    objective[-1] = -1.0
+    a_ub = np.hstack([-scaled, np.ones((constraints.count, 1))])
+    result = linprog(
+        objective, A_ub=a_ub, b_ub=-scaled_bounds, A_eq=np.hstack([equality, [[0.0]]]), b_eq=[1.0],
+        bounds=[(0, None)] * n_arms + [(None, None)], method="highs",
+    )
+    q = np.clip(result.x[:n_arms], 0.0, None)
+    q /= q.sum()
+    return fixed + free * q
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+def _fixed_shares(config: ServingConfig, objective: Objective | None, n_arms: int) -> np.ndarray:
+    fixed = np.full(n_arms, config.min_share)
+    if config.holdout > 0:
+        baseline = None if objective is None else _baseline_index(objective)
+        if baseline is None:
+            raise ValueError("Serving option 'holdout' needs a baseline arm (the objective's 'baseline').")
+        fixed[baseline] = max(fixed[baseline], config.holdout)
+    if fixed.sum() >= 1.0:
+        raise ValueError(
+            f"The fixed shares (min_share {config.min_share} on each of {n_arms} arms, holdout "
+            f"{config.holdout}) leave no traffic to optimise; their sum must stay below 1."
+        )
+    return fixed
+
+
+def initial_state(
+    config: ServingConfig,
+    n_arms: int,
+    n_metrics: int,
+    batch_shape: tuple[int, ...] = (),
+    objective: Objective | None = None,
+) -> ServingState:
+    """Before any data: uniform traffic (no arm is known better), uniform deployed mixture."""
+    batch_shape = tuple(int(b) for b in batch_shape)
+    fixed = _fixed_shares(config, objective, n_arms)
+    uniform = fixed + (1.0 - fixed.sum()) / n_arms
+    probabilities = np.broadcast_to(uniform, batch_shape + (n_arms,)).copy()
+    return ServingState(
+        round_index=0,
+        probabilities=probabilities,
+        deployed=np.full(batch_shape + (n_arms,), 1.0 / n_arms),
+        log_weights=np.full(batch_shape + (n_arms,), -math.log(n_arms)),
+        statistics=Statistics.zeros(n_metrics, n_arms, batch_shape),
+        block=Statistics.zeros(n_metrics, n_arms, batch_shape),
+        resets=np.zeros(batch_shape, dtype=int),
+    )
+
+
+def _soft_value(objective: Objective, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """f(x) without the hard guardrails (they are constraints, not penalties); x (..., M)."""
+    soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
+    value = x @ objective.primary_weights
+    if soft.any():
+        rows = objective.guardrail_rows[soft]
+        shortfall = np.minimum(0.0, x[..., rows] - thresholds[..., soft])
+        value = value - np.sum(objective.penalties[soft] * shortfall**2, axis=-1)
+    return value
+
+
+def _soft_gradient(objective: Objective, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
+    gradient = np.broadcast_to(objective.primary_weights, x.shape).copy()
+    for j in np.flatnonzero(soft):
+        row = objective.guardrail_rows[j]
+        shortfall = np.minimum(0.0, x[..., row] - thresholds[..., j])
+        gradient[..., row] += -2.0 * objective.penalties[j] * shortfall
+    return gradient
+
+
+def _change_detected(config: ServingConfig, statistics: Statistics, block: Statistics) -> np.ndarray:
+    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...)."""
+    n_block = block.counts
+    n_rest = statistics.counts - n_block
+    usable = (n_block >= 2) & (n_rest >= 2)
+    mean_block = np.divide(block.sums, n_block, out=np.zeros_like(block.sums), where=n_block > 0)
+    rest_sums = statistics.sums - block.sums
+    mean_rest = np.divide(rest_sums, n_rest, out=np.zeros_like(rest_sums), where=n_rest > 0)
+    total = np.maximum(statistics.counts, 1.0)
+    overall = statistics.sums / total
+    centred = np.maximum(statistics.sums_of_squares - statistics.counts * overall**2, 0.0)
+    # Within-arm variance of the whole span, pooled over arms (a changed mean inflates it, which
+    # only makes the test more conservative).
+    df = np.maximum(statistics.counts - 1.0, 0.0)
+    variance = np.divide(
+        centred.sum(axis=-1, keepdims=True), df.sum(axis=-1, keepdims=True),
+        out=np.full(centred.shape[:-1] + (1,), np.inf), where=df.sum(axis=-1, keepdims=True) > 0,
+    )
+    with np.errstate(invalid="ignore", divide="ignore"):
+        z = np.abs(mean_block - mean_rest) / np.sqrt(
+            variance * (1.0 / np.maximum(n_block, 1.0) + 1.0 / np.maximum(n_rest, 1.0))
+        )
+    z = np.where(usable & np.isfinite(z), z, 0.0)
+    tests = max(1, int(np.prod(statistics.shape[-2:])))
+    critical = float(ndtri(1.0 - config.change_level / (2.0 * tests)))
+    return np.max(z, axis=(-2, -1)) > critical
+
+
+def update(
+    config: ServingConfig,
+    objective: Objective,
+    state: ServingState,
+    round_statistics: Statistics,
+    pooled_statistics: Statistics | None = None,
+    propensities: np.ndarray | None = None,
+) -> ServingState:
+    """Close a round: take in its observations and choose the next round's served and deployed mixtures.
+
+    Parameters
+    ----------
+    config : ServingConfig
+    objective : Objective
+    state : ServingState
+    round_statistics : Statistics, shape (..., M, K)
+        Observations that arrived in the closing round.
+    pooled_statistics, propensities
+        Unused (the estimate is kept in the state, since the last detected change); accepted for
+        the controller contract of :mod:`pasto.algorithm`.
+
+    Returns
+    -------
+    ServingState
+    """
+    del pooled_statistics, propensities
+    if round_statistics.shape != state.statistics.shape:
+        raise ValueError(
+            f"round_statistics must have shape {state.statistics.shape} (batch, metrics, arms), "
+            f"got {round_statistics.shape}."
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _advance(config, objective, state, round_statistics)
+
+
+def _advance(config, objective, state, round_statistics):
+    t = state.round_index + 1
+    n_arms = state.probabilities.shape[-1]
+    batch = state.probabilities.shape[:-1]
+    statistics = state.statistics + round_statistics
+    block = state.block + round_statistics
+    resets = state.resets
+    if config.change_level > 0 and t % config.change_every == 0:
+        changed = _change_detected(config, statistics, block)
+        if changed.any():
+            # Start afresh: the block that raised the alarm is the most extreme stretch of the
+            # data, so keeping it would bias the new estimate (a false alarm on setup A kept a
+            # block where the guardrail-breaking arm looked harmless, and deployed it alone).
+            drop = changed[..., None, None]
+            statistics = Statistics(
+                np.where(drop, 0.0, statistics.counts),
+                np.where(drop, 0.0, statistics.sums),
+                np.where(drop, 0.0, statistics.sums_of_squares),
+            )
+            resets = resets + changed
+        block = Statistics.zeros(*statistics.shape[-2:], batch)
+
+    observations = float(round_statistics.counts[..., 0, :].sum()) / max(1, int(np.prod(batch)))
+    served, deployed, log_weights = choose(
+        config, objective, statistics, t, state.log_weights, observations, state.deployed
+    )
+    return ServingState(
+        round_index=t,
+        probabilities=served,
+        deployed=deployed,
+        log_weights=log_weights,
+        statistics=statistics,
+        block=block,
+        resets=resets,
+    )
+
+
+def choose(
+    config: ServingConfig,
+    objective: Objective,
+    statistics: Statistics,
+    round_number: int,
+    log_weights: np.ndarray,
+    observations_per_round: float,
+    deployed: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The served and deployed mixtures for the next round, from the observations ``statistics``.
+
+    Parameters
+    ----------
+    config : ServingConfig
+    objective : Objective
+    statistics : Statistics, shape (..., M, K)
+        The evidence (since the last detected change, or all of it).
+    round_number : int
+        t, the round just closed (1-based): the optimism width grows like sqrt(2 ln t).
+    log_weights : ndarray, shape (..., K)
+        Warm start of the plug-in solve (the previous plug-in optimum's log).
+    observations_per_round : float
+        Observations per run and round (n), which sets the directed exploration share 1 / (n sqrt(t)).
+    deployed : ndarray, shape (..., K)
+        The mixture deployed now, kept by runs whose bounds are not defined yet.
+
+    Returns
+    -------
+    (served, deployed, log_weights), each of shape (..., K). A run whose bounds are not all defined
+    (a metric with fewer than two arms with data, or no arm observed twice; after a detected change
+    too) is served the uniform mixture (with the fixed shares) and keeps its deployed mixture and
+    weights: with no evidence on some arm, exploring it is the only way to learn.
+    """
+    t = round_number
+    n_arms = statistics.shape[-1]
+    batch = statistics.shape[:-2]
+    posterior = arm_posterior(statistics)
+    means, errors = posterior.means, posterior.standard_errors
+    unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))  # (...)
+    fixed = _fixed_shares(config, objective, n_arms)
+    if unknown.all():
+        uniform = np.broadcast_to(fixed + (1.0 - fixed.sum()) / n_arms, batch + (n_arms,)).copy()
+        return uniform, np.asarray(deployed, dtype=float).copy(), np.asarray(log_weights, dtype=float).copy()
+    if unknown.any():
+        # Placeholder bounds for those runs (their results are replaced below).
+        errors = np.where(np.isfinite(errors), errors, 1.0)
+    z_safe = float(ndtri(config.level))
+    z_optimism = config.optimism * math.sqrt(2.0 * math.log(max(t, 2)))
+    z_deploy = float(ndtri(config.deploy_level))
+    lower, upper = means - z_safe * errors, means + z_safe * errors
+    constraints = hard_constraints(objective, lower, upper)
+    thresholds = objective.thresholds(means)
+    weights = objective.primary_weights
+    # Optimistic primary value of each arm: upper bound for positive weights, lower for negative.
+    primary_errors = np.sqrt(np.einsum("m,...mk->...k", weights**2, errors**2))
+    plain_gains = np.einsum("m,...mk->...k", weights, means)
+    optimistic_gains = plain_gains + z_optimism * primary_errors
+
+    flat = int(np.prod(batch)) if batch else 1
+    flat_means = means.reshape((flat,) + means.shape[-2:])
+    flat_errors = errors.reshape(flat_means.shape)
+    flat_thresholds = thresholds.reshape((flat,) + thresholds.shape[-1:])
+    served = np.empty((flat, n_arms))
+    plug_in = np.empty((flat, n_arms))
+    previous_log_weights = np.asarray(log_weights, dtype=float)
+    log_weights = previous_log_weights.reshape((flat, n_arms)).copy()
+    rows = _unbatched(constraints, flat)
+    if constraints.count:
+        soft = [g for g in objective.guardrails if not _is_hard(g)]
+        if soft:
+            raise ValueError(
+                "Safe serving supports hard guardrails, or soft guardrails, but not both in one "
+                "objective yet; make every guardrail hard or every guardrail soft."
+            )
+        optimistic = optimistic_gains.reshape((flat, n_arms))
+        plain = plain_gains.reshape((flat, n_arms))
+        # Every arm at its upper bound (the reference arm of a relative guardrail too).
+        hopeful = hard_constraints(objective, means + z_optimism * errors, means + z_optimism * errors)
+        hopeful_rows = _unbatched(hopeful, flat)
+        for run in range(flat):
+            # Optimistic in the objective and in the guardrails (every arm at its upper bound):
+            # the arms that could improve the objective or make room for others get traffic ...
+            hopeful_mixture, _ = served_lp(optimistic[run], hopeful_rows[run], fixed)
+            safe = largest_slack(rows[run], fixed)
+            # ... mixed with the mixture with the most pessimistic slack just enough that every
+            # hard guardrail's lower bound holds (stochastic bandits with linear constraints).
+            served[run] = _pad(hopeful_mixture, safe, rows[run])
+            plug_in[run], _ = served_lp(plain[run], rows[run], np.zeros(n_arms))
+        log_weights = np.log(np.maximum(plug_in, 1e-300))
+    else:
+        lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 30.0)
+        # The expected objective E f(mu p), mu ~ N(V, se^2), hedges against the steep side of a
+        # soft penalty (serving too much of an arm whose guardrail estimate is too optimistic).
+        log_weights = mirror_ascent(
+            objective, flat_means, flat_thresholds, lifted, config.mirror_steps, standard_errors=flat_errors
+        )
+        plug_in = np.exp(log_weights)
+        # Mirror ascent never reaches an exact zero; traffic below this share is noise, not a choice.
+        plug_in = np.where(plug_in < _NEGLIGIBLE * plug_in.max(axis=-1, keepdims=True), 0.0, plug_in)
+        plug_in /= plug_in.sum(axis=-1, keepdims=True)
+        plausible = _plausible_arms(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_optimism)
+        plausible &= plug_in < _SUPPORT
+        per_round = max(observations_per_round, 1.0)
+        share = np.minimum(0.5, plausible.sum(axis=-1) / (per_round * math.sqrt(t)))
+        directed = np.divide(plausible, plausible.sum(axis=-1, keepdims=True),
+                             out=np.zeros_like(plug_in), where=plausible.any(axis=-1, keepdims=True))
+        served = (1.0 - share[:, None]) * plug_in + share[:, None] * directed
+        served = fixed + (1.0 - fixed.sum()) * served
+
+    chosen = _defensible(
+        objective, flat_means, flat_errors, flat_thresholds, plug_in, rows, z_safe, z_deploy
+    )
+    served = np.maximum(served, 0.0)
+    served /= served.sum(axis=-1, keepdims=True)
+    shape = batch + (n_arms,)
+    served, chosen, log_weights = served.reshape(shape), chosen.reshape(shape), log_weights.reshape(shape)
+    if unknown.any():
+        waiting = unknown[..., None]
+        served = np.where(waiting, fixed + (1.0 - fixed.sum()) / n_arms, served)
+        chosen = np.where(waiting, deployed, chosen)
+        log_weights = np.where(waiting, previous_log_weights, log_weights)
+    return served, chosen, log_weights
+
+
+def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) -> np.ndarray:
+    """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,).
+
+    When even ``safe`` misses a row (nothing is known to be feasible), ``mixture`` is returned:
+    there is nothing safer to pad with, and exploring is the way to find out.
+    """
+    have = constraints.matrix @ mixture - constraints.bounds
+    margin = constraints.matrix @ safe - constraints.bounds
+    if np.all(have >= 0):
+        return mixture
+    if np.any(margin < 0):
+        return mixture
+    short = have < 0
+    share = np.max(-have[short] / (margin[short] - have[short]))
+    share = min(1.0, share * (1.0 + 1e-9) + 1e-12)
+    return (1.0 - share) * mixture + share * safe
+
+
+def _unbatched(constraints: HardConstraints, flat: int) -> list[HardConstraints]:
+    """One ``HardConstraints`` per run (leading batch dimensions flattened to ``flat``)."""
+    return [HardConstraints(m, b, s) for m, b, s in zip(
+        constraints.matrix.reshape((flat,) + constraints.matrix.shape[-2:]),
+        constraints.bounds.reshape((flat, -1)),
+        constraints.scale.reshape((flat, -1)),
+    )]
+
+
+def _plausible_arms(objective, means, errors, thresholds, mixture, z):
+    """Arms whose optimistic gradient reaches the mixture's level (could enter the support); (R, K) bool."""
+    x = np.einsum("rmk,rk->rm", means, mixture)
+    gradient_x = _soft_gradient(objective, x, thresholds)
+    gradient = np.einsum("rmk,rm->rk", means, gradient_x)
+    level = np.sum(mixture * gradient, axis=-1, keepdims=True)
+    spread = np.sqrt(np.einsum("rm,rmk->rk", gradient_x**2, errors**2))
+    return gradient + z * spread >= level - 1e-12 * np.abs(level)
+
+
+def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy):
+    """The plug-in mixture when it confidently beats the best defensible single arm, else that arm; (R, K)."""
+    runs, n_metrics, n_arms = means.shape
+    eye = np.eye(n_arms)
+    per_arm_x = np.swapaxes(means, -1, -2)  # (R, K, M)
+    arm_values = _soft_value(objective, per_arm_x, thresholds[:, None, :])
+    arm_gradients = _soft_gradient(objective, per_arm_x, thresholds[:, None, :])  # (R, K, M)
+    arm_errors = np.sqrt(np.einsum("rkm,rmk->rk", arm_gradients**2, errors**2))
+    allowed = np.ones((runs, n_arms), dtype=bool)
+    for run, rows in enumerate(constraints):
+        if rows.count:
+            # A single arm meets row h when A[h, k] >= c[h].
+            allowed[run] = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
+    lower_values = np.where(allowed, arm_values - z_safe * arm_errors, -np.inf)
+    best = np.argmax(lower_values, axis=-1)
+    none_allowed = ~allowed.any(axis=-1)
+    single = eye[best]
+
+    x = np.einsum("rmk,rk->rm", means, mixture)
+    mixture_value = _soft_value(objective, x, thresholds)
+    gradient_x = _soft_gradient(objective, x, thresholds)
+    best_x = per_arm_x[np.arange(runs), best]
+    best_value = _soft_value(objective, best_x, thresholds)
+    best_gradient = _soft_gradient(objective, best_x, thresholds)
+    # Var of f(V p) - f(V e_b) by the delta method: entry (m, k) enters with coefficient
+    # df/dx_m (p) p_k - df/dx_m (e_b) [k == b].
+    coefficient = gradient_x[:, :, None] * mixture[:, None, :] - best_gradient[:, :, None] * single[:, None, :]
+    difference_error = np.sqrt(np.sum(coefficient**2 * errors**2, axis=(-2, -1)))
+    confident = mixture_value - best_value > z_deploy * difference_error
+    use_mixture = confident | none_allowed
+    return np.where(use_mixture[:, None], mixture, single)

@@ -1,0 +1,5 @@
+"""``python -m service.demo``: the same as ``pasto demo``."""
+
+from . import main
+
+raise SystemExit(main())
