@@ -1,8 +1,8 @@
 """Round close time vs history: pooled statistics as running totals against the full re-aggregate they replaced.
 
-Runs ``bench/serve.py``'s round-close measurement (``service.rounds.close_round`` on a database that
+Runs ``bench/serve.py``'s round-close measurement (``service.controller.rounds.close_round`` on a database that
 gains K x M ``round_statistics`` rows per round) twice per backend in one process: once with the
-service as it is, once with ``service.rounds.update_statistics`` replaced by a copy of the full
+service as it is, once with ``service.store.update_statistics`` replaced by a copy of the full
 aggregate over every row of rounds <= r that it used before migration 0002 (the running totals are
 then left unused). Prints the close transaction's milliseconds by round.
 
@@ -76,9 +76,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--backends", default="sqlite,postgres")
     args = parser.parse_args()
-    import service.rounds
+    import service.store
 
-    running_totals = service.rounds.update_statistics
+    running_totals = service.store.update_statistics
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.backends.split(","):
             cluster = None
@@ -92,12 +92,12 @@ def main() -> None:
                 backend = serve.Backend("sqlite", Path(workdir))
             try:
                 for label, function in (("aggregate", full_aggregate), ("totals", running_totals)):
-                    service.rounds.update_statistics = function
+                    service.store.update_statistics = function
                     series = measure(backend, args.arms, args.rounds, label)
                     print(f"{name} {label:9s} K = {args.arms:,}: " + ", ".join(f"{ms:.0f}" for ms in series) + " ms",
                           flush=True)
             finally:
-                service.rounds.update_statistics = running_totals
+                service.store.update_statistics = running_totals
                 backend.close()
                 if cluster is not None:
                     cluster.stop()

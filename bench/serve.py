@@ -14,7 +14,7 @@ pass). Per database backend (SQLite always; PostgreSQL when a server is availabl
   ``executemany`` INSERT of the same 1,000 observations per transaction into a plain table of the
   same database (same engine settings, hence the same durability), alternating and best-of-N too.
 - ``update``: ``pasto.algorithm.update`` alone, and the service's full round close
-  (``service.rounds.close_round`` on a populated database: the statistics query, the update, the
+  (``service.controller.rounds.close_round`` on a populated database: the statistics query, the update, the
   state write, the per-round summary) for K = 100, 1,000, 10,000 arms and M = 5 metrics, with the
   ``default`` and ``paper`` presets; and the time a worker takes to reload its cached experiment
   after the close.
@@ -630,9 +630,9 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
     import sqlalchemy as sa
 
     from service.cache import get_cache
+    from service.controller.rounds import close_round
     from service.db import get_db
     from service.models import Experiment, RoundStatistic
-    from service.rounds import close_round
 
     name = close_experiment(n_arms, preset)
     database = get_db(app)
@@ -821,7 +821,7 @@ def render(all_results: dict[str, Any], update_alone: dict[str, Any], command: s
         f"### Round update vs K (M = {len(METRICS)})",
         "",
         f"Milliseconds. `update` alone: `pasto.algorithm.update` on synthetic statistics, rounds 1..{args.update_rounds}; "
-        "close: `service.rounds.close_round` on a database holding the experiment's per-round statistics "
+        "close: `service.controller.rounds.close_round` on a database holding the experiment's per-round statistics "
         "(transaction = lock, statistics query, update, state and next round written; whole call = the "
         "transaction plus the per-round summary computed and written after the lock is released); reload = one "
         "worker's refresh of its cached experiment after the version bump. `default` re-solves every 5th round "

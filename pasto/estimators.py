@@ -122,15 +122,24 @@ class Statistics:
         n_arms : int
             K.
         """
-        arms = np.asarray(arms, dtype=np.intp)
         values = np.asarray(values, dtype=float)
+        arms = np.broadcast_to(np.asarray(arms, dtype=np.intp), values.shape[:-1])
+        *batch, _, n_metrics = values.shape
         observed = ~np.isnan(values)
         clean = np.where(observed, values, 0.0)
-        one_hot = (arms[..., None] == np.arange(n_arms)).astype(float)  # (..., N, K)
-        counts = np.einsum("...nm,...nk->...mk", observed.astype(float), one_hot)
-        sums = np.einsum("...nm,...nk->...mk", clean, one_hot)
-        squares = np.einsum("...nm,...nk->...mk", clean**2, one_hot)
-        return cls(counts, sums, squares)
+        # One bincount per quantity over a flat (batch, metric, arm) cell index: O(N M) work and
+        # memory, where a one-hot (N, K) matrix would be O(N K M) (the service ingests batches of
+        # thousands of observations over up to 10,000 arms).
+        batch_size = int(np.prod(batch, dtype=np.int64))
+        rows = np.arange(batch_size).reshape(*batch, 1, 1) * n_metrics + np.arange(n_metrics)
+        cells = (rows * n_arms + arms[..., None]).ravel()
+        size = batch_size * n_metrics * n_arms
+        shape = (*batch, n_metrics, n_arms)
+
+        def total(weights: np.ndarray) -> np.ndarray:
+            return np.bincount(cells, weights=weights.ravel(), minlength=size).reshape(shape)
+
+        return cls(total(observed.astype(float)), total(clean), total(clean * clean))
 
     def __add__(self, other: Statistics) -> Statistics:
         return Statistics(

@@ -12,21 +12,32 @@ Three pieces, each usable on its own, each in its own module:
 - :class:`ObservationBuffer` (:mod:`pasto_client.buffer`) batches observations in a background
   thread, stamps each with an idempotency id when it is added (so retries never double count),
   retries network errors and 5xx with exponential backoff, and never drops anything silently.
+- :class:`ExposureLog` (:mod:`pasto_client.exposure`) records one exposure per assignment (unit,
+  experiment, round, arm, probability, mixture version, time) and writes them in batches from a
+  background thread to a sink: :class:`CallbackSink`, :class:`JsonLinesSink` or :class:`ParquetSink`
+  (the ``parquet`` extra); ``LocalAssigner(..., exposure_sink=...)`` attaches one.
 
 The package depends on the standard library, the pure ``pasto`` core (numpy, scipy) and requests
 only; it never imports Flask, SQLAlchemy or the service, so a recommender installs it without the
-service's dependencies (README, "Install").
+service's dependencies (README, "Install"). pyarrow, for Parquet, is imported only when a
+:class:`ParquetSink` is made.
 """
 
 from pasto_client.assigner import LocalAssigner
 from pasto_client.buffer import ObservationBuffer
 from pasto_client.client import Assignment, Client
 from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
+from pasto_client.exposure import CallbackSink, ExposureBatch, ExposureLog, JsonLinesSink, ParquetSink
 
 __all__ = [
     "Assignment",
     "BufferOverflowError",
+    "CallbackSink",
     "Client",
+    "ExposureBatch",
+    "ExposureLog",
+    "JsonLinesSink",
+    "ParquetSink",
     "LocalAssigner",
     "ObservationBuffer",
     "PastoAPIError",

@@ -19,9 +19,11 @@ from typing import Any
 from pasto.hashing import PrefixHasher, buckets, choose_arms, cumulative_probabilities
 from pasto_client.client import Assignment, Client
 from pasto_client.errors import PastoError
+from pasto_client.exposure import ExposureContext, ExposureLog, ExposureSink, exposure_contexts
 
 logger = logging.getLogger(__name__)
 _monotonic = time.monotonic
+_time_ns = time.time_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class _Snapshot:
     hasher: PrefixHasher
     hash_unit: Callable[[str], float]    # hasher.__call__ bound once: cheaper to call than hasher
     assignments: tuple[Assignment, ...]  # (K,) one immutable answer per arm for this round
+    exposures: tuple[ExposureContext, ...]  # (K,) what each arm's exposure records share
     refresh_at: float                   # time.monotonic() after which the snapshot is refreshed
     overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
 
@@ -80,6 +83,13 @@ class LocalAssigner:
     experiment : dict, optional
         An experiment document as returned by :meth:`Client.get_experiment` (e.g. cached on disk) to
         start from instead of fetching, so a process can start while the server is unreachable.
+    exposure_sink : ExposureSink, callable, ExposureLog or None
+        Where to log one exposure per assigned unit (:mod:`pasto_client.exposure`): a sink
+        (``JsonLinesSink(path)``, ``ParquetSink(path)``, ``CallbackSink(f)``), a callable taking a
+        list of record dicts, or an :class:`ExposureLog` built with other batching settings. The
+        assigner owns it: :meth:`close` writes what is queued and closes the sink. :meth:`assign`
+        then also appends ``(unit, arm context, time)`` to the log's in-memory queue; the
+        records are built and written by the log's background thread.
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class LocalAssigner:
         ttl: float = 30.0,
         round_poll: float = 0.25,
         experiment: Mapping[str, Any] | None = None,
+        exposure_sink: ExposureSink | ExposureLog | Callable[[list[dict]], None] | None = None,
     ) -> None:
         if not (ttl > 0):
             raise ValueError(f"The TTL must be a positive number of seconds, got {ttl!r}.")
@@ -105,6 +116,18 @@ class LocalAssigner:
         if experiment is None:
             experiment = client.get_experiment(experiment_name)
         self._snapshot: _Snapshot = self._build_snapshot(experiment)
+        #: The exposure log, or None without an exposure sink.
+        self.exposures: ExposureLog | None = None
+        if exposure_sink is not None:
+            self.exposures = (
+                exposure_sink if isinstance(exposure_sink, ExposureLog)
+                else ExposureLog(exposure_sink, name=experiment_name)
+            )
+            self._put_exposure = self.exposures.put
+            # Instance attributes shadow the methods: without a sink, assign stays exactly the
+            # unlogged hot path (not even a test for the sink is added to it).
+            self.assign = self._assign_logged  # type: ignore[method-assign]
+            self.assign_many = self._assign_many_logged  # type: ignore[method-assign]
         self._thread: threading.Thread | None = None
         if client is not None:
             self._thread = threading.Thread(
@@ -133,6 +156,29 @@ class LocalAssigner:
         u = buckets(snapshot.seed, units, snapshot.round_index)
         assignments = snapshot.assignments
         return [assignments[k] for k in choose_arms(snapshot.mixture, u).tolist()]
+
+    def _assign_logged(self, unit: str) -> Assignment:
+        """:meth:`assign` with an exposure sink: also queues the exposure (no I/O, no wait)."""
+        snapshot = self._snapshot
+        try:
+            u = snapshot.hash_unit(unit)
+        except AttributeError:
+            raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
+        k = bisect_right(snapshot.cumulative, u)
+        if not self._put_exposure((unit, snapshot.exposures[k], _time_ns())):
+            self.exposures.refused(1)
+        return snapshot.assignments[k]
+
+    def _assign_many_logged(self, units: Sequence[str]) -> list[Assignment]:
+        """:meth:`assign_many` with an exposure sink: also queues one exposure per unit, all
+        stamped with the time of the call."""
+        snapshot = self._snapshot
+        u = buckets(snapshot.seed, units, snapshot.round_index)
+        arms = choose_arms(snapshot.mixture, u).tolist()
+        contexts = snapshot.exposures
+        self.exposures.record_many(units, [contexts[k] for k in arms])
+        assignments = snapshot.assignments
+        return [assignments[k] for k in arms]
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -165,11 +211,22 @@ class LocalAssigner:
             experiment = self.client.get_experiment(self.experiment_name)
             self._snapshot = self._build_snapshot(experiment, previous=self._snapshot)
 
-    def close(self) -> None:
-        """Stop the background refresher; the last snapshot keeps being served."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the background refresher (the last snapshot keeps being served, exposures of later
+        assignments are dropped and counted), then write the queued exposures and close the
+        exposure sink, waiting up to ``timeout`` seconds for them.
+
+        Raises
+        ------
+        TimeoutError, Exception
+            From :meth:`ExposureLog.close`: exposures not written in time, or the first sink error
+            not handled by the log's ``on_error``.
+        """
         self._stopped.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        if self.exposures is not None:
+            self.exposures.close(timeout)
 
     def __enter__(self) -> LocalAssigner:
         return self
@@ -225,6 +282,10 @@ class LocalAssigner:
             )
             for arm, p in zip(arms, mixture)
         )
+        exposures = exposure_contexts(
+            self.experiment_name, round_index, [a.arm for a in assignments], mixture,
+            experiment.get("updated_at"),
+        )
         seed = int(experiment["seed"])
         same_round = previous is not None and previous.seed == seed and previous.round_index == round_index
         delay = self.ttl
@@ -251,6 +312,7 @@ class LocalAssigner:
             hasher=hasher,
             hash_unit=hasher.__call__,
             assignments=assignments,
+            exposures=exposures,
             refresh_at=fetched_at + delay,
             overdue_poll=overdue_poll,
         )

@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import math
 import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pasto_client.batching import BatchQueue
 from pasto_client.client import Client
 from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
 
 logger = logging.getLogger(__name__)
-_monotonic = time.monotonic
 
 #: Seconds an ObservationBuffer that was never closed may spend sending its queue at exit.
 EXIT_FLUSH_SECONDS = 10.0
@@ -70,44 +68,28 @@ class ObservationBuffer:
     ) -> None:
         if not (isinstance(max_batch, int) and 1 <= max_batch <= 10_000):
             raise ValueError(f"max_batch must be an integer from 1 to 10000, got {max_batch!r}.")
-        if not (isinstance(max_queue, int) and max_queue >= max_batch):
-            raise ValueError(
-                f"max_queue must be an integer at least max_batch ({max_batch}), got {max_queue!r}."
-            )
-        if not (flush_interval > 0):
-            raise ValueError(f"flush_interval must be positive, got {flush_interval!r}.")
         if not (0 < initial_backoff <= max_backoff):
             raise ValueError("The backoffs must satisfy 0 < initial_backoff <= max_backoff.")
         self.client = client
         self.experiment_name = experiment_name
-        self.max_batch = max_batch
-        self.flush_interval = float(flush_interval)
-        self.max_queue = max_queue
         self.on_error = on_error
         self.on_overflow = on_overflow
         self.initial_backoff = float(initial_backoff)
         self.max_backoff = float(max_backoff)
-
-        self._condition = threading.Condition()
-        self._queue: collections.deque[dict] = collections.deque()
-        self._oldest_at = 0.0            # monotonic time the oldest queued observation was added
-        self._in_flight: list[dict] = []  # the batch being sent
-        self._added = 0                  # observations ever queued
-        self._settled = 0                # observations accepted by the server or handed to on_error
-        self._flush_requested = False
-        self._closing = False
-        self._closed = False
-        self._give_up = threading.Event()  # set by close() on timeout: stop retrying
         self._pending_error: PastoAPIError | None = None
+        self._error_lock = threading.Lock()  # guards _pending_error
         # Written by the sender thread only.
         self.accepted = 0
         self.duplicates = 0
         self.rejected = 0
         self.retries = 0
-        self._thread = threading.Thread(
-            target=self._run, name=f"pasto-observations-{experiment_name}", daemon=True
+        # Validates max_queue and flush_interval, and starts the sender thread.
+        self._batches = BatchQueue(
+            self._send, f"pasto-observations-{experiment_name}", max_batch, flush_interval, max_queue
         )
-        self._thread.start()
+        self.max_batch = max_batch
+        self.flush_interval = self._batches.flush_interval
+        self.max_queue = max_queue
         # A daemon thread dies with the interpreter: send what is queued if close() was forgotten.
         atexit.register(self._close_at_exit)
 
@@ -145,20 +127,10 @@ class ObservationBuffer:
         }
         if arm is not None:
             observation["arm"] = arm
-        with self._condition:
-            self._raise_pending_error()
-            if self._closing:
-                raise PastoError("The observation buffer is closed.")
-            overflow = len(self._queue) + len(self._in_flight) >= self.max_queue
-            if not overflow:
-                queue = self._queue
-                queue.append(observation)
-                self._added += 1
-                if len(queue) == 1:
-                    self._oldest_at = _monotonic()
-                    self._condition.notify_all()
-                elif len(queue) == self.max_batch:
-                    self._condition.notify_all()
+        self._raise_pending_error()
+        overflow = not self._batches.put(observation)
+        if overflow and self._batches.closing:
+            raise PastoError("The observation buffer is closed.")
         if overflow:
             if self.on_overflow is None:
                 raise BufferOverflowError(
@@ -172,8 +144,7 @@ class ObservationBuffer:
     @property
     def pending(self) -> int:
         """Observations queued or in flight."""
-        with self._condition:
-            return len(self._queue) + len(self._in_flight)
+        return self._batches.pending
 
     def flush(self, timeout: float | None = None) -> None:
         """Send everything added so far and wait until it is settled (accepted by the server or
@@ -186,16 +157,13 @@ class ObservationBuffer:
         PastoAPIError
             The first rejection not handled by ``on_error``.
         """
-        with self._condition:
-            target = self._added
-            self._flush_requested = True
-            self._condition.notify_all()
-            if not self._condition.wait_for(lambda: self._settled >= target, timeout=timeout):
-                raise TimeoutError(
-                    f"{target - self._settled} observations of {self.experiment_name!r} are still "
-                    f"unsent after {timeout} s; the buffer keeps retrying."
-                )
-            self._raise_pending_error()
+        unsettled = self._batches.flush(timeout)
+        if unsettled:
+            raise TimeoutError(
+                f"{unsettled} observations of {self.experiment_name!r} are still unsent after "
+                f"{timeout} s; the buffer keeps retrying."
+            )
+        self._raise_pending_error()
 
     def close(self, timeout: float | None = None) -> None:
         """Send everything, then stop the background thread. Idempotent.
@@ -210,25 +178,17 @@ class ObservationBuffer:
             The first rejection not handled by ``on_error``.
         """
         atexit.unregister(self._close_at_exit)
-        with self._condition:
-            if self._closed:
-                return
-            self._closing = True
-            self._condition.notify_all()
-        self._thread.join(timeout)
-        with self._condition:
-            self._closed = True
-            if self._thread.is_alive():
-                self._give_up.set()
-                unsent = self._in_flight + list(self._queue)
-                self._queue.clear()
-                error = TimeoutError(
-                    f"{len(unsent)} observations of {self.experiment_name!r} could not be sent "
-                    f"within {timeout} s."
-                )
-                error.unsent = unsent  # type: ignore[attr-defined]
-                raise error
-            self._raise_pending_error()
+        if self._batches.closed:
+            return
+        unsent = self._batches.close(timeout)
+        if unsent:
+            error = TimeoutError(
+                f"{len(unsent)} observations of {self.experiment_name!r} could not be sent "
+                f"within {timeout} s."
+            )
+            error.unsent = unsent  # type: ignore[attr-defined]
+            raise error
+        self._raise_pending_error()
 
     def _close_at_exit(self) -> None:
         try:
@@ -250,42 +210,18 @@ class ObservationBuffer:
 
     def _raise_pending_error(self) -> None:
         if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise error
+            with self._error_lock:
+                error, self._pending_error = self._pending_error, None
+            if error is not None:
+                raise error
 
-    # -- sender thread -----------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        condition = self._condition
-        while True:
-            with condition:
-                while True:
-                    if not self._queue:
-                        if self._closing:
-                            return
-                        self._flush_requested = False
-                        condition.wait()
-                        continue
-                    if len(self._queue) >= self.max_batch or self._flush_requested or self._closing:
-                        break
-                    remaining = self._oldest_at + self.flush_interval - _monotonic()
-                    if remaining <= 0:
-                        break
-                    condition.wait(remaining)
-                size = min(self.max_batch, len(self._queue))
-                batch = [self._queue.popleft() for _ in range(size)]
-                self._in_flight = batch
-            self._send(batch)
-            with condition:
-                self._in_flight = []
-                self._settled += len(batch)
-                condition.notify_all()
+    # -- sender thread (the BatchQueue's) -------------------------------------------------------
 
     def _send(self, batch: list[dict]) -> None:
         """Send ``batch`` until it is accepted, rejected with a non-retryable error, or close() gives
         up waiting."""
         backoff = self.initial_backoff
-        while not self._give_up.is_set():
+        while not self._batches.give_up.is_set():
             try:
                 result = self.client.observe(self.experiment_name, batch)
             except PastoConnectionError as error:
@@ -309,7 +245,7 @@ class ObservationBuffer:
                 "Sending %d observations of %r failed (%s); retrying in %.2f s.",
                 len(batch), self.experiment_name, reason, delay,
             )
-            self._give_up.wait(delay)
+            self._batches.give_up.wait(delay)
             backoff = min(self.max_backoff, backoff * 2)
 
     def _reject(self, batch: list[dict], error: PastoAPIError) -> None:
@@ -330,7 +266,7 @@ class ObservationBuffer:
             except Exception:  # a failing callback must not kill the sender thread
                 logger.exception("The on_error callback of the observation buffer failed.")
         else:
-            with self._condition:
+            with self._error_lock:
                 if self._pending_error is None:
                     self._pending_error = error
 

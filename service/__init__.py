@@ -1,5 +1,10 @@
 """The pasto controller service: a Flask JSON API over SQLAlchemy that calls ``pasto`` for the math.
 
+Layers: ``service.routes`` (one blueprint per resource: parse, call, serialise) -> ``service.controller``
+(the use cases and their transactions; calls ``pasto``) -> ``service.store`` (every SQL statement) over
+``service.db`` (engine and sessions) and ``service.models`` (tables). ``service.cache`` holds the
+per-process experiment snapshots, ``service.scheduler`` the scheduled round closes.
+
 ``create_app(config=None)`` builds an application; ``service.wsgi:app`` is the WSGI object for
 waitress or gunicorn. The scheduler that closes rounds is started by ``pasto serve`` / ``pasto worker``
 (``service.scheduler``), never by the factory, so web workers under gunicorn do not each run one.
@@ -13,7 +18,7 @@ from typing import Any
 
 from flask import Flask
 
-from . import auth, cache, db, params, security
+from . import auth, cache, db, exposures, monitoring, params, routes, security
 from .config import load_config
 from .errors import register_error_handlers
 
@@ -54,20 +59,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         check_schema(database.engine)
     auth.init_app(app)
     cache.init_app(app)
-
-    from . import assignment, diagnostics, experiments, health, observations, rounds
-
-    app.register_blueprint(health.bp)
-    app.register_blueprint(experiments.bp)
-    app.register_blueprint(assignment.bp)
-    app.register_blueprint(observations.bp)
-    app.register_blueprint(rounds.bp)
-    app.register_blueprint(diagnostics.bp)
-
-    from . import dashboard, monitoring
-
+    exposures.init_app(app)
     monitoring.init_app(app)
-    app.register_blueprint(dashboard.bp)
+    routes.register(app)
     return app
 
 

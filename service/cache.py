@@ -1,4 +1,5 @@
-"""Per-process cache of what assignment and ingestion need about each experiment.
+"""Per-process cache of what assignment and ingestion need about each experiment (read through
+``service.store``).
 
 A request reads one small row (``id, version``) by name, at most every ``PASTO_VERSION_CHECK_SECONDS``
 (default 0.05 s) per experiment and process; the cached :class:`Snapshot` is reused while the version
@@ -18,14 +19,13 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-import sqlalchemy as sa
 from flask import Flask, current_app
 
 from pasto.hashing import PrefixHasher, cumulative_probabilities
 
+from . import store
 from .db import Database, get_db
 from .errors import ApiError
-from .models import Arm, Experiment, Round
 
 _EXTENSION = "pasto.cache"
 _ROUND_CACHE_SIZE = 4096
@@ -75,8 +75,6 @@ class ExperimentCache:
         self._snapshots: dict[str, tuple[Snapshot, float]] = {}
         self._round_probabilities: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
-        placeholder = "%s" if database.engine.dialect.paramstyle in ("format", "pyformat") else "?"
-        self._version_sql = f"SELECT id, version FROM experiments WHERE name = {placeholder}"
 
     def get(self, name: str, fresh: bool = False, check: bool = True) -> Snapshot:
         """The snapshot of experiment ``name``, checked against the database unless it was checked
@@ -92,7 +90,7 @@ class ExperimentCache:
         now = time.monotonic()
         if cached is not None and not fresh and (not check or now - cached[1] < self.check_seconds):
             return cached[0]
-        row = self._version(name)
+        row = store.experiment_version(self.database, name)
         if row is None:
             self._snapshots.pop(name, None)
             raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
@@ -102,21 +100,6 @@ class ExperimentCache:
         self._snapshots[name] = (snapshot, now)
         return snapshot
 
-    def _version(self, name: str) -> tuple[int, int] | None:
-        # The hottest query of the service: plain DBAPI, no ORM or SQL compilation on the way.
-        connection = self.database.engine.raw_connection()
-        try:
-            cursor = connection.cursor()
-            try:
-                cursor.execute(self._version_sql, (name,))
-                row = cursor.fetchone()
-            finally:
-                cursor.close()
-            connection.rollback()
-        finally:
-            connection.close()
-        return None if row is None else (int(row[0]), int(row[1]))
-
     def round_probabilities(self, snapshot: Snapshot, round_index: int) -> np.ndarray:
         """The propensities served in ``round_index`` (immutable once the round exists)."""
         if round_index == snapshot.round_index:
@@ -125,10 +108,7 @@ class ExperimentCache:
         cached = self._round_probabilities.get(key)
         if cached is not None:
             return cached
-        with self.database.read() as session:
-            probabilities = session.execute(
-                sa.select(Round.probabilities).where(Round.experiment_id == snapshot.id, Round.index == round_index)
-            ).scalar_one_or_none()
+        probabilities = store.round_probabilities(self.database, snapshot.id, round_index)
         if probabilities is None:
             raise LookupError(f"Round {round_index} of {snapshot.name!r} does not exist.")
         array = np.asarray(probabilities, dtype=np.float64)
@@ -140,23 +120,19 @@ class ExperimentCache:
 
     def _load(self, name: str, previous: Snapshot | None = None) -> Snapshot:
         with self.database.read() as session:
-            experiment = session.execute(sa.select(Experiment).where(Experiment.name == name)).scalar_one_or_none()
-            if experiment is None:
+            loaded = store.load_experiment(session, name)
+            if loaded is None:
                 raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
+            experiment, current = loaded
             if previous is not None and (previous.id, previous.created_at) == (experiment.id, experiment.created_at):
                 # Arms never change once created: a new version (round, update, status) reuses them,
                 # which saves parsing K JSON params documents per reload (most of it at K = 10,000).
                 arm_names, arm_params, arm_positions = previous.arm_names, previous.arm_params, previous.arm_positions
             else:
-                arms = session.execute(
-                    sa.select(Arm.name, Arm.params).where(Arm.experiment_id == experiment.id).order_by(Arm.position)
-                ).all()
-                arm_names = tuple(arm.name for arm in arms)
-                arm_params = tuple(arm.params for arm in arms)
+                arms = store.arms(session, experiment.id)
+                arm_names = tuple(arm_name for arm_name, _ in arms)
+                arm_params = tuple(params for _, params in arms)
                 arm_positions = {arm_name: position for position, arm_name in enumerate(arm_names)}
-            current = session.execute(
-                sa.select(Round).where(Round.experiment_id == experiment.id, Round.index == experiment.round_index)
-            ).scalar_one()
         probabilities = np.asarray(current.probabilities, dtype=np.float64)
         deployed = np.asarray(experiment.state["deployed"], dtype=np.float64)
         serving = deployed if experiment.status == "stopped" else probabilities

@@ -58,6 +58,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
     when the database is unavailable, whole seconds, default 5), ``PASTO_AUTH_FAILURE_LIMIT`` (invalid
     tokens one client address may send per minute before it is refused 429, default 20),
+    ``PASTO_EXPOSURE_LOG`` (a ``.jsonl`` or ``.parquet`` path: log one exposure per assigned unit
+    there, see service/exposures.py; default unset: no exposure log),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -73,12 +75,13 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_METRICS_ANONYMOUS": False,
         "PASTO_DASHBOARD_POLL_SECONDS": DEFAULT_DASHBOARD_POLL_SECONDS,
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
+        "PASTO_EXPOSURE_LOG": None,
         **DATABASE_TIMEOUTS,
         "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
         "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
-                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
+                "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_EXPOSURE_LOG", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
                 *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]

@@ -1,4 +1,4 @@
-"""Database engine per application, sessions, and the dialect-specific pieces (upserts, locking).
+"""Database engine per application and its sessions (the SQL itself is in ``service.store``).
 
 Every wait on the database has a deadline (:class:`DatabaseTimeouts`, from the ``PASTO_DATABASE_*``
 settings): opening a connection, each statement (on PostgreSQL both server-side, ``statement_timeout``,
@@ -34,18 +34,11 @@ from .config import DATABASE_TIMEOUTS, ConfigurationError
 log = logging.getLogger(__name__)
 
 _EXTENSION = "pasto.db"
-_INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 
 
 class DatabaseUnreachable(RuntimeError):
     """The database ``PASTO_DATABASE_URL`` names does not accept a connection (server down, wrong host,
     port, credentials or database name, an SQLite file that cannot be opened)."""
-
-
-class KeysExist(Exception):
-    """A plain insert (``Database.insert_new(..., expect_new=True)``) met a key that exists. The
-    transaction cannot go on (PostgreSQL has aborted it): roll it back and run it again without
-    ``expect_new``. Any other integrity error then surfaces from the conflict-checking insert."""
 
 
 @dataclass(frozen=True)
@@ -171,74 +164,6 @@ class Database:
             return sqlite.insert(table)
         raise RuntimeError(f"Unsupported database dialect {self.dialect!r}: use SQLite or PostgreSQL.")
 
-    def insert_new(self, connection: sa.Connection, table: sa.Table, columns: tuple[str, ...],
-                   rows: list[tuple], returning: tuple[str, ...], expect_new: bool = False) -> list[tuple]:
-        """``INSERT ... ON CONFLICT (primary key) DO NOTHING RETURNING ...`` of many rows; returns the
-        ``returning`` columns of the rows that were new.
-
-        Written as plain SQL: on the ingestion path this is several times faster than going through
-        SQLAlchemy's per-row parameter processing. Rows are inserted in the order given (callers sort
-        them so that concurrent writers lock rows in one order). Values must be plain
-        ``int``/``str``/``float``.
-
-        ``expect_new``: a plain ``INSERT`` instead, for keys that are almost always new (observation
-        ids, where an existing one means a client's retry). On PostgreSQL it costs about 2 ms less per
-        1,000 rows than the conflict-checking insert. If any key exists, or a concurrent transaction
-        commits one first, it raises :class:`KeysExist`: the caller rolls its transaction back and runs
-        it again without ``expect_new``. (Not a savepoint: a subtransaction per request would double
-        the transaction ids used and is a known scaling hazard on PostgreSQL replicas.)
-        """
-        if expect_new:
-            try:
-                self._insert_rows(connection, table, columns, rows, "")
-            except self.engine.dialect.loaded_dbapi.IntegrityError as error:  # raw cursor: the driver's own
-                raise KeysExist(f"Some keys of the {len(rows)} rows already exist in {table.name}.") from error
-            positions = [columns.index(column) for column in returning]
-            return [tuple(row[position] for position in positions) for row in rows]
-        key = ", ".join(self._quote(column.name) for column in table.primary_key.columns)
-        conflict = f"ON CONFLICT ({key}) DO NOTHING RETURNING {', '.join(self._quote(c) for c in returning)}"
-        return [tuple(row) for row in self._insert_rows(connection, table, columns, rows, conflict)]
-
-    def add_rows(self, connection: sa.Connection, table: sa.Table, keys: tuple[str, ...],
-                 values: tuple[str, ...], rows: list[tuple]) -> None:
-        """Upsert that adds: ``INSERT ... ON CONFLICT (keys) DO UPDATE SET v = v + excluded.v`` for
-        each of ``values``. ``rows`` hold the ``keys`` then the ``values`` columns, at most one row per
-        key, in the order the rows should be locked."""
-        name = self.engine.dialect.identifier_preparer.format_table(table)
-        updates = ", ".join(f"{self._quote(v)} = {name}.{self._quote(v)} + excluded.{self._quote(v)}" for v in values)
-        conflict = f"ON CONFLICT ({', '.join(self._quote(k) for k in keys)}) DO UPDATE SET {updates}"
-        self._insert_rows(connection, table, keys + values, rows, conflict)
-
-    def _quote(self, name: str) -> str:
-        return self.engine.dialect.identifier_preparer.quote(name)
-
-    def _insert_rows(self, connection: sa.Connection, table: sa.Table, columns: tuple[str, ...],
-                     rows: list[tuple], conflict: str) -> list:
-        """``INSERT INTO table (columns) <rows> <conflict>``; the rows RETURNING gives, if any.
-
-        PostgreSQL: one statement over ``unnest`` of one typed array per column (a handful of
-        parameters, so psycopg neither re-parses a huge statement nor sends a row at a time;
-        ``unnest`` keeps the order of the rows), each array sent as the text of an array literal
-        (:func:`_array_literal`). SQLite: multi-row VALUES in chunks.
-        """
-        if not rows:
-            return []
-        head = f"INSERT INTO {self.engine.dialect.identifier_preparer.format_table(table)} " \
-               f"({', '.join(self._quote(c) for c in columns)}) "
-        if self.dialect == "postgresql":
-            types = [_array_element_type(table.c[c].type, self.engine.dialect) for c in columns]
-            arrays = ", ".join(f"%s::{column_type}[]" for column_type in types)
-            sql = f"{head}SELECT * FROM unnest({arrays}) {conflict}"
-            return _execute_raw(connection, sql, tuple(_array_literal(column) for column in zip(*rows)))
-        placeholder = "%s" if self.engine.dialect.paramstyle in ("format", "pyformat") else "?"
-        row_sql = "(" + ", ".join([placeholder] * len(columns)) + ")"
-        returned: list = []
-        for start in range(0, len(rows), _INSERT_CHUNK):
-            chunk = rows[start:start + _INSERT_CHUNK]
-            sql = f"{head}VALUES {', '.join([row_sql] * len(chunk))} {conflict}"
-            returned.extend(_execute_raw(connection, sql, tuple(value for row in chunk for value in row)))
-        return returned
-
     @contextmanager
     def read(self) -> Iterator[Session]:
         """A session for reading; rolled back and closed on exit."""
@@ -250,46 +175,6 @@ class Database:
         """A session in one write transaction: committed on success, rolled back on any exception."""
         with self.write_sessions() as session, session.begin():
             yield session
-
-
-def _array_element_type(column_type: sa.types.TypeEngine, dialect: sa.Dialect) -> str:
-    """The SQL name of ``column_type`` for a ``::<type>[]`` cast: without a ``COLLATE`` clause, which is
-    not part of a type name (the column's collation applies on insert)."""
-    column_type = column_type.dialect_impl(dialect)
-    if getattr(column_type, "collation", None) is not None:
-        column_type = column_type.copy()
-        column_type.collation = None
-    return column_type.compile(dialect=dialect)
-
-
-def _array_literal(values: tuple) -> str:
-    """PostgreSQL's text form of a one-dimensional array of ``values`` (all ``int``, all ``float`` or
-    all ``str``, no NULL), for a ``%s::<type>[]`` parameter.
-
-    psycopg's list dumpers encode one element at a time in Python; joining the elements' text is one
-    C-level pass (about 1 ms less per 1,000-row ingestion statement, several per batch). ``repr``
-    of a float is the shortest text that reads back as the same double, which PostgreSQL's parser
-    does exactly. Strings are always double-quoted; quotes and backslashes in them are escaped.
-    """
-    if isinstance(values[0], str):
-        every_character = "".join(values)
-        if '"' in every_character or "\\" in every_character:
-            values = tuple(value.replace("\\", "\\\\").replace('"', '\\"') for value in values)
-        return '{"' + '","'.join(values) + '"}'
-    return "{" + ",".join(map(repr, values)) + "}"
-
-
-def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list[tuple]:
-    """Run ``sql`` on the DBAPI cursor of ``connection``'s current transaction; the rows it returns
-    as plain tuples (no SQLAlchemy row objects: thousands per ingestion batch)."""
-    if not connection.in_transaction():  # a raw cursor would not begin one (BEGIN IMMEDIATE on SQLite)
-        raise RuntimeError("Raw statements must run inside the caller's transaction.")
-    cursor = connection.connection.cursor()
-    try:
-        cursor.execute(sql, parameters)
-        return cursor.fetchall() if cursor.description is not None else []
-    finally:
-        cursor.close()
 
 
 _URL_EXAMPLES = "sqlite:///path/to/pasto.sqlite or postgresql+psycopg://user:password@host/database"

@@ -8,7 +8,7 @@ Pooled statistics are kept as running totals, not re-aggregated: :class:`PooledS
 the sums of every applied round's :class:`RoundStatistic` rows, and :class:`LateStatistic` the
 observations ingestion accepted for rounds already applied (late data), which the next round update
 adds into the totals. A round update therefore reads one round's rows and the late cells, never the
-history (``service.rounds``).
+history (``service.controller.rounds``, ``service.store``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Prometheus metrics: ``GET /metrics`` (a token with the ``metrics`` role or higher, or none when
-``PASTO_METRICS_ANONYMOUS`` is on).
+"""Prometheus metrics, served by ``GET /metrics`` (``service.routes.monitoring``: a token with the
+``metrics`` role or higher, or none when ``PASTO_METRICS_ANONYMOUS`` is on).
 
 Two kinds of series, each from the source that knows it:
 
@@ -25,19 +25,15 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-import sqlalchemy as sa
-from flask import Blueprint, Flask, Response, current_app, g, request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from flask import Flask, Response, g, request
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
-from .auth import require_role
-from .db import get_db
-from .diagnostics import traffic_report
-from .models import STATUSES, Arm, ArmRoundCount, Experiment, Round, SchedulerHeartbeat, utcnow
-
-bp = Blueprint("monitoring", __name__)
+from .controller import reports
+from .db import Database, get_db, is_unavailable_error
+from .models import STATUSES, utcnow
 
 # Event metrics of this process. A registry of their own rather than the global default, so that
 # several apps in one process (tests) never register anything twice. In multiprocess mode their
@@ -189,37 +185,11 @@ class ControllerCollector:
                            "Seconds since the newest scheduler heartbeat (absent before the first one).")
 
         now = utcnow()
-        with get_db(self.app).read() as session:
-            experiments = session.execute(
-                sa.select(Experiment.id, Experiment.name, Experiment.status, Experiment.round_index,
-                          Experiment.applied_rounds, Experiment.config, Experiment.state,
-                          Experiment.updated_at).order_by(Experiment.id)
-            ).all()
-            # Rounds still open or waiting for their update (usually one or two per experiment), and
-            # the latest applied one, whose summary holds the newest estimates.
-            rounds = session.execute(
-                sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
-                .join(Experiment, Experiment.id == Round.experiment_id)
-                .where(Round.index >= Experiment.applied_rounds - 1)
-            ).all()
-            regret_sums = dict(session.execute(
-                sa.select(Round.experiment_id, sa.func.sum(Round.summary["regret"].as_float()))
-                .group_by(Round.experiment_id)
-            ).all())
-            stored = dict(session.execute(
-                sa.select(ArmRoundCount.experiment_id, sa.func.sum(ArmRoundCount.observations))
-                .group_by(ArmRoundCount.experiment_id)
-            ).all())
-            arm_names: dict[int, list[str]] = {}
-            for experiment_id, arm_name in session.execute(
-                sa.select(Arm.experiment_id, Arm.name).order_by(Arm.experiment_id, Arm.position)
-            ):
-                arm_names.setdefault(experiment_id, []).append(arm_name)
-            traffic = {row.id: traffic_report(session, row.id, len(arm_names.get(row.id, ())))
-                       for row in experiments}
-            last_beat = session.execute(sa.select(sa.func.max(SchedulerHeartbeat.beat_at))).scalar_one_or_none()
+        data = reports.controller_metrics(get_db(self.app))
+        experiments, rounds, regret_sums = data["experiments"], data["rounds"], data["regret_sums"]
+        stored, arm_names, traffic, last_beat = data["stored"], data["arm_names"], data["traffic"], data["last_heartbeat"]
 
-        by_experiment: dict[int, dict[int, sa.Row]] = {}
+        by_experiment: dict[int, dict[int, Any]] = {}
         for row in rounds:
             by_experiment.setdefault(row.experiment_id, {})[row.index] = row
 
@@ -270,7 +240,7 @@ class ControllerCollector:
                     srm, srm_ok, observations, late, lag, last_update, heartbeat)
 
 
-def _overdue_seconds(experiment, rounds: Mapping[int, sa.Row], now) -> float:
+def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:
     """How long the oldest due work of a running experiment has waited: closing the current round
     after its end, or applying an ended round's update after its settle time."""
     if experiment.status != "running":
@@ -285,6 +255,30 @@ def _overdue_seconds(experiment, rounds: Mapping[int, sa.Row], now) -> float:
     return max([0.0] + [(now - moment).total_seconds() for moment in due])
 
 
+class DatabaseGuardedCollector:
+    """A Prometheus collector around ``inner`` (one that reads the database at scrape time) that adds
+    ``pasto_database_up``: 1 when the database answered, 0 when it is unavailable, in which case the
+    scrape still succeeds with the other series (event counters, this gauge) instead of failing."""
+
+    def __init__(self, inner, database: Database) -> None:
+        self.inner = inner
+        self.database = database
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            collected = list(self.inner.collect())
+        except Exception as error:
+            if not is_unavailable_error(error):
+                raise
+            self.database.status.failed(error)
+            collected = []
+        yield from collected
+        up = GaugeMetricFamily("pasto_database_up",
+                               "1 when this process last found the database usable, 0 during an outage.")
+        up.add_metric([], 1.0 if self.database.status.up else 0.0)
+        yield up
+
+
 def scrape_registry(app: Flask) -> CollectorRegistry:
     """The registry one scrape reads: event metrics (of this process, or of all processes in
     multiprocess mode) and the controller state."""
@@ -293,20 +287,12 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
         MultiProcessCollector(registry)
     else:
         registry.register(PROCESS_REGISTRY)
-    from .health import DatabaseGuardedCollector  # adds pasto_database_up; an outage does not fail the scrape
-
+    # Adds pasto_database_up; an outage does not fail the scrape.
     registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     return registry
 
 
 # ------------------------------------------------------------------------------ Flask wiring
-
-
-@bp.get("/metrics")
-@require_role("metrics")  # a scrape token, unless PASTO_METRICS_ANONYMOUS opts in
-def metrics() -> Response:
-    return Response(generate_latest(scrape_registry(current_app._get_current_object())),
-                    mimetype=CONTENT_TYPE_LATEST)
 
 
 def _start_timer() -> None:
@@ -324,10 +310,9 @@ def _count_request(response: Response) -> Response:
 
 
 def init_app(app: Flask) -> None:
-    """Count requests, listen to the service's events, and serve ``GET /metrics``."""
+    """Count requests and listen to the service's events (``GET /metrics`` is ``service.routes.monitoring``)."""
     app.before_request(_start_timer)
     app.after_request(_count_request)
     events.assigned.connect(record_assignments)
     events.observed.connect(record_observations)
     events.round_closed.connect(record_round_closed)
-    app.register_blueprint(bp)

@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the JSON API, as data.
 
 Request body schemas are generated from the pydantic models that validate them (``service.schemas``),
-so what is published is what is enforced. ``tests/service/test_openapi.py`` checks that every route of
+response schemas from the models the routes serialise with (``service.responses``), so what is
+published is what is enforced and what is sent. ``tests/service/test_openapi.py`` checks that every route of
 the application is documented and every documented operation exists.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from . import schemas
+from . import responses, schemas
 
 API_VERSION = "1.0.0"
 _REF = "#/components/schemas/{model}"
@@ -51,146 +52,6 @@ _LIMIT_PARAMETER = {
     "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default all).",
     "schema": {"type": "integer", "minimum": 1},
 }
-
-_GUARDRAIL = {
-    "type": "object", "required": ["metric", "threshold", "estimate", "interval", "holds"],
-    "properties": {
-        "metric": {"type": "string"},
-        "threshold": {"type": "number", "description": "c_j, resolved (relative thresholds made absolute)."},
-        "relative_to": {"type": ["string", "null"], "description": "The arm a relative threshold refers to."},
-        "estimate": {"type": "number", "description": "The guardrail metric under the mixture."},
-        "interval": {"type": "array", "items": {"type": ["number", "null"]}, "description": "95% interval."},
-        "holds": {"type": "boolean", "description": "estimate >= threshold."},
-        "confidently_holds": {"type": "boolean", "description": "The interval's lower end >= threshold."},
-    },
-}
-
-_RESPONSE_SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object", "required": ["error"],
-        "properties": {"error": {
-            "type": "object", "required": ["code", "message", "details"],
-            "properties": {"code": {"type": "string"}, "message": {"type": "string"}, "details": {}},
-        }},
-    },
-    "RoundTimes": {
-        "type": "object", "required": ["index", "started_at", "ends_at"],
-        "properties": {"index": {"type": "integer", "minimum": 0},
-                       "started_at": {"type": "string", "format": "date-time"},
-                       "ends_at": {"type": "string", "format": "date-time"}},
-    },
-    "Experiment": {
-        "type": "object",
-        "required": ["name", "status", "arms", "metrics", "objective", "algorithm", "round_seconds",
-                     "settle_seconds", "seed", "round", "probabilities", "deployed"],
-        "properties": {
-            "name": {"type": "string"},
-            "status": {"type": "string", "enum": ["running", "paused", "stopped"]},
-            "arms": {"type": "array", "items": {
-                "type": "object", "required": ["name", "params"],
-                "properties": {"name": {"type": "string"}, "params": {"type": "object"}}}},
-            "metrics": {"type": "array", "items": {"type": "string"}},
-            "objective": {"type": "object"},
-            "algorithm": {"type": "object"},
-            "round_seconds": {"type": "number"},
-            "settle_seconds": {"type": "number"},
-            "seed": {"type": "integer"},
-            "round": _ref("RoundTimes"),
-            "applied_rounds": {"type": "integer", "description": "Rounds whose update has run."},
-            "probabilities": {"type": "array", "items": {"type": "number"},
-                              "description": "p_t, sampled from in the current round (aligned with arms)."},
-            "deployed": {"type": "array", "items": {"type": "number"},
-                         "description": "The mixture the algorithm recommends now."},
-            "created_at": {"type": "string", "format": "date-time"},
-            "updated_at": {"type": "string", "format": "date-time"},
-        },
-    },
-    "ExperimentList": {
-        "type": "object", "required": ["experiments"],
-        "properties": {"experiments": {"type": "array", "items": _ref("Experiment")}},
-    },
-    "Assignment": {
-        "type": "object", "required": ["unit", "arm", "params", "round", "probability"],
-        "properties": {"unit": {"type": "string"}, "arm": {"type": "string"}, "params": {"type": "object"},
-                       "round": {"type": "integer"},
-                       "probability": {"type": "number", "description": "Propensity p_{t,arm}."}},
-    },
-    "AssignmentBatch": {
-        "type": "object", "required": ["assignments"],
-        "properties": {"assignments": {"type": "array", "items": _ref("Assignment")}},
-    },
-    "IngestResult": {
-        "type": "object", "required": ["accepted", "duplicates"],
-        "properties": {"accepted": {"type": "integer", "minimum": 0},
-                       "duplicates": {"type": "integer", "minimum": 0}},
-    },
-    "RoundClosed": {
-        "type": "object", "required": ["closed_round", "applied", "round", "probabilities", "deployed"],
-        "properties": {"closed_round": {"type": "integer"},
-                       "applied": {"type": "array", "items": {"type": "integer"}},
-                       "round": _ref("RoundTimes"),
-                       "probabilities": {"type": "array", "items": {"type": "number"}},
-                       "deployed": {"type": "array", "items": {"type": "number"}}},
-    },
-    "Round": {
-        "type": "object",
-        "required": ["index", "started_at", "closed_at", "probabilities", "counts", "means", "objective", "regret"],
-        "properties": {
-            "index": {"type": "integer"},
-            "started_at": {"type": "string", "format": "date-time"},
-            "ends_at": {"type": "string", "format": "date-time"},
-            "closed_at": {"type": ["string", "null"], "format": "date-time"},
-            "applied_at": {"type": ["string", "null"], "format": "date-time",
-                           "description": "When the round's update ran (settle_seconds after it ended)."},
-            "probabilities": {"type": "array", "items": {"type": "number"}},
-            "deployed": {"type": ["array", "null"], "items": {"type": "number"}},
-            "counts": {"type": "array", "items": {"type": "integer"}, "description": "Observations per arm."},
-            "units": {"type": "array", "items": {"type": "integer"}, "description": "Distinct observed units per arm."},
-            "late_observations": {"type": "integer"},
-            "means": {"type": "object", "additionalProperties": {"type": "array", "items": {"type": ["number", "null"]}}},
-            "objective": {"type": ["number", "null"], "description": "Estimated f(V p_t) after the round's update."},
-            "objective_deployed": {"type": ["number", "null"]},
-            "best_mixture": {"type": ["number", "null"]},
-            "best_single": {"type": ["object", "null"]},
-            "regret": {"type": ["number", "null"], "description": "Estimated f(V p*) - f(V p_t)."},
-            "guardrails": {"type": ["array", "null"], "items": _GUARDRAIL},
-        },
-    },
-    "RoundList": {
-        "type": "object", "required": ["rounds"],
-        "properties": {"rounds": {"type": "array", "items": _ref("Round")}},
-    },
-    "Diagnostics": {
-        "type": "object",
-        "required": ["objective", "best_mixture", "best_single", "regret", "guardrails", "srm", "late_observations"],
-        "properties": {
-            "round": {"type": "integer"},
-            "objective": {"type": "object", "properties": {"probabilities": {"type": ["number", "null"]},
-                                                           "deployed": {"type": ["number", "null"]}}},
-            "best_mixture": {"type": "object", "properties": {"probabilities": {"type": "array"},
-                                                              "value": {"type": ["number", "null"]}}},
-            "best_single": {"type": "object", "properties": {"arm": {"type": "string"},
-                                                             "value": {"type": ["number", "null"]}}},
-            "mixing_gain": {"type": ["number", "null"]},
-            "regret": {"type": "object", "required": ["cumulative", "per_round"],
-                       "properties": {"cumulative": {"type": "number"}, "per_round": {"type": "array"}}},
-            "guardrails": {"type": "array", "items": _GUARDRAIL},
-            "srm": {"type": "object", "required": ["statistic", "p_value", "ok"],
-                    "properties": {"statistic": {"type": ["number", "null"]}, "p_value": {"type": ["number", "null"]},
-                                   "ok": {"type": "boolean"}}},
-            "late_observations": {"type": "integer"},
-            "units": {"type": "array", "items": {"type": "integer"}},
-            "estimate": {"type": "object"},
-        },
-    },
-    "Health": {
-        "type": "object", "required": ["status", "database", "scheduler", "schema"],
-        "properties": {"status": {"type": "string", "enum": ["ok", "unavailable"]},
-                       "database": {"type": "object"}, "scheduler": {"type": "object"},
-                       "schema": {"type": "object"}},
-    },
-}
-
 
 def _operation(summary: str, role: str | None, responses: dict[str, Any], errors: tuple[str, ...] = (),
                body: dict[str, Any] | None = None, body_required: bool = True,
@@ -274,12 +135,13 @@ def _paths() -> dict[str, Any]:
 
 @functools.cache
 def _document() -> dict[str, Any]:
-    _, request_schemas = models_json_schema(
+    _, generated = models_json_schema(
         [(model, "validation") for model in (schemas.ExperimentCreate, schemas.AssignOne, schemas.AssignMany,
-                                             schemas.ObservationBatch)],
+                                             schemas.ObservationBatch)]
+        + [(model, "serialization") for model in responses.MODELS],
         ref_template=_REF,
     )
-    components = {**request_schemas.get("$defs", {}), **_RESPONSE_SCHEMAS}
+    components = generated["$defs"]
     return {
         "openapi": "3.1.0",
         "info": {"title": "pasto controller API", "version": API_VERSION,

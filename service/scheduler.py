@@ -1,7 +1,7 @@
 """The background job that closes rounds: APScheduler 3.x running :func:`run_scheduled_work`.
 
 ``pasto serve`` starts it beside the web server, ``pasto worker`` runs it alone. Several schedulers
-may run against one database: closing is a compare-and-set (see ``service.rounds``). Each run
+may run against one database: closing is a compare-and-set (see ``service.controller.rounds``). Each run
 writes a heartbeat row, so ``/healthz`` in any web worker can tell whether a scheduler is alive.
 """
 
@@ -15,9 +15,9 @@ from datetime import datetime, timezone
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
+from .controller.rounds import RoundAdvance, close_due_rounds, record_heartbeat
 from .db import Database, get_db, is_unavailable_error
-from .models import SchedulerHeartbeat, utcnow
-from .rounds import RoundAdvance, close_due_rounds
+from .models import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +27,8 @@ def scheduler_name() -> str:
 
 
 def heartbeat(database: Database, name: str, now: datetime) -> None:
-    insert = database.insert(SchedulerHeartbeat)
-    with database.write() as session:
-        session.execute(
-            insert.values(scheduler=name, beat_at=now)
-            .on_conflict_do_update(index_elements=["scheduler"], set_={"beat_at": insert.excluded.beat_at})
-        )
+    """Record that scheduler ``name`` is alive (``/healthz`` reads the newest heartbeat)."""
+    record_heartbeat(database, name, now)
 
 
 def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:

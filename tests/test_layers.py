@@ -54,6 +54,11 @@ IO_FUNCTIONS = (
 )
 
 
+#: What the client may import: itself, the core, numpy (the core's own dependency, so always installed
+#: with it; the exposure log builds its columns with it), requests and the standard library.
+CLIENT_IMPORTS = ("pasto_client", "pasto", "numpy", "requests", *sorted(sys.stdlib_module_names))
+
+
 @dataclass(frozen=True)
 class Rule:
     """One clause of the contract.
@@ -102,10 +107,18 @@ RULES = (
         forbidden_imports=SERVICE_STACK,
     ),
     Rule(
-        "the client (pasto_client) imports only itself, the core, requests and the standard library "
-        "(requests is its one third-party dependency beyond the core)",
+        "the client (pasto_client) imports only itself, the core, numpy, requests and the standard "
+        "library (requests is its one third-party dependency beyond the core's numpy and scipy)",
         files=("pasto_client/**/*.py",),
-        allowed_imports=("pasto_client", "pasto", "requests", *sorted(sys.stdlib_module_names)),
+        exempt=("pasto_client/exposure.py",),
+        allowed_imports=CLIENT_IMPORTS,
+    ),
+    Rule(
+        "the client's exposure log may also import pyarrow, the optional 'parquet' extra, which "
+        "its Parquet sink imports when one is made (tests/client/test_exposure.py checks that the "
+        "client works without it)",
+        files=("pasto_client/exposure.py",),
+        allowed_imports=(*CLIENT_IMPORTS, "pyarrow"),
     ),
 )
 
@@ -245,6 +258,9 @@ PLANTED = [
     ("pasto_client/client.py", "from sqlalchemy import select", ("imports sqlalchemy", f"imports sqlalchemy, {NOT_ALLOWED}")),
     ("pasto_client/client.py", "import pydantic", ("imports pydantic", f"imports pydantic, {NOT_ALLOWED}")),
     ("pasto_client/buffer.py", "import growthbook", (f"imports growthbook, {NOT_ALLOWED}",)),
+    ("pasto_client/buffer.py", "import pyarrow", (f"imports pyarrow, {NOT_ALLOWED}",)),  # only the exposure log
+    ("pasto_client/exposure.py", "import pyarrow.parquet", ()),  # the Parquet sink's optional extra
+    ("pasto_client/exposure.py", "import pandas", (f"imports pandas, {NOT_ALLOWED}",)),
     ("pasto_client/buffer.py", "import threading, urllib.parse", ()),  # the standard library
     ("pasto_client/assigner.py", "from pasto.hashing import bucket", ()),  # the core
 ]

@@ -73,6 +73,7 @@ def test_the_client_alone_installs_without_the_service_stack_and_assigns_like_th
     installed = {package["name"].lower().replace("_", "-") for package in json.loads(listed.stdout)}
     assert {"pasto", "numpy", "scipy", "requests"} <= installed
     assert installed & SERVICE_ONLY == set(), f"the client install pulled {sorted(installed & SERVICE_ONLY)}"
+    assert "pyarrow" not in installed  # the Parquet exposure sink's optional `parquet` extra
 
     # LocalAssigner from that environment against the live server gives the server's assignments.
     name = create_experiment()

@@ -365,7 +365,7 @@ def replay(engine: sa.Engine, name: str = NAME, apply_twice: int | None = None) 
     differences = state_differences(state.probabilities.tolist(), rounds[0].probabilities, "round 0 probabilities")
     for index in range(experiment.applied_rounds):
         this_round = Statistics(counts=counts[index], sums=sums[index], sums_of_squares=sums_of_squares[index])
-        # The server adds each round's rows into running totals (service.rounds.fold_statistics), in
+        # The server adds each round's rows into running totals (service.store.fold_statistics), in
         # round order like this sum over axis 0, but the database adds within an update in its own order:
         # float sums can differ in the last bits, so the replay compares the states to 1e-7 relative
         # (state_differences) rather than mirroring the database's addition order.

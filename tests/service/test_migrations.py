@@ -3,6 +3,8 @@ to start on an un-migrated database."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import sqlalchemy as sa
 
@@ -192,3 +194,38 @@ def test_healthz_reports_an_unmigrated_database(sqlite_url):
     assert body["status"] == "unavailable"
     assert body["database"]["reachable"] is True
     assert body["schema"] == {"current": None, "head": migrations.head_revision()}
+
+
+#: The revision that drops the algorithm's preset key, and the one before it.
+WITHOUT_PRESET, BEFORE_WITHOUT_PRESET = "0006", "0005"
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_the_stored_algorithm_loses_its_preset_key(backend, request):
+    """Rows written before the revision kept the preset beside the resolved fields; after it they hold exactly
+    the configuration the experiment runs, and the downgrade leaves them readable as they are."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, BEFORE_WITHOUT_PRESET)
+    resolved = {"estimator": "pooled", "solve_every": 1}
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for name, algorithm in (("old", {"preset": "paper", **resolved}), ("new", dict(resolved))):
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
+                    "version, created_at, updated_at) VALUES (:name, :config, 'running', 1, 0, 0, '{}', 1, "
+                    ":now, :now)"),
+                    {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
+                     "now": "2026-01-01 00:00:00"})
+        migrations.upgrade(url, WITHOUT_PRESET)
+
+        def algorithms():
+            with engine.connect() as connection:
+                return {name: json.loads(config) if isinstance(config, str) else config for name, config in
+                        connection.execute(sa.text("SELECT name, config FROM experiments"))}
+
+        assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+        migrations.downgrade(url, BEFORE_WITHOUT_PRESET)
+        assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+    finally:
+        engine.dispose()

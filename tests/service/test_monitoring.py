@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.controller.rounds import close_due_rounds
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
-from service.rounds import close_due_rounds
 from service.scheduler import heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]

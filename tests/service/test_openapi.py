@@ -73,3 +73,49 @@ def test_request_examples_validate_against_the_published_schemas(api, setup_a):
     check("ObservationBatch", {"observations": [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.5}}]})
     with pytest.raises(jsonschema.ValidationError):
         check("ObservationBatch", {"observations": [{"id": "o", "unit": "u", "round": -1, "values": {"x": 1}}]})
+
+
+def test_every_response_matches_its_published_schema(api, setup_a):
+    """The response schemas come from the models the routes serialise with (``service.responses``):
+    a session over every operation, each answer validated against what the document says of its
+    path, method and status."""
+    import jsonschema
+
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+    name = "setup-a"
+    checked = []
+
+    def check(method: str, template: str, path: str | None = None, role: str | None = "admin", **kwargs):
+        response = api(method, path or template.replace("{name}", name), role=role, **kwargs)
+        schema = document["paths"][template][method.lower()]["responses"][str(response.status_code)]
+        schema = {**schema["content"]["application/json"]["schema"], "components": document["components"]}
+        jsonschema.Draft202012Validator(schema).validate(response.get_json())
+        checked.append((method, template, response.status_code))
+        return response.get_json()
+
+    experiments = "/api/v1/experiments"
+    one = f"{experiments}/{{name}}"
+    check("POST", experiments, json=setup_a(arms=[{"name": "a", "params": {"k": 1}}, {"name": "b"}, {"name": "c"}]))
+    check("POST", experiments, json=setup_a())  # 409
+    check("GET", experiments, role="read")
+    check("GET", one, role="read")
+    check("GET", one, path=f"{experiments}/nope", role="read")  # 404
+    single = check("POST", f"{one}/assign", json={"unit": "u1"}, role="ingest")
+    batch = check("POST", f"{one}/assign", json={"units": ["u1", "u2"]}, role="ingest")
+    # Written without a model per unit (the hot path): the model's fields, in its order.
+    from service.responses import Assignment
+    assert [list(single)] + [list(item) for item in batch["assignments"]] == [list(Assignment.model_fields)] * 3
+    observations = [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": i / 10}} for i in range(30)]
+    check("POST", f"{one}/observations", json={"observations": observations}, role="ingest")
+    check("POST", f"{one}/observations", json={"observations": [{"id": "o", "unit": "u", "round": 5,
+                                                                   "values": {"x": 1}}]}, role="ingest")  # 422
+    check("POST", f"{one}/rounds")
+    check("POST", f"{one}/rounds", json={"round": 0})  # 409: round 0 is closed
+    rounds = check("GET", f"{one}/rounds", role="read")["rounds"]
+    assert rounds[0]["objective"] is not None and rounds[0]["best_single"] is not None
+    check("GET", f"{one}/diagnostics", role="read")
+    check("POST", f"{one}/pause")
+    check("POST", f"{one}/resume")
+    check("POST", f"{one}/stop")
+    check("GET", "/healthz", role=None)
+    assert {status for _, _, status in checked} == {200, 201, 202, 404, 409, 422}

@@ -11,9 +11,10 @@ import sqlalchemy as sa
 
 import migrations
 import pasto.algorithm
+from service.controller.rounds import close_due_rounds, close_round
 from service.db import get_db
 from service.models import Experiment, LateStatistic, Round, RoundStatistic
-from service.rounds import close_due_rounds, close_round, pooled_statistics
+from service.store import pooled_statistics
 
 EXPERIMENT = "/api/v1/experiments/setup-a"
 ARMS = [{"name": name} for name in ("a", "b", "c")]
@@ -72,7 +73,7 @@ def record_updates(monkeypatch, engine: sa.Engine, experiment_id: int) -> list[d
                       "expected_round": expected_round, "expected_pooled": expected_pooled, "total": total})
         return real_update(algorithm, objective, state, round_statistics, pooled, **kwargs)
 
-    monkeypatch.setattr("service.rounds.update", recording_update)
+    monkeypatch.setattr("service.controller.rounds.update", recording_update)
     return calls
 
 

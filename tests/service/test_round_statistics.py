@@ -10,8 +10,7 @@ import sqlalchemy as sa
 
 from service.db import get_db
 from service.models import Experiment, LateStatistic, RoundStatistic
-from service.observations import add_statistics
-from service.rounds import pooled_statistics, update_statistics
+from service.store import add_statistics, pooled_statistics, update_statistics
 
 
 def _reference(session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int):
@@ -82,7 +81,7 @@ def test_running_totals_equal_the_full_aggregate(backend_url, app_factory, setup
     for round_index in range(9):  # rounds 6.. have no rows of their own
         if round_index in (3, 6):  # late data for applied rounds, added by ingestion's own function
             with database.write() as session:
-                add_statistics(session.connection(), database, experiment_id,
+                add_statistics(session.connection(), experiment_id,
                                sorted(tuple(row.values())[1:] for row in random_rows(range(round_index - 2))),
                                applied_rounds=round_index)
         with database.write() as session:

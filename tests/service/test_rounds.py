@@ -9,9 +9,10 @@ import pytest
 import sqlalchemy as sa
 
 import pasto.algorithm
+from pasto.algorithm import AlgorithmConfig
+from service.controller.rounds import close_due_rounds, close_round
 from service.db import get_db
 from service.models import Experiment, Round
-from service.rounds import close_due_rounds, close_round
 from service.scheduler import run_scheduled_work
 
 EXPERIMENT = "/api/v1/experiments/setup-a"
@@ -42,7 +43,7 @@ def count_updates(monkeypatch) -> list[int]:
         calls.append(1)
         return real_update(*args, **kwargs)
 
-    monkeypatch.setattr("service.rounds.update", counting_update)
+    monkeypatch.setattr("service.controller.rounds.update", counting_update)
     return calls
 
 
@@ -100,7 +101,7 @@ def test_a_failed_update_leaves_the_round_open(api, app, setup_a, monkeypatch):
     def crash(*args, **kwargs):
         raise RuntimeError("simulated crash in the middle of the update")
 
-    monkeypatch.setattr("service.rounds.update", crash)
+    monkeypatch.setattr("service.controller.rounds.update", crash)
     assert api("POST", f"{EXPERIMENT}/rounds").status_code == 500
     after = experiment_row(app)
     assert (after.round_index, after.applied_rounds, after.version, after.state) == (
@@ -217,7 +218,9 @@ def test_get_rounds_reports_every_round(api, setup_a):
 def test_presets_and_overrides_run_through_the_service(api, setup_a, algorithm):
     created = api("POST", "/api/v1/experiments", json=setup_a(algorithm=algorithm))
     assert created.status_code == 201, created.get_json()
-    assert created.get_json()["algorithm"]["preset"] == algorithm["preset"]
+    # What the experiment stores (and shows) is exactly the configuration it runs: the preset resolved.
+    overrides = {key: value for key, value in algorithm.items() if key != "preset"}
+    assert created.get_json()["algorithm"] == AlgorithmConfig.from_preset(algorithm["preset"], **overrides).to_dict()
     for index in range(4):
         observe(api, index, f"r{index}-")
         closed = api("POST", f"{EXPERIMENT}/rounds")

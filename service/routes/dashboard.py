@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, render_template, url_for
 
-from .auth import anonymous_read_allowed
+from ..auth import anonymous_read_allowed
 
 bp = Blueprint("dashboard", __name__)
 

@@ -1,0 +1,118 @@
+"""Experiments: create, list, show, pause, resume, stop, and what an experiment runs.
+
+What an experiment stores is exactly what it runs: ``config["algorithm"]`` is the complete resolved
+``AlgorithmConfig.to_dict()`` (the preset the request named is resolved at creation and not stored).
+Rows written before that stored a ``preset`` key beside the resolved fields;
+migration 0006 removes it, and :func:`algorithm_and_objective` still ignores it if it is there.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import timedelta
+from typing import Any
+
+from pasto.algorithm import AlgorithmConfig, initial_state
+from pasto.objectives import Objective
+
+from .. import store
+from ..cache import Snapshot, get_cache
+from ..db import get_db
+from ..errors import ApiError, invalid
+from ..models import utcnow
+from ..schemas import ExperimentCreate
+
+
+def build_objective(metrics: list[str], spec: dict[str, Any], arm_names: list[str]) -> Objective:
+    try:
+        return Objective.from_spec(metrics, spec, arm_names=arm_names)
+    except ValueError as error:
+        raise invalid("objective", str(error)) from None
+
+
+def build_algorithm(spec: dict[str, Any]) -> AlgorithmConfig:
+    overrides = dict(spec)
+    preset = overrides.pop("preset", "default")
+    try:
+        return AlgorithmConfig.from_preset(preset, **overrides)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if isinstance(error, TypeError):
+            known = ", ".join(field for field in AlgorithmConfig.__dataclass_fields__)
+            message = f"Unknown algorithm option in {sorted(overrides)}; the options are preset, {known}."
+        raise invalid("algorithm", message) from None
+
+
+def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any]) -> tuple[AlgorithmConfig, Objective]:
+    """The experiment's algorithm configuration and objective, rebuilt from its stored config."""
+    # "preset": only in rows written before migration 0006 (which removes it).
+    algorithm = AlgorithmConfig.from_dict({k: v for k, v in config["algorithm"].items() if k != "preset"})
+    arm_names = None
+    if any(guardrail.get("relative_to") for guardrail in config["objective"].get("guardrails", [])):
+        arm_names = store.arm_names(session, experiment_id)
+    return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
+
+
+def create(body: ExperimentCreate) -> Snapshot:
+    """Create the experiment ``body`` describes; 409 if the name is taken."""
+    arm_names = [arm.name for arm in body.arms]
+    objective = build_objective(body.metrics, body.objective.model_dump(exclude_none=True), arm_names)
+    algorithm = build_algorithm(body.algorithm.model_dump())
+    state = initial_state(algorithm, len(arm_names), len(body.metrics))
+    config = {
+        "metrics": body.metrics,
+        "objective": objective.to_spec(),
+        "algorithm": algorithm.to_dict(),
+        "round_seconds": body.round_seconds,
+        "settle_seconds": body.settle_seconds,
+    }
+    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
+    try:
+        with get_db().write() as session:
+            store.create_experiment(
+                session, name=body.name, config=config, seed=seed, state=state.to_dict(),
+                arms=[(arm.name, arm.params) for arm in body.arms], probabilities=state.probabilities.tolist(),
+                now=utcnow(), round_seconds=body.round_seconds)
+    except store.ExperimentExists:
+        raise ApiError(409, "conflict", f"An experiment named {body.name!r} already exists.") from None
+    return get_cache().get(body.name, fresh=True)
+
+
+def list_all() -> list[Snapshot]:
+    """Every experiment, oldest first."""
+    with get_db().read() as session:
+        names = store.experiment_names(session)
+    cache = get_cache()
+    snapshots = []
+    for name in names:
+        try:
+            snapshots.append(cache.get(name))
+        except ApiError:  # deleted meanwhile
+            continue
+    return snapshots
+
+
+def show(name: str) -> Snapshot:
+    return get_cache().get(name)
+
+
+# Allowed status transitions: target -> statuses it may be reached from (same status: no-op).
+_TRANSITIONS = {"paused": {"running"}, "running": {"paused"}, "stopped": {"running", "paused"}}
+
+
+def set_status(name: str, target: str) -> Snapshot:
+    """Move experiment ``name`` to ``target``; resuming restarts the current round's clock."""
+    snapshot = get_cache().get(name)
+    with get_db().write() as session:
+        experiment = store.lock_experiment(session, snapshot.id)
+        if experiment is None:
+            raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
+        if experiment.status != target:
+            if experiment.status not in _TRANSITIONS[target]:
+                raise ApiError(409, "conflict",
+                               f"Experiment {name!r} is {experiment.status}; it cannot become {target}.")
+            now = utcnow()
+            # A round does not run while paused: it gets a full round_seconds after resuming.
+            ends_at = now + timedelta(seconds=experiment.config["round_seconds"]) if target == "running" else None
+            store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
+    return get_cache().get(name, fresh=True)

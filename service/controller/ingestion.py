@@ -1,0 +1,174 @@
+"""Observation ingestion: exactly-once, all-or-nothing, aggregated into sufficient statistics.
+
+One request is one transaction (:func:`ingest`):
+
+1. every observation is validated (known metrics and arm, a round that has started, an arm that
+   matches the unit's sticky assignment); any problem rejects the whole batch with a 422;
+2. the ids are inserted with ``ON CONFLICT DO NOTHING RETURNING``: the returned ids are the new ones,
+   everything else is a duplicate (of this batch or of any earlier request). A cheaper plain
+   ``INSERT`` is tried first: it succeeds whenever every id is new; if one is not (a client's
+   retry), that transaction is rolled back and the request runs again with the checked insert;
+3. only the new observations are summed per (round, arm, metric) by
+   ``pasto.estimators.Statistics.from_observations`` and added with atomic upserts
+   (``count = count + excluded.count``), rows sorted so concurrent writers lock them in one order.
+
+Observations for a round whose update already ran are kept: they are added to that round's
+statistics and to ``late_statistics``, enter the pooled statistics of the next update, and are
+counted as late.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pasto.estimators import Statistics
+from pasto.hashing import buckets, choose_arms
+
+from .. import events, store
+from ..cache import ExperimentCache, Snapshot, get_cache
+from ..db import Database, get_db
+from ..errors import ApiError, problems_error
+from ..schemas import Observation, observation_name_problems
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    accepted: int
+    duplicates: int
+    arm_counts: dict[int, int]
+
+
+def _stopped(name: str) -> ApiError:
+    return ApiError(409, "conflict", f"Experiment {name!r} is stopped; it no longer accepts observations.")
+
+
+def open_experiment(name: str) -> Snapshot:
+    """The experiment observations are for: 404 when there is none, 409 when it is stopped, before the
+    body is looked at. The cached snapshot, not checked against the database (see ``ExperimentCache.get``)."""
+    snapshot = get_cache().get(name, check=False)
+    if snapshot.status == "stopped":  # maybe stale: checked again under the row lock
+        raise _stopped(name)
+    return snapshot
+
+
+def name_problems(name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
+    """Unknown names and future rounds of a batch that failed validation, reported in the same 422 as
+    its type errors (``schemas.parse_json``'s ``also_check``)."""
+    fresh = get_cache().get(name, fresh=True)  # only on this error path: the current round, however new
+    return observation_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
+
+
+def ingest(snapshot: Snapshot, batch: list[Observation]) -> IngestResult:
+    """Validate ``batch`` against the experiment of ``snapshot`` (:func:`open_experiment`) and store
+    its new observations."""
+    cache = get_cache()
+    if max(observation.round for observation in batch) > snapshot.round_index:
+        snapshot = cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
+    arms = resolve_arms(cache, snapshot, batch)
+    database = get_db()
+    try:
+        result = _store(database, snapshot, batch, arms, ids_expected_new=True)
+    except store.KeysExist:  # a resent id (or one a concurrent request committed first): nothing was stored
+        result = _store(database, snapshot, batch, arms, ids_expected_new=False)
+    events.observed.send(snapshot, accepted=result.accepted, duplicates=result.duplicates,
+                         arm_counts=result.arm_counts)
+    return result
+
+
+def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observation]) -> np.ndarray:
+    """Check every observation against the experiment and return its arm position, shape (N,).
+
+    The arm is the unit's sticky assignment in the observation's round; a given ``arm`` must agree.
+    Every problem in the batch is reported (a 422 whose details list them in body order).
+    """
+    problems: list[tuple[int, str, str]] = []
+    for position, observation in enumerate(batch):
+        if observation.round > snapshot.round_index:
+            problems.append((position, f"observations[{position}].round",
+                             f"Round {observation.round} has not started; the current round is "
+                             f"{snapshot.round_index}."))
+        for metric in observation.values:
+            if metric not in snapshot.metric_positions:
+                problems.append((position, f"observations[{position}].values.{metric}",
+                                 f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}."))
+        if observation.arm is not None and observation.arm not in snapshot.arm_positions:
+            problems.append((position, f"observations[{position}].arm", f"Unknown arm {observation.arm!r}."))
+    rounds = np.fromiter((observation.round for observation in batch), dtype=np.int64, count=len(batch))
+    arms = np.full(len(batch), -1, dtype=np.int64)  # -1: a round that has not started has no assignment
+    for round_index in np.unique(rounds[rounds <= snapshot.round_index]).tolist():
+        members = np.flatnonzero(rounds == round_index)
+        units = [batch[i].unit for i in members.tolist()]
+        probabilities = cache.round_probabilities(snapshot, round_index)
+        arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+    for position, observation in enumerate(batch):
+        given = snapshot.arm_positions.get(observation.arm) if observation.arm is not None else None
+        if given is not None and arms[position] >= 0 and given != arms[position]:
+            sticky = snapshot.arm_names[arms[position]]
+            problems.append((position, f"observations[{position}].arm",
+                             f"Unit {observation.unit!r} is assigned to arm {sticky!r} in round {observation.round}, "
+                             f"not {observation.arm!r}."))
+    if problems:
+        problems.sort(key=lambda problem: problem[0])  # stable: within an item, in the order checked
+        raise problems_error([{"location": location, "message": message} for _, location, message in problems])
+    return arms
+
+
+def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
+           ids_expected_new: bool) -> IngestResult:
+    first_of_id: dict[str, int] = {}
+    for position, observation in enumerate(batch):
+        first_of_id.setdefault(observation.id, position)
+    arms = arm_indices.tolist()
+    with database.write() as session:
+        row = store.lock_for_ingestion(session, snapshot.id)
+        if row.status == "stopped":
+            raise _stopped(snapshot.name)
+        inserted = store.insert_observation_ids(
+            session, snapshot.id,
+            [(client_id, batch[position].round, arms[position]) for client_id, position in sorted(first_of_id.items())],
+            expect_new=ids_expected_new,
+        )
+        new_positions = sorted(first_of_id[client_id] for client_id in inserted)
+        arm_counts: dict[int, int] = {}
+        if new_positions:
+            connection = session.connection()
+            store.add_statistics(connection, snapshot.id, statistics_cells(snapshot, batch, arm_indices, new_positions),
+                                 row.applied_rounds)
+            arm_counts = dict(store.add_units_and_counts(
+                connection, snapshot.id, ((batch[p].round, batch[p].unit, arms[p]) for p in new_positions),
+                row.applied_rounds))
+    return IngestResult(accepted=len(new_positions), duplicates=len(batch) - len(new_positions),
+                        arm_counts=arm_counts)
+
+
+def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray,
+                     positions: list[int]) -> list[tuple[int, int, int, int, float, float]]:
+    """The sufficient statistics of ``batch[positions]`` as ``(round, arm, metric, count, sum,
+    sum_of_squares)`` rows, one per cell with data, sorted by (round, arm, metric): every transaction
+    upserts (and locks) rows in the same order.
+
+    Each (round, arm) pair of the batch is one "arm" of ``Statistics.from_observations``, whose
+    values matrix (N, M) holds nan where an observation lacks a metric.
+    """
+    n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
+    metric_positions = snapshot.metric_positions
+    rows: list[int] = []
+    columns: list[int] = []
+    observed: list[float] = []
+    for row, position in enumerate(positions):
+        for metric, value in batch[position].values.items():
+            rows.append(row)
+            columns.append(metric_positions[metric])
+            observed.append(value)
+    values = np.full((len(positions), n_metrics), np.nan)
+    values[rows, columns] = observed
+    rounds = np.fromiter((batch[position].round for position in positions), dtype=np.int64, count=len(positions))
+    pairs, pair_of = np.unique(rounds * n_arms + arms[positions], return_inverse=True)  # sorted (round, arm)
+    statistics = Statistics.from_observations(pair_of, values, pairs.size)  # (M, pairs)
+    pair, metric = np.nonzero(statistics.counts.T)  # pair-major: (round, arm, metric) order
+    return list(zip((pairs[pair] // n_arms).tolist(), (pairs[pair] % n_arms).tolist(), metric.tolist(),
+                    statistics.counts.T[pair, metric].astype(np.int64).tolist(),
+                    statistics.sums.T[pair, metric].tolist(), statistics.sums_of_squares.T[pair, metric].tolist()))

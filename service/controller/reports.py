@@ -1,0 +1,239 @@
+"""Reports: round summaries, round history, diagnostics, the controller state behind ``/metrics``, health.
+
+Round summaries (stored at each update) and diagnostics (computed on request) both come from ONE core
+function, ``pasto.report.round_report``: estimate -> objective of the served and deployed mixtures,
+best mixture, best single arm, regret, guardrails.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+import sqlalchemy as sa
+from flask import current_app
+
+from pasto.algorithm import AlgorithmConfig, ControllerState
+from pasto.diagnostics import sample_ratio_mismatch
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+from pasto.report import RoundReport, round_report
+
+from .. import store
+from ..cache import Snapshot, get_cache
+from ..db import Database, get_db, is_unavailable_error
+from ..models import utcnow
+from .experiments import algorithm_and_objective
+
+
+def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
+                  pooled: Statistics, propensities: np.ndarray) -> dict[str, Any]:
+    """Estimated quality of a round's mixture, on the estimate available right after its update
+    (stored with the round): ``pasto.report.round_report`` with the propensities round t was served."""
+    report = round_report(algorithm, objective, state, pooled, served=propensities)
+    return {
+        "objective": finite(report.served.value),
+        "objective_deployed": finite(report.deployed.value),
+        "best_mixture": finite(report.best_mixture_value),
+        "best_single": {"arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
+        "regret": finite(report.served.regret),
+        "guardrails": json_safe(list(report.served.guardrails)),
+    }
+
+
+def finite(value: float) -> float | None:
+    """``value`` as a float, or None when it is not finite (JSON has no NaN or infinity)."""
+    value = float(value)
+    return value if np.isfinite(value) else None
+
+
+def json_safe(value: Any) -> Any:
+    """Nested dicts/lists/arrays of numpy scalars -> plain JSON values, non-finite floats -> None."""
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return finite(value)
+    return value
+
+
+# ------------------------------------------------------------------------------ diagnostics
+@dataclass(frozen=True)
+class Diagnostics:
+    snapshot: Snapshot
+    report: RoundReport  # served: the current round's p_t; deployed: the recommended mixture
+    regret_per_round: list[float | None]
+    units: np.ndarray  # (K,)
+    late_observations: int
+    srm: dict[str, Any]
+
+
+def diagnostics(name: str) -> Diagnostics:
+    """How experiment ``name`` is doing on the current estimate."""
+    snapshot = get_cache().get(name)
+    n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
+    with get_db().read() as session:
+        algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
+        pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
+        summaries = store.round_summaries(session, snapshot.id)
+        units, late, srm = traffic_report(session, snapshot.id, n_arms)
+    state = ControllerState.from_dict(snapshot.state)
+    report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
+    return Diagnostics(snapshot=snapshot, report=report,
+                       regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
+                       units=units, late_observations=late, srm=srm)
+
+
+def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
+    """Observed units per arm (K,), late observations, and the sample-ratio-mismatch test against the
+    split expected from each round's logged probabilities (also read by ``service.monitoring``)."""
+    counts, round_probabilities = store.traffic_rows(session, experiment_id)
+    units = np.zeros(n_arms)
+    expected = np.zeros(n_arms)
+    late = 0
+    units_by_round: dict[int, np.ndarray] = {}
+    for row in counts:
+        units_by_round.setdefault(row.round_index, np.zeros(n_arms))[row.arm_index] += row.units
+        late += row.late_observations
+    for row in round_probabilities:
+        round_units = units_by_round.get(row.index)
+        if round_units is not None:
+            units += round_units
+            expected += round_units.sum() * np.asarray(row.probabilities, dtype=np.float64)
+    if units.sum() > 0:
+        srm = json_safe(sample_ratio_mismatch(units, expected / expected.sum()))
+    else:
+        srm = {"statistic": None, "p_value": None, "ok": True}
+    return units, late, srm
+
+
+# ------------------------------------------------------------------------------ round history
+@dataclass(frozen=True)
+class RoundHistory:
+    snapshot: Snapshot
+    rounds: list  # service.models.Round rows, oldest first
+    counts: np.ndarray  # (rounds, K) observations
+    units: np.ndarray  # (rounds, K) distinct units
+    late: np.ndarray  # (rounds,)
+    means: np.ndarray  # (rounds, M, K), nan where no data
+
+
+def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
+    """Rounds ``since`` .. ``since + limit - 1`` (at most up to the current one) of experiment ``name``."""
+    snapshot = get_cache().get(name)
+    last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
+    with get_db().read() as session:
+        round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
+    n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
+    metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
+    metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
+    if statistics:
+        round_index, metric, arm, count, total = (list(column) for column in zip(*statistics))
+        offset = np.asarray(round_index) - since
+        metric_counts[offset, metric, arm] = count
+        metric_sums[offset, metric, arm] = total
+    observation_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
+    unit_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
+    late_counts = np.zeros(n_rounds, dtype=np.int64)
+    if counts:
+        round_index, arm, observations, units, late = (list(column) for column in zip(*counts))
+        offset = np.asarray(round_index) - since
+        observation_counts[offset, arm] = observations
+        unit_counts[offset, arm] = units
+        np.add.at(late_counts, offset, late)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
+    return RoundHistory(snapshot=snapshot, rounds=list(round_rows),
+                        counts=observation_counts, units=unit_counts, late=late_counts, means=means)
+
+
+# ------------------------------------------------------------------------------ monitoring, health
+def controller_metrics(database: Database) -> dict[str, Any]:
+    """What a ``/metrics`` scrape reports about every experiment: the store's rows plus each
+    experiment's traffic report ``(units, late observations, srm)`` under ``"traffic"``."""
+    with database.read() as session:
+        data = store.monitoring_rows(session)
+        data["traffic"] = {row.id: traffic_report(session, row.id, len(data["arm_names"].get(row.id, ())))
+                           for row in data["experiments"]}
+        data["last_heartbeat"] = store.last_heartbeat(session)
+    return data
+
+
+def last_heartbeat(database: Database) -> datetime | None:
+    with database.read() as session:
+        return store.last_heartbeat(session)
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    reachable: bool
+    error: str | None  # why the database is unreachable: an error class name, or the deadline missed
+    current: str | None  # schema revision
+    head: str
+    alive: bool
+    last_heartbeat: datetime | None
+
+
+def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None]:
+    """(schema revision, newest scheduler heartbeat or None)."""
+    import migrations
+
+    current = migrations.current_revision(database.engine)
+    return current, last_heartbeat(database) if current == head else None
+
+
+class _HealthCheck:
+    """At most one database check of the application in flight; callers share it."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pasto-healthz")
+        self._lock = threading.Lock()
+        self._running: Future | None = None
+
+    def check(self, database: Database, head: str, timeout: float):
+        with self._lock:
+            if self._running is None or self._running.done():
+                self._running = self._executor.submit(_read_health, database, head)
+            running = self._running
+        return running.result(timeout=timeout)
+
+
+_checks_lock = threading.Lock()
+
+
+def health(alive_within: timedelta, timeout: float) -> HealthReport:
+    """Database reachable, schema at the newest migration, a scheduler heartbeat within ``alive_within``.
+
+    Answers within ``timeout`` seconds whatever the database does: the check runs in a thread of its
+    own and, when it takes longer (a stalled server, a connect attempt waiting for its own timeout),
+    the report says unreachable at once while the check finishes in the background. Later calls wait
+    for that same check rather than start another, so a stalled database never piles up checks.
+    """
+    import migrations
+
+    head = migrations.head_revision()
+    database = get_db()
+    with _checks_lock:
+        checks = current_app.extensions.setdefault("pasto.healthz", _HealthCheck())
+    try:
+        current, beat = checks.check(database, head, timeout)
+    except FutureTimeout:
+        return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
+                            current=None, head=head, alive=False, last_heartbeat=None)
+    except sa.exc.SQLAlchemyError as error:
+        if is_unavailable_error(error):
+            database.status.failed(error)
+        return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
+                            last_heartbeat=None)
+    alive = beat is not None and utcnow() - beat <= alive_within
+    return HealthReport(reachable=True, error=None, current=current, head=head, alive=alive, last_heartbeat=beat)

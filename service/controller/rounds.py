@@ -1,0 +1,229 @@
+"""Rounds: closing them and running the PASTO update (the close transaction).
+
+Timeline of round r (``round_seconds`` long, ``settle_seconds`` of grace for late data):
+
+- ``started_at``..``ends_at``: round r is served; assignment uses its probabilities and round index.
+- at ``ends_at`` the round closes and round r + 1 starts at once, with the newest mixture available.
+- at ``ends_at + settle_seconds`` the update for round r runs (``pasto.algorithm.update`` with round r's
+  statistics, the pooled statistics of rounds <= r, and round r's served probabilities as the
+  propensities). Observations for round r that arrive before that are on time; later ones are late.
+
+With ``settle_seconds = 0`` (the default) the update runs when the round closes, in the same
+transaction, so round r + 1 is served the mixture learned from round r. With a settle time, round
+r + 1 is served the newest mixture whose update has run, and round r's update applies from the
+first round that starts after it. A manual close (``POST .../rounds``) closes the current round
+and runs every pending update at once, ignoring the settle time; a round closed early that way gets
+the close time as its ``ends_at``, so the history's rounds never overlap. A round closes when the scheduler
+next runs after ``ends_at`` and the next round starts then: a scheduler that was down for a while
+produces one long round, not a burst of empty catch-up rounds.
+
+Every close is one transaction holding the experiment row lock, with a compare-and-set
+(``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
+scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
+
+Pooled statistics (``service.store``) are running totals, so a close costs the same in round 1,000 as in round 1.
+``pooled_statistics`` holds the sums of the rows of every applied round; observations ingestion
+accepts for a round already applied (late data) go to that round's row and, in the same
+transaction, to ``late_statistics``. The update of round r adds round r's rows (read, not written)
+and the late cells into the totals and empties ``late_statistics``: the totals are then exactly the
+pooled statistics of rounds <= r, late data included, while rows of rounds > r (served while r
+settled) wait for their own update. Diagnostics read the totals plus the late cells plus the rows of
+the rounds not applied yet, without writing. Float sums are accumulated update by update, so they
+can differ in the last bits from one aggregate over all rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import numpy as np
+from flask import Flask
+
+from pasto.algorithm import AlgorithmConfig, ControllerState, update
+from pasto.estimators import Statistics
+from pasto.objectives import Objective
+
+from .. import events, store
+from ..cache import Snapshot, get_cache
+from ..db import Database, get_db
+from ..errors import ApiError
+from ..models import utcnow
+from .experiments import algorithm_and_objective
+from .reports import round_summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundAdvance:
+    """What one close transaction did."""
+
+    experiment: str
+    closed_round: int | None  # the round that closed (None: only settled updates ran)
+    applied: tuple[int, ...]  # rounds whose update ran, in order
+    round_index: int  # the round served now
+    duration_seconds: float
+    lag_seconds: float = 0.0  # how long after its ends_at the round closed
+    deployed: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _PendingSummary:
+    """What :func:`~service.controller.reports.round_summary` needs for one applied round, computed
+    after the lock is released."""
+
+    round_index: int
+    algorithm: AlgorithmConfig
+    objective: Objective
+    state: ControllerState
+    pooled: Statistics
+    propensities: np.ndarray
+
+
+class _LostRace(Exception):
+    """The compare-and-set found the experiment changed: another process closed the round."""
+
+
+def close_current_round(name: str, expected_round_index: int | None) -> tuple[RoundAdvance, Snapshot]:
+    """The admin's close of experiment ``name``'s current round (only if it is
+    ``expected_round_index``, when given); 409 when it is not running or the round is not current."""
+    snapshot = get_cache().get(name)
+    expected = snapshot.round_index if expected_round_index is None else expected_round_index
+    if snapshot.status != "running":
+        raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
+                                        "round can be closed.")
+    advance = close_round(get_db(), snapshot.id, expected)
+    if advance is None:
+        raise ApiError(409, "conflict", f"Round {expected} of {name!r} is not the current round "
+                                        "(it was already closed, or has not started).")
+    return advance, get_cache().get(name, fresh=True)
+
+
+def close_round(database: Database, experiment_id: int, expected_round_index: int,
+                now: datetime | None = None) -> RoundAdvance | None:
+    """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
+
+    Returns None, changing nothing, when the round is no longer the current one (someone else
+    closed it) or the experiment is not running.
+    """
+    return _advance(database, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index)
+
+
+def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = None) -> list[RoundAdvance]:
+    """Close every running experiment's round whose ``ends_at`` has passed and run due updates.
+
+    The scheduler's job (``service.scheduler``), a plain function so it can be called and tested
+    without a scheduler. Safe to run concurrently in several processes.
+    """
+    database = app_or_database if isinstance(app_or_database, Database) else get_db(app_or_database)
+    now = now or utcnow()
+    advances = []
+    for experiment_id in store.due_experiment_ids(database, now):
+        try:
+            advance = _advance(database, experiment_id, now, manual=False)
+        except Exception:  # one broken experiment must not stop the others from advancing
+            log.exception("Closing the round of experiment %s failed", experiment_id)
+            continue
+        if advance is not None:
+            advances.append(advance)
+    return advances
+
+
+def record_heartbeat(database: Database, scheduler: str, now: datetime) -> None:
+    """The scheduler ``scheduler`` (``host:pid``) ran at ``now`` (``/healthz`` tells from the newest
+    heartbeat whether one is alive)."""
+    store.write_heartbeat(database, scheduler, now)
+
+
+def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
+             expected_round_index: int | None = None) -> RoundAdvance | None:
+    started = time.perf_counter()
+    summaries: list[_PendingSummary] = []
+    try:
+        with database.write() as session:
+            result = _advance_in(database, session, experiment_id, now, manual, expected_round_index, summaries)
+            if result is None:
+                return None
+    except _LostRace:
+        return None
+    result = dataclasses.replace(result, duration_seconds=time.perf_counter() - started)
+    try:
+        _store_summaries(database, experiment_id, summaries)
+    except Exception:  # the round is closed and applied; only its report is missing
+        log.exception("Summarising rounds %s of experiment %s failed",
+                      [pending.round_index for pending in summaries], experiment_id)
+    if result.closed_round is not None or result.applied:
+        events.round_closed.send(result.experiment, round_index=result.closed_round, applied=result.applied,
+                                 duration_seconds=result.duration_seconds, lag_seconds=result.lag_seconds)
+    return result
+
+
+def _advance_in(database: Database, session, experiment_id: int, now: datetime, manual: bool,
+                expected_round_index: int | None, summaries: list[_PendingSummary]) -> RoundAdvance | None:
+    # Exclusive row lock: ingestion takes it shared, so no observation lands while this transaction
+    # adds statistics into the totals (store.fold_statistics relies on it) or decides which rounds are late.
+    experiment = store.lock_experiment(session, experiment_id)
+    if experiment is None or experiment.status != "running":
+        return None
+    if expected_round_index is not None and experiment.round_index != expected_round_index:
+        return None
+    config = experiment.config
+    settle = timedelta(seconds=config["settle_seconds"])
+    current_index = experiment.round_index
+    rounds = store.rounds_from(session, experiment_id, experiment.applied_rounds)
+    current = rounds[current_index]
+    closing = manual or current.ends_at <= now
+    last_closed = current_index if closing else current_index - 1
+    due = [
+        index for index in range(experiment.applied_rounds, last_closed + 1)
+        if manual or rounds[index].ends_at + settle <= now
+    ]
+    # Updates run in round order: stop at the first one that is not due.
+    due = [index for position, index in enumerate(due) if index == experiment.applied_rounds + position]
+    if not closing and not due:
+        return None
+
+    state = ControllerState.from_dict(experiment.state)
+    if due:
+        algorithm, objective = algorithm_and_objective(session, experiment_id, config)
+        for index in due:
+            round_statistics, pooled = store.update_statistics(database, session, experiment_id, index,
+                                                               objective.n_metrics, state.n_arms)
+            propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
+            state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
+            store.record_update(rounds[index], now, state.deployed.tolist())
+            summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
+    new_round_index = current_index + 1 if closing else current_index
+    if not store.advance_experiment(session, experiment, round_index=new_round_index,
+                                    applied_rounds=experiment.applied_rounds + len(due), state=state.to_dict(),
+                                    now=now):
+        raise _LostRace()
+    lag = 0.0
+    if closing:
+        lag = max(0.0, (now - current.ends_at).total_seconds()) if not manual else 0.0
+        store.close_and_start_round(session, current, now=now, next_index=new_round_index,
+                                    round_seconds=config["round_seconds"], probabilities=state.probabilities.tolist())
+    return RoundAdvance(
+        experiment=experiment.name, closed_round=current_index if closing else None, applied=tuple(due),
+        round_index=new_round_index, duration_seconds=0.0, lag_seconds=lag, deployed=state.deployed.tolist(),
+    )
+
+
+def _store_summaries(database: Database, experiment_id: int, summaries: list[_PendingSummary]) -> None:
+    """Compute and store the reporting summaries of applied rounds, outside the close transaction.
+
+    The exact optimum behind the regret estimate is the slowest part of a close at large K; doing it
+    after the experiment row is unlocked keeps ingestion and assignment refreshes from waiting on it.
+    A crash in between only leaves those rounds without a summary (reported as null).
+    """
+    if not summaries:
+        return
+    store.store_summaries(database, experiment_id, [
+        (pending.round_index, round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled,
+                                            pending.propensities))
+        for pending in summaries
+    ])

@@ -1,0 +1,247 @@
+"""Response bodies of the JSON API, defined once as pydantic models.
+
+The routes build every successful JSON response from these models (:func:`respond`), and
+``service.openapi`` generates the response schemas of the OpenAPI document from them, so the published
+contract is what is sent. Field order is the key order on the wire. Numbers keep the type they were
+given (``Number``: an ``int`` stays ``60``, not ``60.0``), and non-finite floats are sent as null
+(``Finite``): JSON has no NaN or infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from flask import Response, jsonify
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+Number = int | float
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+#: A number, or null where it is undefined or not finite.
+Finite = Annotated[Number | None, BeforeValidator(_finite_or_none)]
+Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+OptionalTimestamp = Annotated[str | None, Field(json_schema_extra={"format": "date-time"})]
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Response):
+    code: str
+    message: str
+    details: Any = None
+
+
+class Error(_Response):
+    error: ErrorDetail
+
+
+class RoundTimes(_Response):
+    index: Annotated[int, Field(ge=0)]
+    started_at: Timestamp
+    ends_at: Timestamp
+
+
+class ArmView(_Response):
+    name: str
+    params: dict[str, Any]
+
+
+class Experiment(_Response):
+    name: str
+    status: Literal["running", "paused", "stopped"]
+    arms: list[ArmView]
+    metrics: list[str]
+    objective: dict[str, Any]
+    algorithm: dict[str, Any] = Field(description="The complete algorithm configuration the experiment runs.")
+    round_seconds: Number
+    settle_seconds: Number
+    seed: int
+    round: RoundTimes
+    applied_rounds: int = Field(description="Rounds whose update has run.")
+    probabilities: list[Number] = Field(description="p_t, sampled from in the current round (aligned with arms).")
+    deployed: list[Number] = Field(description="The mixture the algorithm recommends now.")
+    created_at: Timestamp
+    updated_at: Timestamp
+
+
+class ExperimentList(_Response):
+    experiments: list[Experiment]
+
+
+class Assignment(_Response):
+    unit: str
+    arm: str
+    params: dict[str, Any]
+    round: int
+    probability: Number = Field(description="Propensity p_{t,arm}.")
+
+
+class AssignmentBatch(_Response):
+    assignments: list[Assignment]
+
+
+class IngestResult(_Response):
+    accepted: Annotated[int, Field(ge=0)]
+    duplicates: Annotated[int, Field(ge=0)]
+
+
+class RoundClosed(_Response):
+    closed_round: int | None
+    applied: list[int]
+    round: RoundTimes
+    probabilities: list[Number]
+    deployed: list[Number]
+
+
+class BestSingle(_Response):
+    arm: str
+    value: Finite
+
+
+class RoundView(_Response):
+    index: int
+    started_at: Timestamp
+    ends_at: Timestamp
+    closed_at: OptionalTimestamp
+    applied_at: OptionalTimestamp = Field(description="When the round's update ran (settle_seconds after it ended).")
+    probabilities: list[Number]
+    deployed: list[Number] | None
+    counts: list[int] = Field(description="Observations per arm.")
+    units: list[int] = Field(description="Distinct observed units per arm.")
+    late_observations: int
+    means: dict[str, list[Finite]]
+    objective: Finite = Field(description="Estimated f(V p_t) after the round's update.")
+    objective_deployed: Finite
+    best_mixture: Finite
+    best_single: BestSingle | None
+    regret: Finite
+    guardrails: list[dict[str, Any]] | None  # as stored with the round
+
+
+class RoundList(_Response):
+    rounds: list[RoundView]
+
+
+class MixtureValues(_Response):
+    probabilities: Finite
+    deployed: Finite
+
+
+class BestMixture(_Response):
+    probabilities: list[Number]
+    value: Finite
+
+
+class Regret(_Response):
+    cumulative: Number
+    per_round: list[Finite]
+
+
+class Guardrail(_Response):
+    """One guardrail's estimate (``pasto.diagnostics.guardrail_report``; keys it may add later are left
+    out until they are documented here)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    metric: str
+    threshold: Finite
+    relative_to: str | None = Field(description="The arm the threshold is relative to, if any.")
+    estimate: Finite
+    interval: list[Finite] = Field(description="95% interval of the estimate.")
+    holds: bool
+    confidently_holds: bool = Field(description="The whole interval is above the threshold.")
+
+
+class SampleRatioMismatch(_Response):
+    statistic: Finite
+    p_value: Finite
+    ok: bool
+
+
+class EstimateView(_Response):
+    means: dict[str, list[Finite]]
+    standard_errors: dict[str, list[Finite]]
+
+
+class Diagnostics(_Response):
+    round: int
+    objective: MixtureValues
+    best_mixture: BestMixture
+    best_single: BestSingle
+    mixing_gain: Finite
+    regret: Regret
+    guardrails: list[Guardrail]
+    srm: SampleRatioMismatch
+    late_observations: int
+    units: list[int]
+    estimate: EstimateView
+
+
+class HealthDatabase(_Response):
+    reachable: bool
+    error: str | None = None
+
+
+class HealthScheduler(_Response):
+    alive: bool
+    last_heartbeat: OptionalTimestamp
+
+
+class HealthSchema(_Response):
+    current: str | None
+    head: str
+
+
+class Health(_Response):
+    status: Literal["ok", "unavailable"]
+    database: HealthDatabase
+    scheduler: HealthScheduler
+    schema_: HealthSchema = Field(alias="schema")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+#: Every response model, for the OpenAPI document (``service.openapi``).
+MODELS = (Error, Experiment, ExperimentList, Assignment, AssignmentBatch, IngestResult, RoundClosed, RoundList,
+          Diagnostics, Health)
+
+
+def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],
+                arm_params: tuple[dict[str, Any], ...], round_index: int) -> list[dict[str, Any]]:
+    """:class:`Assignment` objects on the wire: unit ``units[i]`` got arm position ``arms[i]`` with
+    propensity ``probabilities[i]`` in round ``round_index``.
+
+    Plain dicts with the model's fields in its order (``tests/service/test_openapi.py`` checks both
+    against the model and the published schema), not model instances: assignment is the hottest
+    path, and building and dumping a model per unit costs about 12 ms per 1,000 units, when the whole
+    request takes about 4 ms without.
+    """
+    return [{"unit": unit, "arm": arm_names[arm], "params": arm_params[arm], "round": round_index,
+             "probability": probability}
+            for unit, arm, probability in zip(units, arms, probabilities)]
+
+
+def respond_json(body: dict[str, Any] | list[Any], status: int = 200) -> Response:
+    """A body already in wire form (:func:`assignments`) as the JSON response."""
+    response = jsonify(body)
+    response.status_code = status
+    return response
+
+
+def respond(body: BaseModel, status: int = 200) -> Response:
+    """``body`` as the JSON response (through Flask's JSON provider: its key order and separators).
+
+    Fields left unset are left out (the routes set every field but optional ones such as the health
+    report's database ``error``, which only an unreachable database has)."""
+    response = jsonify(body.model_dump(mode="json", by_alias=True, exclude_unset=True))
+    response.status_code = status
+    return response

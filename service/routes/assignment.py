@@ -1,0 +1,36 @@
+"""``POST .../assign``: one unit (``{"unit": ...}``, answered with a ``responses.Assignment``) or a batch
+(``{"units": [...]}``, a ``responses.AssignmentBatch``)."""
+
+from __future__ import annotations
+
+from flask import Blueprint
+
+from ..auth import require_role
+from ..controller import assignment
+from ..errors import invalid
+from ..responses import assignments, respond_json
+from ..schemas import AssignMany, AssignOne, json_body, parse
+
+bp = Blueprint("assignment", __name__, url_prefix="/api/v1/experiments")
+_UNIT_OR_UNITS = "either unit (one unit id) or units (a list of unit ids)"
+
+
+@bp.post("/<name>/assign")
+@require_role("ingest")
+def assign(name: str):
+    body = json_body()
+    if isinstance(body, dict) and "units" in body:
+        if "unit" in body:
+            raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
+        units = parse(AssignMany, body).units
+        snapshot, arms = assignment.assign_many(name, units)
+        return respond_json({"assignments": assignments(units, arms.tolist(), snapshot.serving[arms].tolist(),
+                                                        snapshot.arm_names, snapshot.arm_params,
+                                                        snapshot.round_index)})
+    if isinstance(body, dict) and "unit" not in body:
+        raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
+    unit = parse(AssignOne, body).unit
+    snapshot, arm = assignment.assign_one(name, unit)
+    (answer,) = assignments([unit], [arm], [float(snapshot.serving[arm])], snapshot.arm_names, snapshot.arm_params,
+                            snapshot.round_index)
+    return respond_json(answer)

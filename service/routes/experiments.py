@@ -1,0 +1,82 @@
+"""``/api/v1/experiments``: create, list, show, pause, resume, stop."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from flask import Blueprint
+
+from ..auth import require_role
+from ..cache import Snapshot
+from ..controller import experiments
+from ..responses import ArmView, Experiment, ExperimentList, RoundTimes, respond
+from ..schemas import ExperimentCreate, json_body, parse
+
+bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
+
+
+def iso(moment: datetime | None) -> str | None:
+    """RFC 3339 UTC timestamp with a ``Z``, or None."""
+    return None if moment is None else moment.isoformat().replace("+00:00", "Z")
+
+
+def round_times(snapshot: Snapshot) -> RoundTimes:
+    return RoundTimes(index=snapshot.round_index, started_at=iso(snapshot.round_started_at),
+                      ends_at=iso(snapshot.round_ends_at))
+
+
+def experiment_view(snapshot: Snapshot) -> Experiment:
+    config = snapshot.config
+    return Experiment(
+        name=snapshot.name,
+        status=snapshot.status,
+        arms=[ArmView(name=name, params=params) for name, params in zip(snapshot.arm_names, snapshot.arm_params)],
+        metrics=list(snapshot.metrics),
+        objective=config["objective"],
+        algorithm=config["algorithm"],
+        round_seconds=config["round_seconds"],
+        settle_seconds=config["settle_seconds"],
+        seed=snapshot.seed,
+        round=round_times(snapshot),
+        applied_rounds=snapshot.applied_rounds,
+        probabilities=snapshot.probabilities.tolist(),
+        deployed=snapshot.deployed.tolist(),
+        created_at=iso(snapshot.created_at),
+        updated_at=iso(snapshot.updated_at),
+    )
+
+
+@bp.post("")
+@require_role("admin")
+def create():
+    return respond(experiment_view(experiments.create(parse(ExperimentCreate, json_body()))), 201)
+
+
+@bp.get("")
+@require_role("read")
+def list_experiments():
+    return respond(ExperimentList(experiments=[experiment_view(snapshot) for snapshot in experiments.list_all()]))
+
+
+@bp.get("/<name>")
+@require_role("read")
+def show(name: str):
+    return respond(experiment_view(experiments.show(name)))
+
+
+@bp.post("/<name>/pause")
+@require_role("admin")
+def pause(name: str):
+    return respond(experiment_view(experiments.set_status(name, "paused")))
+
+
+@bp.post("/<name>/resume")
+@require_role("admin")
+def resume(name: str):
+    return respond(experiment_view(experiments.set_status(name, "running")))
+
+
+@bp.post("/<name>/stop")
+@require_role("admin")
+def stop(name: str):
+    return respond(experiment_view(experiments.set_status(name, "stopped")))

@@ -1,0 +1,44 @@
+"""``/healthz`` (no auth) and the OpenAPI document ``/api/v1/openapi.json`` (no auth)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from flask import Blueprint, current_app, jsonify
+
+from ..controller import reports
+from ..openapi import openapi_document
+from ..responses import Health, HealthDatabase, HealthScheduler, HealthSchema, respond
+
+bp = Blueprint("health", __name__)
+
+
+def scheduler_alive_within(interval: float) -> timedelta:
+    """How recent the newest heartbeat must be for the scheduler to count as alive."""
+    return timedelta(seconds=max(3 * interval, 5.0))
+
+
+@bp.get("/healthz")
+def healthz():
+    """Within ``PASTO_HEALTHZ_TIMEOUT`` whatever the database does (``controller.reports.health``)."""
+    health = reports.health(scheduler_alive_within(current_app.config["PASTO_SCHEDULER_INTERVAL"]),
+                            current_app.config["PASTO_HEALTHZ_TIMEOUT"])
+    if not health.reachable:
+        response = respond(Health(
+            status="unavailable", database=HealthDatabase(reachable=False, error=health.error),
+            scheduler=HealthScheduler(alive=False, last_heartbeat=None),
+            schema=HealthSchema(current=None, head=health.head)), 503)
+        response.headers["Retry-After"] = str(current_app.config["PASTO_DATABASE_RETRY_AFTER"])
+        return response
+    schema_ok = health.current == health.head
+    return respond(Health(
+        status="ok" if schema_ok else "unavailable",
+        database=HealthDatabase(reachable=True),
+        scheduler=HealthScheduler(alive=health.alive, last_heartbeat=None if health.last_heartbeat is None else
+                                  health.last_heartbeat.isoformat().replace("+00:00", "Z")),
+        schema=HealthSchema(current=health.current, head=health.head)), 200 if schema_ok else 503)
+
+
+@bp.get("/api/v1/openapi.json")
+def openapi():
+    return jsonify(openapi_document())

@@ -1,0 +1,75 @@
+"""``.../rounds``: close the current round now (admin), and the round history."""
+
+from __future__ import annotations
+
+from flask import Blueprint, request
+
+from ..auth import require_role
+from ..controller import reports, rounds
+from ..errors import invalid
+from ..params import query_integer  # digits and bounds checked before int()
+from ..responses import BestSingle, RoundClosed, RoundList, RoundView, respond
+from ..schemas import json_body
+from .experiments import iso, round_times
+
+bp = Blueprint("rounds", __name__, url_prefix="/api/v1/experiments")
+
+#: Largest round index a request may name (rounds are 32-bit integers; SQLite overflows past 2**63).
+MAX_ROUND_INDEX = 2**31 - 1
+
+
+@bp.post("/<name>/rounds")
+@require_role("admin")
+def close_current_round(name: str):
+    expected = None
+    # Read the body whatever Content-Length says: a chunked body has none, and ignoring it would
+    # close the current round when the client asked for "only if it is round N".
+    if request.get_data(cache=True).strip():
+        body = json_body()
+        if not isinstance(body, dict) or set(body) - {"round"}:
+            raise invalid("body", "The body must be empty or {\"round\": <index of the current round>}.")
+        if "round" in body:
+            requested = body["round"]
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+                raise invalid("round", "Must be a non-negative integer.")
+            expected = requested
+    advance, fresh = rounds.close_current_round(name, expected)
+    return respond(RoundClosed(closed_round=advance.closed_round, applied=list(advance.applied),
+                               round=round_times(fresh), probabilities=fresh.probabilities.tolist(),
+                               deployed=fresh.deployed.tolist()))
+
+
+@bp.get("/<name>/rounds")
+@require_role("read")
+def list_rounds(name: str):
+    """Every round oldest first; ``?since=<index>`` and ``?limit=<n>`` page through long histories."""
+    since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
+    limit = query_integer("limit", None, 1)
+    history = reports.round_history(name, since, limit)
+    snapshot = history.snapshot
+    entries = []
+    for round_row in history.rounds:
+        position = round_row.index - since
+        summary = round_row.summary or {}
+        best_single = summary.get("best_single")
+        entries.append(RoundView(
+            index=round_row.index,
+            started_at=iso(round_row.started_at),
+            ends_at=iso(round_row.ends_at),
+            closed_at=iso(round_row.closed_at),
+            applied_at=iso(round_row.applied_at),
+            probabilities=round_row.probabilities,
+            deployed=round_row.deployed,
+            counts=history.counts[position].tolist(),
+            units=history.units[position].tolist(),
+            late_observations=int(history.late[position]),
+            means={metric: history.means[position, m].tolist() for m, metric in enumerate(snapshot.metrics)},
+            objective=summary.get("objective"),
+            objective_deployed=summary.get("objective_deployed"),
+            best_mixture=summary.get("best_mixture"),
+            best_single=None if best_single is None else BestSingle(
+                arm=snapshot.arm_names[best_single["arm_index"]], value=best_single["value"]),
+            regret=summary.get("regret"),
+            guardrails=summary.get("guardrails"),
+        ))
+    return respond(RoundList(rounds=entries))
