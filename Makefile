@@ -16,7 +16,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(BIN)/python -m pip install --quiet -e '.[service,test]'
+	$(BIN)/python -m pip install --quiet -e '.[service,warehouse,test]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -29,10 +29,11 @@ test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: install
-	$(BIN)/python -m pip install --quiet -e '.[service,bench]'
+	$(BIN)/python -m pip install --quiet -e '.[service,warehouse,bench]'
 	$(BIN)/python bench/convergence.py
 	$(BIN)/python bench/client.py --write-docs
 	$(BIN)/python bench/serve.py --write-docs
+	$(BIN)/python bench/scale.py --write-docs
 
 clean:
 	rm -rf $(VENV) instance .pytest_cache test-output

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-BACKEND_MARKERS = ("postgres", "chromium")
+BACKEND_MARKERS = ("postgres", "chromium", "spark")
 
 
 def _in_ci() -> bool:

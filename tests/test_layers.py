@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICE_STACK = (
     "service", "migrations", "flask", "werkzeug", "jinja2", "sqlalchemy", "alembic", "psycopg",
     "pydantic", "waitress", "gunicorn", "apscheduler", "prometheus_client",
+    "duckdb", "duckdb_engine", "pyspark", "py4j",  # service/sources (the warehouse extra)
 )
 
 #: What the pure core may import: itself, numpy, scipy, highspy (pasto.optimum's exact solver) and
