@@ -6,6 +6,8 @@ and :class:`~pasto_client.errors.PastoConnectionError` (it could not be reached)
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -258,7 +260,26 @@ class Client:
         return self.request("GET", self._experiment_path(name, "/diagnostics"))
 
 
+def _retry_after(response: requests.Response) -> float | None:
+    """The ``Retry-After`` of ``response`` in seconds (delay-seconds or an HTTP date), or None."""
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
 def _api_error(response: requests.Response) -> PastoAPIError:
+    retry_after = _retry_after(response)
     try:
         error = response.json()["error"]
         return PastoAPIError(
@@ -266,6 +287,7 @@ def _api_error(response: requests.Response) -> PastoAPIError:
             str(error.get("code", "http_error")),
             str(error.get("message", "")),
             error.get("details"),
+            retry_after,
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         text = response.text.strip()
@@ -273,4 +295,5 @@ def _api_error(response: requests.Response) -> PastoAPIError:
             response.status_code,
             "http_error",
             text[:500] if text else response.reason or f"HTTP {response.status_code}",
+            retry_after=retry_after,
         )
