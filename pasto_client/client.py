@@ -248,11 +248,19 @@ class Client:
 
     def rounds(self, name: str, since: int | None = None, limit: int | None = None) -> list[dict]:
         """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,
-        estimated objective and regret); ``since`` (first round index) and ``limit`` page through
-        long histories."""
-        query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
-        path = self._experiment_path(name, "/rounds") + (f"?{query}" if query else "")
-        return self.request("GET", path)["rounds"]
+        estimated objective and regret), from round ``since`` (default 0). Without ``limit``, every
+        round to the current one (the server's pages, followed by their ``next_since`` cursor); with
+        it, at most ``limit`` rounds (one request)."""
+        if limit is not None:
+            query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
+            return self.request("GET", self._experiment_path(name, "/rounds") + f"?{query}")["rounds"]
+        rounds: list[dict] = []
+        cursor: int | None = since or 0
+        while cursor is not None:
+            page = self.request("GET", self._experiment_path(name, "/rounds") + f"?since={cursor}")
+            rounds.extend(page["rounds"])
+            cursor = page.get("next_since")  # absent from servers before pagination: one page was all
+        return rounds
 
     def diagnostics(self, name: str) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,

@@ -293,3 +293,21 @@ def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, brow
     assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
     assert console.problems == []
     context.close()
+
+
+def test_the_experiment_page_reads_a_paged_history(live_server, browser, anonymous_loopback, monkeypatch):
+    """The rounds endpoint pages by default (next_since): the page follows the cursor to the end."""
+    from service.routes import rounds as rounds_route
+
+    name = live_server.experiment
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    n_arms = len(rounds[0]["probabilities"])
+    monkeypatch.setattr(rounds_route, "PAGE_ARM_ROUNDS", 4 * n_arms)  # pages of 4 rounds
+    first = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()
+    assert len(first["rounds"]) == 4 < len(rounds) and first["next_since"] == 4
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
+    context.close()

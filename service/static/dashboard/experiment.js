@@ -406,9 +406,21 @@ function render() {
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
 }
 
+// Every round, page by page: the server pages the history (next_since is the next page's cursor).
+async function allRounds() {
+  const rounds = [];
+  let since = 0;
+  while (since !== null && since !== undefined) {
+    const page = await apiGet(`${path}/rounds?since=${since}`);
+    rounds.push(...page.rounds);
+    since = page.next_since;
+  }
+  return rounds;
+}
+
 async function refresh() {
-  const [experiment, { rounds }, diagnostics] = await Promise.all([
-    apiGet(path), apiGet(`${path}/rounds`), apiGet(`${path}/diagnostics`),
+  const [experiment, rounds, diagnostics] = await Promise.all([
+    apiGet(path), allRounds(), apiGet(`${path}/diagnostics`),
   ]);
   latest = { experiment, rounds, diagnostics };
   render();
