@@ -311,3 +311,25 @@ def test_the_experiment_page_reads_a_paged_history(live_server, browser, anonymo
     assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
     assert console.problems == []
     context.close()
+
+
+def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, browser, anonymous_loopback, play_round):
+    name = live_server.experiment
+    context, page, console = open_page(browser, "desktop")
+    asked: list[int] = []
+    page.on("request", lambda request: asked.append(int(request.url.rsplit("since=", 1)[1]))
+            if f"/experiments/{name}/rounds?since=" in request.url else None)
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    before = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    page.wait_for_selector(f'#experiment[data-rounds="{len(before)}"]')
+    assert asked[0] == 0
+    first_not_final = next(entry["index"] for entry in before
+                           if entry["applied_at"] is None or entry["best_mixture"] is None)
+    play_round(name)
+    page.wait_for_selector(f'#experiment[data-rounds="{len(before) + 1}"]', timeout=15_000)
+    after = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    assert asked[1:] and all(since >= first_not_final > 0 for since in asked[1:]), asked
+    # What the page drew is the whole history as the server has it now.
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in after]
+    assert console.problems == []
+    context.close()
