@@ -51,7 +51,9 @@ class ObservationBuffer:
     on_error : callable(PastoAPIError, list[dict]), optional
     on_overflow : callable(dict), optional
     initial_backoff, max_backoff : float
-        Seconds before the first retry, and the cap of the doubling delay.
+        Seconds before the first retry, and the cap of the doubling delay. A retryable answer with
+        ``Retry-After`` (503 ``database_unavailable``) is retried no sooner than it asks, up to
+        ``max_backoff``.
     """
 
     def __init__(
@@ -241,6 +243,11 @@ class ObservationBuffer:
                 return
             self.retries += 1
             delay = backoff * (0.5 + random.random())
+            retry_after = getattr(reason, "retry_after", None)
+            if retry_after is not None:
+                # The server said when it expects to manage (503 database_unavailable): retrying
+                # sooner only adds load to its outage. Capped so that a far date cannot stall us.
+                delay = max(delay, min(retry_after, self.max_backoff))
             logger.warning(
                 "Sending %d observations of %r failed (%s); retrying in %.2f s.",
                 len(batch), self.experiment_name, reason, delay,

@@ -6,6 +6,8 @@ and :class:`~pasto_client.errors.PastoConnectionError` (it could not be reached)
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -246,11 +248,19 @@ class Client:
 
     def rounds(self, name: str, since: int | None = None, limit: int | None = None) -> list[dict]:
         """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,
-        estimated objective and regret); ``since`` (first round index) and ``limit`` page through
-        long histories."""
-        query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
-        path = self._experiment_path(name, "/rounds") + (f"?{query}" if query else "")
-        return self.request("GET", path)["rounds"]
+        estimated objective and regret), from round ``since`` (default 0). Without ``limit``, every
+        round to the current one (the server's pages, followed by their ``next_since`` cursor); with
+        it, at most ``limit`` rounds (one request)."""
+        if limit is not None:
+            query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
+            return self.request("GET", self._experiment_path(name, "/rounds") + f"?{query}")["rounds"]
+        rounds: list[dict] = []
+        cursor: int | None = since or 0
+        while cursor is not None:
+            page = self.request("GET", self._experiment_path(name, "/rounds") + f"?since={cursor}")
+            rounds.extend(page["rounds"])
+            cursor = page.get("next_since")  # absent from servers before pagination: one page was all
+        return rounds
 
     def diagnostics(self, name: str) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,
@@ -258,7 +268,26 @@ class Client:
         return self.request("GET", self._experiment_path(name, "/diagnostics"))
 
 
+def _retry_after(response: requests.Response) -> float | None:
+    """The ``Retry-After`` of ``response`` in seconds (delay-seconds or an HTTP date), or None."""
+    value = response.headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
 def _api_error(response: requests.Response) -> PastoAPIError:
+    retry_after = _retry_after(response)
     try:
         error = response.json()["error"]
         return PastoAPIError(
@@ -266,6 +295,7 @@ def _api_error(response: requests.Response) -> PastoAPIError:
             str(error.get("code", "http_error")),
             str(error.get("message", "")),
             error.get("details"),
+            retry_after,
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         text = response.text.strip()
@@ -273,4 +303,5 @@ def _api_error(response: requests.Response) -> PastoAPIError:
             response.status_code,
             "http_error",
             text[:500] if text else response.reason or f"HTTP {response.status_code}",
+            retry_after=retry_after,
         )

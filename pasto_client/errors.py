@@ -23,14 +23,19 @@ class PastoAPIError(PastoError):
         The server's human-readable message.
     details : object
         The server's ``details`` (often names the offending field or item), or None.
+    retry_after : float or None
+        Seconds the server asked the client to wait before sending the request again (its
+        ``Retry-After`` header, for example on 503 ``database_unavailable``), or None.
     """
 
-    def __init__(self, status: int, code: str, message: str, details: Any = None) -> None:
+    def __init__(self, status: int, code: str, message: str, details: Any = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
         self.details = details
+        self.retry_after = retry_after
 
     @property
     def retryable(self) -> bool:

@@ -7,6 +7,11 @@ matches and reloaded otherwise. Round boundaries, updates and status changes all
 ``experiments.version`` in the same transaction, so every worker process (gunicorn, waitress threads,
 a separate scheduler) serves a new round within that interval, without any write on the assignment
 path. Ingestion asks for a fresh check before rejecting an observation for a round it has not seen.
+
+Assignment needs no write, so it survives a database outage: when the version check fails because
+the database is unavailable and a snapshot is cached, :meth:`ExperimentCache.serve` answers with that
+snapshot, marked stale, and checks again at most every :data:`OUTAGE_RECHECK_SECONDS` (so a stalled
+database costs one slow request per interval, not one per request).
 """
 
 from __future__ import annotations
@@ -24,11 +29,15 @@ from flask import Flask, current_app
 from pasto.hashing import PrefixHasher, cumulative_probabilities
 
 from . import store
-from .db import Database, get_db
+from .db import Database, get_db, is_unavailable_error
 from .errors import ApiError
 
 _EXTENSION = "pasto.cache"
 _ROUND_CACHE_SIZE = 4096
+
+#: While the database is unavailable, a process retries an experiment's version check at most this
+#: often; requests in between are served the cached (stale) snapshot without waiting for it.
+OUTAGE_RECHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +84,7 @@ class ExperimentCache:
         self._snapshots: dict[str, tuple[Snapshot, float]] = {}
         self._round_probabilities: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
+        self._stale_until: dict[str, float] = {}  # name -> monotonic time of the next check in an outage
 
     def get(self, name: str, fresh: bool = False, check: bool = True) -> Snapshot:
         """The snapshot of experiment ``name``, checked against the database unless it was checked
@@ -99,6 +109,24 @@ class ExperimentCache:
             snapshot = self._load(name, snapshot)
         self._snapshots[name] = (snapshot, now)
         return snapshot
+
+    def serve(self, name: str) -> tuple[Snapshot, bool]:
+        """The snapshot assignment serves for experiment ``name`` and whether it is stale: when the
+        version check (or the reload) fails because the database is unavailable and a snapshot of
+        ``name`` is cached, that snapshot (``True``); the outage is recorded in the database status.
+        Without a cached snapshot the error propagates (503 ``database_unavailable``)."""
+        cached = self._snapshots.get(name)
+        now = time.monotonic()
+        if cached is not None and now < self._stale_until.get(name, 0.0):
+            return cached[0], True
+        try:
+            return self.get(name), False
+        except Exception as error:
+            if cached is None or not is_unavailable_error(error):
+                raise
+            self.database.status.failed(error)
+            self._stale_until[name] = time.monotonic() + OUTAGE_RECHECK_SECONDS
+            return cached[0], True
 
     def round_probabilities(self, snapshot: Snapshot, round_index: int) -> np.ndarray:
         """The propensities served in ``round_index`` (immutable once the round exists)."""

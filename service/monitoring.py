@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from flask import Flask, Response, g, request
+from flask import Flask, Response, current_app, g, has_app_context, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
 from .controller import reports
+from .config import DEFAULT_METRICS_TOP_ARMS
 from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
 
@@ -60,6 +62,16 @@ ASSIGNMENTS = Counter(
 OBSERVATIONS = Counter(
     "pasto_observations", "Observations accepted by the ingestion endpoint (repeated ids excluded).",
     ["experiment", "arm"], registry=PROCESS_REGISTRY,
+)
+OTHER_ARMS_ASSIGNMENTS = Counter(
+    "pasto_other_arms_assignments",
+    "Units assigned to arms outside the top PASTO_METRICS_TOP_ARMS by probability (no per-arm series).",
+    ["experiment"], registry=PROCESS_REGISTRY,
+)
+OTHER_ARMS_OBSERVATIONS = Counter(
+    "pasto_other_arms_observations",
+    "Observations accepted for arms outside the top PASTO_METRICS_TOP_ARMS by probability.",
+    ["experiment"], registry=PROCESS_REGISTRY,
 )
 DUPLICATE_OBSERVATIONS = Counter(
     "pasto_duplicate_observations", "Observations ignored because their id had been accepted before.",
@@ -100,21 +112,80 @@ def _child(metric, *labels: str):
     return child
 
 
+def top_arms(probabilities: np.ndarray, limit: int) -> np.ndarray:
+    """Positions of the ``limit`` arms of highest probability (ties: lower position first), sorted.
+
+    Parameters
+    ----------
+    probabilities : np.ndarray, shape (K,)
+    limit : int
+        At least 1; all K positions when ``limit >= K``.
+
+    Returns
+    -------
+    np.ndarray of int, shape (min(limit, K),)
+    """
+    n_arms = len(probabilities)
+    if limit >= n_arms:
+        return np.arange(n_arms)
+    # A stable sort on -p keeps the lower position among equal probabilities (a uniform start).
+    return np.sort(np.argsort(-np.asarray(probabilities), kind="stable")[:limit])
+
+
+# Arms with per-arm event series, per snapshot (its serving mixture) and limit: computed once per
+# snapshot version, not per request. Weak keys: a replaced snapshot takes its entry with it.
+_top_by_snapshot: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _top_arm_mask(snapshot) -> np.ndarray:
+    """(K,) bool: which arms of ``snapshot`` have their own event series (top by serving probability)."""
+    limit = current_app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS) if has_app_context() \
+        else DEFAULT_METRICS_TOP_ARMS
+    cached = _top_by_snapshot.get(snapshot)
+    if cached is not None and cached[0] == limit:
+        return cached[1]
+    mask = np.zeros(len(snapshot.arm_names), dtype=bool)
+    mask[top_arms(snapshot.serving, limit)] = True
+    _top_by_snapshot[snapshot] = (limit, mask)
+    return mask
+
+
 def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
-    """``assigned``: count one assign response; ``arms`` holds each unit's arm position."""
+    """``assigned``: count one assign response; ``arms`` holds each unit's arm position. Arms outside
+    the top ``PASTO_METRICS_TOP_ARMS`` add to ``pasto_other_arms_assignments`` (bounded cardinality)."""
+    top = _top_arm_mask(snapshot)
     if len(arms) == 1:  # a single-unit assignment: no need to group
-        _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[int(arms[0])]).inc()
+        arm = int(arms[0])
+        if top[arm]:
+            _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[arm]).inc()
+        else:
+            _child(OTHER_ARMS_ASSIGNMENTS, snapshot.name).inc()
         return
     positions, counts = np.unique(np.asarray(arms, dtype=np.int64), return_counts=True)
+    others = 0
     for position, count in zip(positions.tolist(), counts.tolist()):
-        _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[position]).inc(count)
+        if top[position]:
+            _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[position]).inc(count)
+        else:
+            others += count
+    if others:
+        _child(OTHER_ARMS_ASSIGNMENTS, snapshot.name).inc(others)
 
 
 def record_observations(snapshot, *, duplicates: int, arm_counts: Mapping[int, int], **_) -> None:
-    """``observed``: count one committed batch; ``arm_counts`` maps arm position to accepted observations."""
+    """``observed``: count one committed batch; ``arm_counts`` maps arm position to accepted
+    observations (arms outside the top ``PASTO_METRICS_TOP_ARMS`` add to ``pasto_other_arms_observations``)."""
+    top = _top_arm_mask(snapshot)
+    others = 0
     for position, count in arm_counts.items():
-        if count:
-            OBSERVATIONS.labels(snapshot.name, snapshot.arm_names[position]).inc(count)
+        if not count:
+            continue
+        if top[position]:
+            _child(OBSERVATIONS, snapshot.name, snapshot.arm_names[position]).inc(count)
+        else:
+            others += count
+    if others:
+        _child(OTHER_ARMS_OBSERVATIONS, snapshot.name).inc(others)
     if duplicates:
         DUPLICATE_OBSERVATIONS.labels(snapshot.name).inc(duplicates)
 
@@ -151,10 +222,21 @@ class ControllerCollector:
         round_index = _gauge("pasto_round_index", "Index of the round being served (0-based).", "experiment")
         applied = _gauge("pasto_applied_rounds", "Rounds whose update has run.", "experiment")
         probability = _gauge("pasto_arm_probability",
-                             "Probability p_t with which the arm is served in the current round.",
+                             "Probability p_t with which the arm is served in the current round "
+                             "(the top PASTO_METRICS_TOP_ARMS arms by p_t).",
                              "experiment", "arm")
         deployed = _gauge("pasto_arm_deployed_probability",
-                          "Weight of the arm in the mixture the controller recommends.", "experiment", "arm")
+                          "Weight of the arm in the mixture the controller recommends "
+                          "(the top PASTO_METRICS_TOP_ARMS arms by that weight).", "experiment", "arm")
+        arm_count = _gauge("pasto_arms", "Number of arms (candidate settings) of the experiment.", "experiment")
+        other_probability = _gauge(
+            "pasto_other_arms_probability",
+            "Total p_t of the arms without a pasto_arm_probability series (0 when every arm has one).",
+            "experiment")
+        other_deployed = _gauge(
+            "pasto_other_arms_deployed_probability",
+            "Total deployed weight of the arms without a pasto_arm_deployed_probability series.", "experiment")
+        limit = int(self.app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS))
         objective = _gauge(
             "pasto_objective_estimate",
             "Estimated objective f(V p) after the latest update, for the mixture served in that round "
@@ -206,12 +288,11 @@ class ControllerCollector:
                 status.add_metric([name, candidate], float(candidate == row.status))
             round_index.add_metric([name], row.round_index)
             applied.add_metric([name], row.applied_rounds)
+            arm_count.add_metric([name], len(names))
             current = own_rounds.get(row.round_index)
             if current is not None:
-                for arm, value in zip(names, current.probabilities):
-                    probability.add_metric([name, arm], value)
-            for arm, value in zip(names, row.state["deployed"]):
-                deployed.add_metric([name, arm], value)
+                _add_top_arms(probability, other_probability, name, names, current.probabilities, limit)
+            _add_top_arms(deployed, other_deployed, name, names, row.state["deployed"], limit)
 
             latest = own_rounds.get(row.applied_rounds - 1)
             summary = latest.summary if latest is not None and latest.summary else {}
@@ -247,8 +328,22 @@ class ControllerCollector:
         if last_beat is not None:
             heartbeat.add_metric([], max(0.0, (now - last_beat).total_seconds()))
 
-        yield from (status, round_index, applied, probability, deployed, objective, regret, margin, holds,
-                    holds_by_mixture, srm, srm_ok, observations, late, lag, last_update, heartbeat)
+        yield from (status, round_index, applied, arm_count, probability, other_probability, deployed,
+                    other_deployed, objective, regret, margin, holds, holds_by_mixture,
+                    srm, srm_ok, observations, late, lag, last_update, heartbeat)
+
+
+def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experiment: str,
+                  names: Sequence[str], values: Sequence[float], limit: int) -> None:
+    """One ``per_arm`` sample for each of the ``limit`` arms of highest value, and their complement's
+    total in ``others``: a scrape stays small at K = 10,000 arms."""
+    array = np.asarray(values, dtype=np.float64)
+    top = top_arms(array, limit)
+    for position in top.tolist():
+        per_arm.add_metric([experiment, names[position]], float(array[position]))
+    rest = np.ones(len(array), dtype=bool)
+    rest[top] = False
+    others.add_metric([experiment], float(array[rest].sum()))
 
 
 def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:

@@ -49,7 +49,7 @@ _SINCE_PARAMETER = {
     "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
 }
 _LIMIT_PARAMETER = {
-    "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default all).",
+    "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default 200,000 / K, from 1 to 1,000).",
     "schema": {"type": "integer", "minimum": 1},
 }
 
@@ -108,7 +108,8 @@ def _paths() -> dict[str, Any]:
             {"202": _json(_ref("IngestResult"), "Stored; duplicates were counted before and are ignored.")},
             ("409",), body=_ref("ObservationBatch"))},
         "/api/v1/experiments/{name}/rounds": {
-            "get": {**_operation("Every round, oldest first (optionally a page: since, limit).", "read",
+            "get": {**_operation("One page of rounds, oldest first, from since (default 0); limit rounds, by "
+                                 "default 200,000 / K (1 to 1,000); next_since is the next page's cursor.", "read",
                                  {"200": _json(_ref("RoundList"), "The rounds.")}, ("422",)),
                     "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER]},
             "post": _operation(

@@ -150,6 +150,8 @@ class RoundView(_Response):
 
 class RoundList(_Response):
     rounds: list[RoundView]
+    next_since: int | None = Field(
+        description="The `since` of the next page, or null when this page ends with the current round.")
 
 
 class MixtureValues(_Response):

@@ -16,19 +16,20 @@ from ..cache import Snapshot, get_cache
 from ..exposures import record_exposures
 
 
-def assign_one(name: str, unit: str) -> tuple[Snapshot, int]:
-    """The snapshot served and the arm position of ``unit``."""
-    snapshot = get_cache().get(name)
+def assign_one(name: str, unit: str) -> tuple[Snapshot, bool, int]:
+    """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``)
+    and the arm position of ``unit``."""
+    snapshot, stale = get_cache().serve(name)
     arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
     events.assigned.send(snapshot, arms=[arm])
     record_exposures(snapshot, [unit], [arm])
-    return snapshot, arm
+    return snapshot, stale, arm
 
 
-def assign_many(name: str, units: list[str]) -> tuple[Snapshot, np.ndarray]:
-    """The snapshot served and the arm position of each of ``units``, shape (N,)."""
-    snapshot = get_cache().get(name)
+def assign_many(name: str, units: list[str]) -> tuple[Snapshot, bool, np.ndarray]:
+    """The snapshot served, whether it is stale, and the arm position of each of ``units``, shape (N,)."""
+    snapshot, stale = get_cache().serve(name)
     arms = choose_arms(snapshot.serving, buckets(snapshot.seed, units, snapshot.round_index))
     events.assigned.send(snapshot, arms=arms)
     record_exposures(snapshot, units, arms)
-    return snapshot, arms
+    return snapshot, stale, arms

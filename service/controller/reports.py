@@ -131,6 +131,11 @@ class RoundHistory:
     means: np.ndarray  # (rounds, M, K), nan where no data
 
 
+def arm_count(name: str) -> int:
+    """K of experiment ``name`` (404 when there is none), from the cached snapshot."""
+    return get_cache().get(name).n_arms
+
+
 def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     """Rounds ``since`` .. ``since + limit - 1`` (at most up to the current one) of experiment ``name``."""
     snapshot = get_cache().get(name)

@@ -12,6 +12,7 @@ from ..responses import assignments, respond_json
 from ..schemas import AssignMany, AssignOne, json_body, parse
 
 bp = Blueprint("assignment", __name__, url_prefix="/api/v1/experiments")
+STALE_HEADER = "Pasto-Stale"
 _UNIT_OR_UNITS = "either unit (one unit id) or units (a list of unit ids)"
 
 
@@ -23,14 +24,22 @@ def assign(name: str):
         if "unit" in body:
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         units = parse(AssignMany, body).units
-        snapshot, arms = assignment.assign_many(name, units)
-        return respond_json({"assignments": assignments(units, arms.tolist(), snapshot.serving[arms].tolist(),
+        snapshot, stale, arms = assignment.assign_many(name, units)
+        return _mark_stale(snapshot, stale, respond_json({"assignments": assignments(units, arms.tolist(), snapshot.serving[arms].tolist(),
                                                         snapshot.arm_names, snapshot.arm_params,
-                                                        snapshot.round_index)})
+                                                        snapshot.round_index)}))
     if isinstance(body, dict) and "unit" not in body:
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     unit = parse(AssignOne, body).unit
-    snapshot, arm = assignment.assign_one(name, unit)
+    snapshot, stale, arm = assignment.assign_one(name, unit)
     (answer,) = assignments([unit], [arm], [float(snapshot.serving[arm])], snapshot.arm_names, snapshot.arm_params,
                             snapshot.round_index)
-    return respond_json(answer)
+    return _mark_stale(snapshot, stale, respond_json(answer))
+
+
+def _mark_stale(snapshot, stale: bool, response):
+    """Say in ``Pasto-Stale`` that the answer comes from the cached mixture because the database is
+    unavailable (it may have closed a round meanwhile; the client keeps the round it was given)."""
+    if stale:
+        response.headers[STALE_HEADER] = f"database unavailable; mixture of round {snapshot.round_index}"
+    return response

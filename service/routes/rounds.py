@@ -17,6 +17,16 @@ bp = Blueprint("rounds", __name__, url_prefix="/api/v1/experiments")
 #: Largest round index a request may name (rounds are 32-bit integers; SQLite overflows past 2**63).
 MAX_ROUND_INDEX = 2**31 - 1
 
+#: Without ``?limit=``, a page holds about this many per-arm cells (K per round and per-arm list),
+#: so a page stays a few megabytes at K = 10,000 (20 rounds) and a short history is one page.
+PAGE_ARM_ROUNDS = 200_000
+MAX_DEFAULT_PAGE_ROUNDS = 1000
+
+
+def default_page_rounds(n_arms: int) -> int:
+    """Rounds per page when the request gives no ``limit``: ``PAGE_ARM_ROUNDS / K``, 1 to 1000."""
+    return max(1, min(MAX_DEFAULT_PAGE_ROUNDS, PAGE_ARM_ROUNDS // n_arms))
+
 
 @bp.post("/<name>/rounds")
 @require_role("admin")
@@ -42,9 +52,12 @@ def close_current_round(name: str):
 @bp.get("/<name>/rounds")
 @require_role("read")
 def list_rounds(name: str):
-    """Every round oldest first; ``?since=<index>`` and ``?limit=<n>`` page through long histories."""
+    """Rounds oldest first, one page from ``?since=<index>`` (0): ``?limit=<n>`` rounds, by default
+    :func:`default_page_rounds`; ``next_since`` is the cursor of the next page (null after the last)."""
     since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
     limit = query_integer("limit", None, 1)
+    if limit is None:
+        limit = default_page_rounds(reports.arm_count(name))
     history = reports.round_history(name, since, limit)
     snapshot = history.snapshot
     entries = []
@@ -74,7 +87,9 @@ def list_rounds(name: str):
             guardrails_served=_guardrails(summary.get("guardrails")),
             guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
         ))
-    return respond(RoundList(rounds=entries))
+    last = since + limit - 1
+    next_since = last + 1 if last < history.snapshot.round_index else None
+    return respond(RoundList(rounds=entries, next_since=next_since))
 
 
 def _guardrails(stored: list[dict] | None) -> list[Guardrail] | None:

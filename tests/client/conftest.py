@@ -11,6 +11,7 @@ client's retry and idempotency logic is tested against the real server's behavio
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import secrets
 import subprocess
@@ -202,13 +203,15 @@ def true_means() -> dict[str, tuple[float, float]]:
 @dataclass
 class FlakyProxy:
     """Forwards to ``upstream``; ``script`` lists what to do with the next requests:
-    ``"503"`` (answer 503, do not forward) or ``"lose"`` (forward, then answer 502 as if the
+    ``"503"`` (answer 503, do not forward), ``"503 retry-after N"`` (the server's 503
+    ``database_unavailable`` with ``Retry-After: N``, not forwarded) or ``"lose"`` (forward, then answer 502 as if the
     response was lost). When the script is empty, requests are forwarded faithfully."""
 
     upstream: str
     port: int = 0
     script: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
+    seen_at: list[float] = field(default_factory=list)  # time.monotonic() of each entry of seen
     _server: http.server.ThreadingHTTPServer | None = None
 
     @property
@@ -226,8 +229,16 @@ class FlakyProxy:
                 with lock:
                     action = proxy.script.pop(0) if proxy.script else "forward"
                     proxy.seen.append(f"{self.command} {self.path} {action}")
+                    proxy.seen_at.append(time.monotonic())
                 if action == "503":
                     self._answer(503, b"Service Unavailable", "text/plain")
+                    return
+                if action.startswith("503 retry-after "):
+                    # What the server answers while its database is away, with the asked delay.
+                    error = {"error": {"code": "database_unavailable", "message": "The database is unavailable.",
+                                       "details": None}}
+                    self._answer(503, json.dumps(error).encode(), "application/json",
+                                 {"Retry-After": action.removeprefix("503 retry-after ")})
                     return
                 headers = {k: v for k, v in self.headers.items()
                            if k.lower() in ("authorization", "content-type", "accept")}
@@ -239,9 +250,12 @@ class FlakyProxy:
                 self._answer(upstream.status_code, upstream.content,
                              upstream.headers.get("Content-Type", "application/json"))
 
-            def _answer(self, status: int, content: bytes, content_type: str) -> None:
+            def _answer(self, status: int, content: bytes, content_type: str,
+                        headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
+                for header, value in (headers or {}).items():
+                    self.send_header(header, value)
                 self.send_header("Content-Length", str(len(content)))
                 self.end_headers()
                 self.wfile.write(content)

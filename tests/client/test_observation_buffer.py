@@ -87,6 +87,43 @@ def test_5xx_is_retried(server, proxy, create_experiment, true_means, caplog):
         assert counted(admin, name) == 10
 
 
+def test_503_with_retry_after_waits_at_least_that_long(server, proxy, create_experiment, true_means):
+    """The database is away: the 503's Retry-After (1 s) is honoured although the backoff is 0.01 s."""
+    name = create_experiment()
+    with Client(proxy.url, server.admin_token) as through_proxy:
+        with LocalAssigner(through_proxy, name) as assigner:
+            proxy.script[:] = ["503 retry-after 1"]
+            buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01)
+            add_assigned(buffer, assigner, 10, true_means)
+            buffer.close(timeout=30)
+    sent = [at for line, at in zip(proxy.seen, proxy.seen_at) if "observations" in line]
+    assert len(sent) == 2 and sent[1] - sent[0] >= 1.0, sent
+    assert buffer.retries == 1 and buffer.accepted == 10
+    with server.client() as admin:
+        assert counted(admin, name) == 10
+
+
+def test_retry_after_is_capped_by_max_backoff(server, proxy, create_experiment, true_means):
+    name = create_experiment()
+    with Client(proxy.url, server.admin_token) as through_proxy:
+        with LocalAssigner(through_proxy, name) as assigner:
+            proxy.script[:] = ["503 retry-after 3600"]
+            buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01, max_backoff=0.2)
+            add_assigned(buffer, assigner, 10, true_means)
+            buffer.close(timeout=30)
+    assert buffer.retries == 1 and buffer.accepted == 10 and buffer.pending == 0
+
+
+def test_the_client_reports_retry_after(server, proxy, create_experiment):
+    name = create_experiment()
+    with Client(proxy.url, server.admin_token) as through_proxy:
+        proxy.script[:] = ["503 retry-after 7"]
+        with pytest.raises(PastoAPIError) as raised:
+            through_proxy.observe(name, [{"id": "o1", "unit": "u1", "round": 0, "values": {"watch_time": 1.0}}])
+    assert (raised.value.status, raised.value.code, raised.value.retry_after) == (503, "database_unavailable", 7.0)
+    assert raised.value.retryable
+
+
 def test_a_lost_response_is_retried_without_double_counting(server, proxy, create_experiment, true_means):
     """The server commits the batch but the answer is lost: the retry carries the same ids."""
     name = create_experiment()

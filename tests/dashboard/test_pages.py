@@ -355,5 +355,43 @@ def test_a_guardrail_no_mixture_can_keep_is_red_on_the_overview_and_the_experime
     assert "violated (served)" in heading.inner_text() and "violated (deployed)" in heading.inner_text()
     served_badge = heading.locator(".badge", has_text="served")
     assert "bad" in served_badge.get_attribute("class").split()
+
+
+def test_the_experiment_page_reads_a_paged_history(live_server, browser, anonymous_loopback, monkeypatch):
+    """The rounds endpoint pages by default (next_since): the page follows the cursor to the end."""
+    from service.routes import rounds as rounds_route
+
+    name = live_server.experiment
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    n_arms = len(rounds[0]["probabilities"])
+    monkeypatch.setattr(rounds_route, "PAGE_ARM_ROUNDS", 4 * n_arms)  # pages of 4 rounds
+    first = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()
+    assert len(first["rounds"]) == 4 < len(rounds) and first["next_since"] == 4
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
+    context.close()
+
+
+def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, browser, anonymous_loopback, play_round):
+    name = live_server.experiment
+    context, page, console = open_page(browser, "desktop")
+    asked: list[int] = []
+    page.on("request", lambda request: asked.append(int(request.url.rsplit("since=", 1)[1]))
+            if f"/experiments/{name}/rounds?since=" in request.url else None)
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    before = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    page.wait_for_selector(f'#experiment[data-rounds="{len(before)}"]')
+    assert asked[0] == 0
+    first_not_final = next(entry["index"] for entry in before
+                           if entry["applied_at"] is None or entry["best_mixture"] is None)
+    play_round(name)
+    page.wait_for_selector(f'#experiment[data-rounds="{len(before) + 1}"]', timeout=15_000)
+    after = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
+    assert asked[1:] and all(since >= first_not_final > 0 for since in asked[1:]), asked
+    # What the page drew is the whole history as the server has it now.
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in after]
     assert console.problems == []
     context.close()

@@ -201,6 +201,57 @@ def test_postgres_killed_and_restarted_during_a_stream(cluster, cluster_url, ser
     assert_same_statistics(expected, stored_statistics(inspect_engine(cluster_url), 1))
 
 
+@pytest.mark.postgres
+@pytest.mark.parametrize("outage", ["killed", "stopped"])
+def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluster, cluster_url, service_processes,
+                                                                           outage):
+    """Assignment needs no write: with the database killed (SIGKILL) or stalled (SIGSTOP) it answers
+    200 from the cached mixture, the same arms as before, and says so in ``Pasto-Stale``; ingestion is
+    refused 503 with Retry-After; once the database is back the header goes away."""
+    server = service_processes.serve(cluster_url)
+    create_experiment(server.url)
+    units = {"units": [f"u{i}" for i in range(200)]}
+    before = requests.post(f"{server.url}{API}/assign", json=units, headers=HEADERS, timeout=30)
+    assert before.status_code == 200 and "Pasto-Stale" not in before.headers
+    observations = {"observations": [
+        {"id": f"o{i}", "unit": a["unit"], "round": a["round"], "arm": a["arm"], "values": {"x": 1.0, "y": 1.0}}
+        for i, a in enumerate(before.json()["assignments"])]}
+
+    if outage == "killed":
+        cluster.kill9()
+    else:
+        cluster.signal_server(signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            during = requests.post(f"{server.url}{API}/assign", json=units, headers=HEADERS, timeout=60)
+            assert during.status_code == 200, during.text
+            assert during.headers["Pasto-Stale"] == "database unavailable; mixture of round 0"
+            assert during.json() == before.json()
+            one = requests.post(f"{server.url}{API}/assign", json={"unit": "u7"}, headers=HEADERS, timeout=60)
+            assert one.status_code == 200 and one.headers["Pasto-Stale"].startswith("database unavailable")
+            assert one.json() == before.json()["assignments"][7]
+        refused = requests.post(f"{server.url}{API}/observations", json=observations, headers=HEADERS, timeout=60)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "database_unavailable"
+        assert int(refused.headers["Retry-After"]) > 0
+        unknown = requests.post(f"{server.url}{API}x/assign", json=units, headers=HEADERS, timeout=60)
+        assert unknown.status_code == 503, "an experiment never cached cannot be served without the database"
+    finally:
+        if outage == "killed":
+            cluster.start_server()
+        else:
+            cluster.signal_server(signal.SIGCONT)
+
+    def fresh_again() -> bool:
+        answer = requests.post(f"{server.url}{API}/assign", json=units, headers=HEADERS, timeout=60)
+        return answer.status_code == 200 and "Pasto-Stale" not in answer.headers
+
+    wait_until(fresh_again, 60, "assignment still served a stale mixture after the database came back")
+    accepted = requests.post(f"{server.url}{API}/observations", json=observations, headers=HEADERS, timeout=60)
+    assert accepted.status_code == 202, accepted.text
+    assert sum(1 for line in log_lines(server.log()) if "The database is unavailable" in line) == 1
+
+
 #: The stall. The issue's probe stopped PostgreSQL for 45 s against gunicorn's default 30 s timeout;
 #: here gunicorn runs with a 20 s timeout and the stall lasts 25 s: still longer than the worker
 #: timeout, so a request that waited for the database the whole stall would get its worker killed,

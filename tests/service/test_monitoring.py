@@ -265,3 +265,65 @@ def test_grafana_dashboard_is_valid_and_queries_only_exported_metrics(api):
     families = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in exported if not name.endswith("_created")}
     on_board = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in referenced}
     assert families - on_board == set()
+
+
+def test_per_arm_series_are_bounded_to_the_top_arms(sqlite_url, setup_a):
+    """PASTO_METRICS_TOP_ARMS = 3 of 10 arms: three series per per-arm metric (the arms of highest
+    probability; ties go to the lower position), the rest in one aggregate that keeps the totals."""
+    from service.auth import create_token
+    from tests.service.conftest import Api, make_app
+
+    application = make_app(sqlite_url, PASTO_METRICS_TOP_ARMS=3)
+    with get_db(application).write() as session:
+        tokens = {role: create_token(session, role, f"test-{role}") for role in ("read", "ingest", "admin")}
+    api = Api(application.test_client(), tokens)
+    name = "many-arms"
+    arms = [{"name": f"arm-{position}", "params": {"position": position}} for position in range(10)]
+    assert api("POST", "/api/v1/experiments", json=setup_a(name, arms=arms)).status_code == 201
+    units = [f"u{i}" for i in range(500)]
+    answer = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest", json={"units": units})
+    assignments = answer.get_json()["assignments"]
+    single = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest", json={"unit": "one-more"}).get_json()
+    assignments.append(single)
+    batch = [{"id": a["unit"], "unit": a["unit"], "round": a["round"], "values": {"x": 1.0, "y": 1.0}}
+             for a in assignments]
+    assert api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+               json={"observations": batch}).status_code == 202
+    samples = scrape(api)
+
+    top = {"arm-0", "arm-1", "arm-2"}  # uniform p_0 = 0.1 each: the first three positions
+    probabilities = by_label(samples["pasto_arm_probability"], "arm", experiment=name)
+    assert set(probabilities) == top and all(math.isclose(p, 0.1) for p in probabilities.values())
+    assert math.isclose(value(samples, "pasto_other_arms_probability", experiment=name), 0.7)
+    assert set(by_label(samples["pasto_arm_deployed_probability"], "arm", experiment=name)) == top
+    assert math.isclose(value(samples, "pasto_other_arms_deployed_probability", experiment=name), 0.7)
+    assert value(samples, "pasto_arms", experiment=name) == 10
+
+    per_arm = {arm: sum(1 for a in assignments if a["arm"] == arm) for arm in top}
+    in_top = {arm: count for arm, count in per_arm.items() if count}
+    assert by_label(samples["pasto_assignments_total"], "arm", experiment=name) == in_top
+    assert by_label(samples["pasto_observations_total"], "arm", experiment=name) == in_top
+    others = len(assignments) - sum(per_arm.values())
+    assert others > 0
+    assert value(samples, "pasto_other_arms_assignments_total", experiment=name) == others
+    assert value(samples, "pasto_other_arms_observations_total", experiment=name) == others
+    get_db(application).engine.dispose()
+
+
+def test_top_arms_keeps_the_most_probable_and_breaks_ties_by_position():
+    import numpy as np
+
+    from service.monitoring import top_arms
+
+    assert top_arms(np.array([0.1, 0.4, 0.1, 0.3, 0.1]), 2).tolist() == [1, 3]
+    assert top_arms(np.array([0.25, 0.25, 0.25, 0.25]), 3).tolist() == [0, 1, 2]
+    assert top_arms(np.array([0.5, 0.5]), 20).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("setting", ["0", "-3", "many", "1.5"])
+def test_an_unusable_top_arms_setting_is_refused(setting, sqlite_url):
+    from service.config import ConfigurationError
+    from tests.service.conftest import make_app
+
+    with pytest.raises(ConfigurationError, match="PASTO_METRICS_TOP_ARMS must be a positive whole number of arms"):
+        make_app(sqlite_url, PASTO_METRICS_TOP_ARMS=setting)

@@ -245,3 +245,41 @@ def test_rounds_can_be_read_page_by_page(api, setup_a):
         response = api("GET", f"{EXPERIMENT}/rounds?{query}", role="read")
         assert response.status_code == 422
         assert response.get_json()["error"]["details"][0]["location"] == location
+
+
+def test_the_history_is_paged_by_default_with_a_cursor(app, api, setup_a, serve, admin_token, monkeypatch):
+    """Without ``limit`` a page holds PAGE_ARM_ROUNDS / K rounds (here 6 / 2 = 3); ``next_since``
+    leads through every round to the current one, and the client follows it."""
+    from pasto_client import Client
+    from service.routes import rounds as rounds_route
+
+    monkeypatch.setattr(rounds_route, "PAGE_ARM_ROUNDS", 6)
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    for index in range(7):
+        observe(api, index, f"r{index}-", n=10)
+        assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
+    everything = api("GET", f"{EXPERIMENT}/rounds?limit=100", role="read").get_json()
+    assert [entry["index"] for entry in everything["rounds"]] == list(range(8))
+    assert everything["next_since"] is None
+
+    pages, since = [], 0
+    while since is not None:
+        page = api("GET", f"{EXPERIMENT}/rounds?since={since}", role="read").get_json()
+        pages.append([entry["index"] for entry in page["rounds"]])
+        since = page["next_since"]
+    assert pages == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert api("GET", f"{EXPERIMENT}/rounds?since=2&limit=2", role="read").get_json()["next_since"] == 4
+    assert api("GET", f"{EXPERIMENT}/rounds?since=99", role="read").get_json() == {"rounds": [], "next_since": None}
+
+    with Client(serve(app), admin_token) as client:
+        assert client.rounds("setup-a") == everything["rounds"]
+        assert client.rounds("setup-a", since=5) == everything["rounds"][5:]
+        assert client.rounds("setup-a", since=1, limit=2) == everything["rounds"][1:3]
+
+
+def test_default_page_size_bounds_the_cells_of_a_page():
+    from service.routes.rounds import default_page_rounds
+
+    assert default_page_rounds(2) == 1000
+    assert default_page_rounds(10_000) == 20
+    assert default_page_rounds(300_000) == 1

@@ -406,10 +406,31 @@ function render() {
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
 }
 
+// The round history, fetched incrementally: a round whose update has run and whose summary is
+// stored (applied_at and best_mixture set) changes only when a late observation arrives for it, so
+// a poll re-reads from the first round that is not final yet, or everything when the experiment's
+// count of late observations moved. The server pages the history: follow next_since to the end.
+let history = { rounds: [], late: null };
+
+async function roundsFrom(since) {
+  const rounds = [];
+  let cursor = since;
+  while (cursor !== null && cursor !== undefined) {
+    const page = await apiGet(`${path}/rounds?since=${cursor}`);
+    rounds.push(...page.rounds);
+    cursor = page.next_since;
+  }
+  return rounds;
+}
+
 async function refresh() {
-  const [experiment, { rounds }, diagnostics] = await Promise.all([
-    apiGet(path), apiGet(`${path}/rounds`), apiGet(`${path}/diagnostics`),
-  ]);
+  const [experiment, diagnostics] = await Promise.all([apiGet(path), apiGet(`${path}/diagnostics`)]);
+  let since = history.rounds.findIndex((entry) => entry.applied_at === null || entry.best_mixture === null);
+  if (since < 0) since = history.rounds.length;
+  if (diagnostics.late_observations !== history.late) since = 0;
+  const fresh = await roundsFrom(since);
+  const rounds = history.rounds.slice(0, since).concat(fresh);
+  history = { rounds, late: diagnostics.late_observations };
   latest = { experiment, rounds, diagnostics };
   render();
 }
