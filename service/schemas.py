@@ -202,7 +202,13 @@ def parse(model: type[BaseModel], data: Any, also_check: BodyCheck | None = None
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        problems = validation_problems(error) + (also_check(data) if also_check is not None else [])
+        problems = validation_problems(error)
+        if also_check is not None:
+            # One problem per offending item: an item the schema already refuses (a metric name that
+            # breaks the name pattern, say) is not also reported as unknown.
+            refused = [tuple(location) for location, _ in problems]
+            problems += [(location, message) for location, message in also_check(data)
+                         if not any(other[:len(location)] == tuple(location) for other in refused)]
         problems.sort(key=lambda problem: body_order(data, problem[0]))  # stable: same place, same order
         raise problems_error([{"location": format_location(location), "message": message}
                               for location, message in problems]) from None
