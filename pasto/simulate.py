@@ -356,6 +356,12 @@ def simulate(
     -------
     SimulationResult
     """
+    if scenario.segments is not None:
+        # Its means are per segment: read as one population they would give meaningless figures.
+        raise ValueError(
+            f"Scenario {scenario.name!r} has segments; simulate it with "
+            "pasto.segmented_simulate.simulate_segmented (bench/segments.py), not as one population."
+        )
     runs, rounds, queries = scenario.runs, scenario.rounds, scenario.queries_per_round
     n_metrics, n_arms = scenario.n_metrics, scenario.n_arms
     objective = scenario.objective()

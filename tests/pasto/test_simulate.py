@@ -324,3 +324,9 @@ def test_every_column_of_the_table_is_labelled_and_explained():
     for label in ("objective:", "relative gain:", "excluded:", "regret:"):
         assert label in legend
     assert "excl." not in header
+
+
+def test_a_segmented_scenario_is_refused_as_one_population():
+    scenario = load_scenario("segments-zipf")
+    with pytest.raises(ValueError, match="has segments; simulate it with pasto.segmented_simulate"):
+        simulate(scenario, make_policy("default"))
