@@ -25,6 +25,7 @@ import pytest
 import requests
 
 import migrations
+from service.config import load_config
 from tests.pgcluster import Cluster, postgres_bin_dir
 from tests.reliability.harness import (
     ADMIN_TOKEN, MEANS, NAME, assert_same_statistics, create_experiment, expected_statistics,
@@ -221,6 +222,11 @@ def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluste
         cluster.kill9()
     else:
         cluster.signal_server(signal.SIGSTOP)
+    # A snapshot checked less than PASTO_VERSION_CHECK_SECONDS ago is served without asking the database
+    # at all (fresh, no header): the stale answer starts with the first check after the outage began.
+    # SIGSTOP returns at once (kill9 waits for the processes to die), so without this wait the first
+    # answer could still be inside the window of the check made by `before` (seen in CI).
+    time.sleep(2 * load_config("unused")["PASTO_VERSION_CHECK_SECONDS"])
     try:
         for _ in range(3):
             during = requests.post(f"{server.url}{API}/assign", json=units, headers=HEADERS, timeout=60)
