@@ -356,8 +356,9 @@ def simulate(
     -------
     SimulationResult
     """
-    if scenario.segments is not None:
-        # Its means are per segment: read as one population they would give meaningless figures.
+    if scenario.segments is not None and len(scenario.segments.names) > 1:
+        # Its means are per segment: read as one population they would give meaningless figures (one
+        # segment is one population: pasto.segmented_simulate checks it reproduces this simulator).
         raise ValueError(
             f"Scenario {scenario.name!r} has segments; simulate it with "
             "pasto.segmented_simulate.simulate_segmented (bench/segments.py), not as one population."
