@@ -283,7 +283,12 @@ def test_postgres_stalled_healthz_answers_and_no_worker_is_killed(cluster, clust
         time.sleep(0.5)
         while time.monotonic() - stalled_at < STALL_SECONDS:
             started = time.monotonic()
-            status = requests.get(f"{server.url}/healthz", timeout=30).status_code
+            try:
+                status = requests.get(f"{server.url}/healthz", timeout=30).status_code
+            except requests.RequestException:  # the server's side of it: WORKER TIMEOUT, Booting worker
+                print(f"/healthz failed {time.monotonic() - stalled_at:.1f} s into the stall; server log:\n"
+                      f"{server.log()[-6000:]}\naccess log:\n{server.access_log.read_text()[-3000:]}")
+                raise
             health.append((status, time.monotonic() - started))
             time.sleep(0.5)
     finally:
