@@ -216,7 +216,7 @@ class FailingSink:
         self.batches.append(batch.records())
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the sink keeps its batches in memory for the test to read."""
 
 
 def test_a_failing_sink_is_reported_and_never_breaks_assignment(caplog):
@@ -272,7 +272,7 @@ class BlockingSink:
         self.written += len(batch)
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the sink keeps its batches in memory for the test to read."""
 
 
 def test_a_full_queue_drops_and_counts_and_never_blocks(caplog):

@@ -5,6 +5,7 @@ command, as the documentation has a reader do it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import subprocess
@@ -57,11 +58,9 @@ def doc_server(tmp_path: Path) -> Iterator[DocServer]:
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, log_path.read_text()
-            try:
+            with contextlib.suppress(requests.ConnectionError):  # not listening yet: ask again
                 if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
                     break
-            except requests.ConnectionError:
-                pass
             assert time.monotonic() < deadline, f"pasto serve did not answer in 60 s:\n{log_path.read_text()}"
             time.sleep(0.2)
         environment = {**server_environment, "PASTO": url, "ADMIN": admin, "INGEST": tokens["ingest"],
