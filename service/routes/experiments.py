@@ -43,6 +43,7 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         deployed=snapshot.deployed.tolist(),
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
+        source=config.get("source"),
     )
 
 
