@@ -316,3 +316,98 @@ def test_spark_source_matches_the_webhook(spark, tmp_path, monkeypatch):
     run.create({"engine": "spark", "url": "local[1]", "files": landing.files(), "mapping": mapping()})
     run_rounds(run, landing, np.random.default_rng(3))
     assert_same_as_webhook(run)
+
+
+def _metric_value(text: str, name: str, experiment: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("experiment") == experiment:
+                return sample.value
+    return None
+
+
+def test_a_broken_source_keeps_serving_shows_its_error_and_recovers(tmp_path, monkeypatch):
+    run = Run(f"sqlite:///{tmp_path / 'pasto.sqlite'}", monkeypatch)
+    landing = ParquetLanding(tmp_path / "warehouse")  # empty: no file matches the source's globs yet
+    run.create({"url": "duckdb:///:memory:", "files": landing.files(), "mapping": mapping()})
+    run.clock.now = round_start(0) + timedelta(seconds=1)
+    units = [f"r0-u{i}" for i in range(UNITS_PER_ROUND)]
+    arms = run.assign(units)
+    exposures, waves = draw_round(np.random.default_rng(4), 0, units, arms)
+    events = waves["on_time"] + waves["before_update"]
+    run.post_observations(0, events)
+    served = run.get(f"/api/v1/experiments/{Run.SOURCED}")["probabilities"]
+
+    for attempt in (1, 2):
+        run.tick(round_start(1) + timedelta(seconds=SETTLE_SECONDS + attempt))
+        experiment = run.get(f"/api/v1/experiments/{Run.SOURCED}")
+        assert experiment["round"]["index"] == 0 and experiment["applied_rounds"] == 0  # the round stays open
+        assert experiment["probabilities"] == served
+        assert run.get(f"/api/v1/experiments/{Run.WEBHOOK}")["applied_rounds"] == 1  # the twin closed
+        error = run.history(Run.SOURCED)["source_error"]
+        assert error is not None and error["failures"] == attempt
+        assert error["message"].startswith("The metric source at duckdb:///:memory: refused the query:")
+        assert "parquet" in error["message"].lower()
+        if attempt == 1:
+            since = error["since"]
+        assert error["since"] == since  # since the first failure of this run
+        assert run.get(f"/api/v1/experiments/{Run.SOURCED}/diagnostics")["source_error"] == error
+        health = run.client.get("/healthz")
+        assert health.status_code == 200
+        assert health.get_json()["status"] == "degraded"
+        assert health.get_json()["sources"] == [
+            {"experiment": Run.SOURCED, "message": error["message"], "since": error["since"]}]
+        metrics = run.call("GET", "/metrics").get_data(as_text=True)
+        assert _metric_value(metrics, "pasto_source_errors_total", Run.SOURCED) == attempt
+        assert _metric_value(metrics, "pasto_source_failing", Run.SOURCED) == 1
+    # Still serving: assignment answers from the mixture of round 0.
+    response = run.call("POST", f"/api/v1/experiments/{Run.SOURCED}/assign", run.ingest_token, json={"unit": "late-unit"})
+    assert response.status_code == 200 and response.get_json()["round"] == 0
+    # The admin's close says why it cannot close the round.
+    response = run.call("POST", f"/api/v1/experiments/{Run.SOURCED}/rounds", json={})
+    assert response.status_code == 502
+    assert response.get_json()["error"]["code"] == "source_failed"
+    assert "cannot close" in response.get_json()["error"]["message"]
+    assert run.history(Run.SOURCED)["source_error"]["failures"] == 3
+
+    # Fixed: the files land; the next tick closes the round with everything in it.
+    landing.land(exposures, events)
+    run.tick(round_start(1) + timedelta(seconds=SETTLE_SECONDS + 10))
+    experiment = run.get(f"/api/v1/experiments/{Run.SOURCED}")
+    assert experiment["round"]["index"] == 1 and experiment["applied_rounds"] == 1
+    sourced, webhook = run.history(Run.SOURCED), run.history(Run.WEBHOOK)
+    assert sourced["source_error"] is None
+    assert sourced["rounds"][0]["counts"] == webhook["rounds"][0]["counts"]
+    assert sum(sourced["rounds"][0]["counts"]) == len(events)
+    assert sourced["rounds"][0]["units"] == webhook["rounds"][0]["units"]
+    for metric in ("x", "y"):
+        np.testing.assert_allclose(np.array(sourced["rounds"][0]["means"][metric], dtype=float),
+                                   np.array(webhook["rounds"][0]["means"][metric], dtype=float), rtol=1e-9)
+    np.testing.assert_allclose(sourced["rounds"][0]["deployed"], webhook["rounds"][0]["deployed"], rtol=1e-9)
+    health = run.client.get("/healthz").get_json()
+    assert health["status"] == "ok" and health["sources"] == []
+    metrics = run.call("GET", "/metrics").get_data(as_text=True)
+    assert _metric_value(metrics, "pasto_source_errors_total", Run.SOURCED) == 3  # a counter: kept
+    assert _metric_value(metrics, "pasto_source_failing", Run.SOURCED) == 0
+
+
+@pytest.mark.parametrize("source, message", [
+    ({"url": "postgresql+psycopg://reader:secret@db/warehouse", "mapping": mapping()}, "contains a password"),
+    ({"url": "duckdb:///:memory:", "mapping": mapping(), "cache": True}, "unknown keys ['cache']"),
+    ({"mapping": mapping(), "sql": "SELECT 1"}, "exactly one of"),
+    ({"mapping": {**mapping(), "events": {**mapping()["events"], "metrics": {"x": "x"}}}}, "does not map"),
+    ({"mapping": {**mapping(), "events": {**mapping()["events"], "metrics": {"x": "x", "y": "y", "z": "z"}}}},
+     "['z'], which are not metrics"),
+    ({"sql": "SELECT 1", "late_rounds": -1}, "late_rounds"),
+    ("duckdb:///:memory:", "valid dictionary"),
+])
+def test_a_source_is_checked_at_creation(tmp_path, monkeypatch, source, message):
+    run = Run(f"sqlite:///{tmp_path / 'pasto.sqlite'}", monkeypatch)
+    response = run.call("POST", "/api/v1/experiments", json=experiment_body("checked", source))
+    assert response.status_code == 422, response.get_json()
+    details = response.get_json()["error"]["details"]
+    assert details[0]["location"] == "source"
+    assert message in details[0]["message"]
+    assert run.call("GET", "/api/v1/experiments/checked").status_code == 404
