@@ -41,6 +41,7 @@ from .. import store
 from ..db import Database
 from ..models import utcnow
 from ..sources import RoundStatistics, RoundWindow, SourceError, fetch_round_statistics, parse_source
+from ..sources.spec import MAX_LATE_ROUNDS
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +111,14 @@ def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, m
             return None
         if expected_round_index is not None and experiment.round_index != expected_round_index:
             return None
-        source = declared_source(experiment.config)
-        first = max(0, experiment.applied_rounds - source.late_rounds)
-        rounds = {index: (row.started_at, row.ends_at, row.closed_at)
-                  for index, row in store.rounds_from(session, experiment_id, first).items()}
+        rounds = {index: (row.started_at, row.ends_at, row.closed_at) for index, row in store.rounds_from(
+            session, experiment_id, max(0, experiment.applied_rounds - MAX_LATE_ROUNDS)).items()}
         arms = store.arm_names(session, experiment_id)
+    try:
+        source = declared_source(experiment.config)
+    except SourceError as error:  # stored before a stricter check: shown like any failure
+        _failed(database, experiment_id, experiment.name, None, str(error))
+    first = max(0, experiment.applied_rounds - source.late_rounds)
     work = due_work(experiment.round_index, experiment.applied_rounds,
                     {index: times[1] for index, times in rounds.items()},
                     timedelta(seconds=experiment.config["settle_seconds"]), now, manual)
@@ -133,12 +137,16 @@ def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, m
             results[index] = fetch_round_statistics(source, experiment.name, window, arms,
                                                     experiment.config["metrics"])
         except SourceError as error:
-            message = str(error)
-            store.record_source_failure(database, experiment_id, message, utcnow())
-            log.warning("Experiment %s: the metric source failed for round %s; the round stays open and is "
-                        "retried at the next tick: %s", experiment.name, index, message)
-            raise SourceFailed(message) from None
+            _failed(database, experiment_id, experiment.name, index, str(error))
     return SourceResults(started_at, results)
+
+
+def _failed(database: Database, experiment_id: int, name: str, round_index: int | None, message: str):
+    """Store and log a source failure, and raise :class:`SourceFailed`."""
+    store.record_source_failure(database, experiment_id, message, utcnow())
+    log.warning("Experiment %s: the metric source failed (round %s); the round stays open and is retried at "
+                "the next tick: %s", name, round_index, message)
+    raise SourceFailed(message)
 
 
 def apply_results(database: Database, session, experiment, work: DueWork, results: SourceResults | None,
