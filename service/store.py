@@ -599,8 +599,11 @@ def last_heartbeat(session: Session) -> datetime | None:
 
 # ------------------------------------------------------------------------------ metric sources
 def read_experiment(session: Session, experiment_id: int) -> sa.Row | None:
-    """The experiment's row without a lock (None: no such experiment)."""
-    return session.execute(sa.select(_experiments).where(_experiments.c.id == experiment_id)).one_or_none()
+    """``(name, status, config, round_index, applied_rounds)`` of the experiment without a lock (None: no
+    such experiment). Not its state, which is large at K = 10,000 and read on every scheduler tick."""
+    e = _experiments.c
+    return session.execute(sa.select(e.name, e.status, e.config, e.round_index, e.applied_rounds)
+                           .where(e.id == experiment_id)).one_or_none()
 
 
 def source_round(session: Session, experiment_id: int, round_index: int) -> tuple[dict, dict]:
