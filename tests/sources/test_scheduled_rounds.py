@@ -430,3 +430,55 @@ def test_a_source_is_checked_at_creation(tmp_path, monkeypatch, source, message)
     assert details[0]["location"] == "source"
     assert message in details[0]["message"]
     assert run.call("GET", "/api/v1/experiments/checked").status_code == 404
+
+
+def test_an_older_answer_is_never_applied_over_a_newer_one(tmp_path, monkeypatch):
+    """Two schedulers query the source; the one whose queries began first answers last: its result is
+    dropped (the round's update does not run with it), and the next tick updates the round with every row."""
+    import service.controller.rounds as rounds_controller
+    from service.controller.sources import fetch_due_rounds
+
+    run = Run(f"sqlite:///{tmp_path / 'pasto.sqlite'}", monkeypatch)
+    landing = ParquetLanding(tmp_path / "warehouse")
+    run.create({"url": "duckdb:///:memory:", "files": landing.files(), "mapping": mapping()})
+    run.clock.now = round_start(0) + timedelta(seconds=1)
+    units = [f"r0-u{i}" for i in range(UNITS_PER_ROUND)]
+    exposures, waves = draw_round(np.random.default_rng(5), 0, units, run.assign(units))
+    half = len(waves["on_time"]) // 2
+    first, second = waves["on_time"][:half], waves["on_time"][half:]
+    landing.land(exposures, first)
+    run.post_observations(0, first + second)
+    database = get_db(run.app)
+    with database.read() as session:
+        experiment_id = session.execute(sa.text("SELECT id FROM experiments WHERE name = :name"),
+                                        {"name": Run.SOURCED}).scalar_one()
+    close_time = round_start(1)
+    older = fetch_due_rounds(database, experiment_id, close_time, manual=False)  # the first half only
+    landing.land([], second)
+    newer = fetch_due_rounds(database, experiment_id, close_time, manual=False)  # every row
+    answers = iter([newer, older])
+    real_fetch = rounds_controller.fetch_due_rounds
+
+    def delayed_fetch(database, fetched_id, *args, **kwargs):
+        if fetched_id != experiment_id:  # the webhook twin
+            return real_fetch(database, fetched_id, *args, **kwargs)
+        return next(answers)
+
+    monkeypatch.setattr(rounds_controller, "fetch_due_rounds", delayed_fetch)
+
+    run.tick(close_time)  # the newer answer: round 0 closes, its first statement has every row
+    closed = run.history(Run.SOURCED)["rounds"][0]
+    assert closed["closed_at"] is not None and closed["applied_at"] is None
+    assert sum(closed["counts"]) == len(first) + len(second)
+    update_time = close_time + timedelta(seconds=SETTLE_SECONDS)
+    run.tick(update_time)  # the older answer arrives when the update is due: dropped, nothing runs
+    after = run.history(Run.SOURCED)["rounds"][0]
+    assert after["applied_at"] is None and after["counts"] == closed["counts"]
+    assert next(answers, None) is None  # both answers were used
+    monkeypatch.setattr(rounds_controller, "fetch_due_rounds", real_fetch)
+    run.tick(update_time + timedelta(seconds=1))  # the next tick queries again and updates
+    updated = run.history(Run.SOURCED)["rounds"][0]
+    webhook = run.history(Run.WEBHOOK)["rounds"][0]
+    assert updated["applied_at"] is not None and updated["late_observations"] == 0
+    assert updated["counts"] == closed["counts"] == webhook["counts"] and updated["units"] == webhook["units"]
+    np.testing.assert_allclose(updated["deployed"], webhook["deployed"], rtol=1e-9)
