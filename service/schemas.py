@@ -121,7 +121,7 @@ class ExperimentCreate(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     #: A metric source (``service.sources.spec``): checked by ``parse_source`` at creation.
-    source: dict[str, Any] | None = Field(
+    source: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = Field(
         default=None, description="Warehouse-native metric source (docs/scaling.md): the scheduler queries it at "
                                   "each round's update. Secrets by environment-variable name only.")
 

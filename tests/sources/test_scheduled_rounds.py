@@ -482,3 +482,11 @@ def test_an_older_answer_is_never_applied_over_a_newer_one(tmp_path, monkeypatch
     assert updated["applied_at"] is not None and updated["late_observations"] == 0
     assert updated["counts"] == closed["counts"] == webhook["counts"] and updated["units"] == webhook["units"]
     np.testing.assert_allclose(updated["deployed"], webhook["deployed"], rtol=1e-9)
+
+
+def test_a_source_that_cannot_be_stored_is_a_422(tmp_path, monkeypatch):
+    run = Run(f"sqlite:///{tmp_path / 'pasto.sqlite'}", monkeypatch)
+    response = run.call("POST", "/api/v1/experiments", json=experiment_body(
+        "checked", {"sql": "SELECT 1 -- \x00", "url": "duckdb:///:memory:"}))
+    assert response.status_code == 422
+    assert response.get_json()["error"]["details"][0]["location"].startswith("source")
