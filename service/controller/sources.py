@@ -138,6 +138,11 @@ def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, m
                                                     experiment.config["metrics"])
         except SourceError as error:
             _failed(database, experiment_id, experiment.name, index, str(error))
+        except Exception as error:  # a driver's exception the source step does not know: shown all the same
+            log.exception("Experiment %s: the metric source raised an unexpected error", experiment.name)
+            first_line = (str(error).strip().splitlines() or [""])[0][:400]
+            _failed(database, experiment_id, experiment.name, index,
+                    f"The metric source failed unexpectedly: {type(error).__name__}: {first_line}")
     return SourceResults(started_at, results)
 
 

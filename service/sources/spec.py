@@ -158,7 +158,10 @@ class MetricSource:
                 raise SourceError(
                     f"The environment variable {self.password_env} (the metric source's password) "
                     "is not set.")
-            url = sa.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+            try:
+                url = sa.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+            except (sa.exc.ArgumentError, ValueError):
+                raise SourceError(f"The metric source's URL {self.describe_url()} is not an SQLAlchemy URL.") from None
         return url
 
     def describe_url(self) -> str:
@@ -287,7 +290,7 @@ def parse_source(spec: Any) -> MetricSource:
     if engine == "sqlalchemy" and url is not None:
         try:
             parsed = sa.engine.make_url(url)
-        except sa.exc.ArgumentError as error:
+        except (sa.exc.ArgumentError, ValueError) as error:  # ValueError: a port that is not a number
             raise SourceError(f"The metric source's URL {url!r} is not an SQLAlchemy URL ({error}).") from None
         if parsed.password is not None:
             raise SourceError(

@@ -421,6 +421,8 @@ def test_a_broken_source_keeps_serving_shows_its_error_and_recovers(tmp_path, mo
      "['z'], which are not metrics"),
     ({"sql": "SELECT 1", "late_rounds": -1}, "late_rounds"),
     ("duckdb:///:memory:", "valid dictionary"),
+    ({"url": "duckdb://host:abc/x", "mapping": mapping()}, "is not an SQLAlchemy URL"),
+    ({"url": "postgresql://reader@[::1/db", "mapping": mapping()}, "is not an SQLAlchemy URL"),
 ])
 def test_a_source_is_checked_at_creation(tmp_path, monkeypatch, source, message):
     run = Run(f"sqlite:///{tmp_path / 'pasto.sqlite'}", monkeypatch)
