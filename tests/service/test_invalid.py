@@ -54,11 +54,14 @@ def test_wrong_method_is_a_json_405(api, created):
 
 
 @pytest.mark.parametrize("method, suffix", [
-    ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("GET", "/rounds"), ("POST", "/rounds"),
+    ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("POST", "/statistics"), ("GET", "/rounds"),
+    ("POST", "/rounds"),
     ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"),
 ])
 def test_unknown_experiment_is_404(api, method, suffix):
-    bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]}}
+    bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]},
+              "/statistics": {"batch_id": "b", "cells": [{"round": 0, "arm": "a", "metric": "x", "count": 1, "sum": 1.0,
+                                                          "sum_of_squares": 1.0}]}}
     body = bodies.get(suffix)
     error = error_of(api(method, f"/api/v1/experiments/nope{suffix}", json=body), 404)
     assert "nope" in error["message"]
