@@ -22,7 +22,6 @@ transaction and then finds the id (``store.insert_statistics_batch``); SQLite ru
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +55,12 @@ def name_problems(name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
     return statistics_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
 
 
-def content_hash(batch: StatisticsBatch) -> str:
-    """SHA-256 (hex) of the batch's content, independent of the order of its entries and of how a number
-    was written (``2`` and ``2.0`` are the same sum)."""
-    cells = sorted((cell.round, cell.arm, cell.metric, cell.count, float(cell.sum), float(cell.sum_of_squares))
-                   for cell in batch.cells)
-    units = sorted((entry.round, entry.arm, entry.units) for entry in batch.units)
-    text = json.dumps({"cells": cells, "units": units}, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+def content_hash(cells: list[tuple], units: list[tuple[int, int, int]]) -> str:
+    """SHA-256 (hex) of a batch's content as :func:`resolve` gives it (sorted by key, sums as floats):
+    independent of the order of the entries and of how a number was written (``2`` and ``2.0`` are the
+    same sum). ``repr`` of a float is the shortest text that reads back as the same double, so equal
+    content gives equal text; it is several times cheaper than JSON for 5,000 cells."""
+    return hashlib.sha256(repr((cells, units)).encode()).hexdigest()
 
 
 def resolve(snapshot: Snapshot, batch: StatisticsBatch) -> tuple[list[tuple], list[tuple[int, int, int]]]:
@@ -126,7 +123,7 @@ def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsR
         snapshot = get_cache().get(snapshot.name, fresh=True)  # another worker may have started a newer round
     cells, units = resolve(snapshot, batch)
     first_round = min([cell[0] for cell in cells] + [entry[0] for entry in units])
-    digest = content_hash(batch)
+    digest = content_hash(cells, units)
     database = get_db()
     with database.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
