@@ -228,7 +228,7 @@ def write_section(section: str, path: Path) -> None:
     path.write_text(text.rstrip("\n") + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7, help="passes per side (after one warm-up pair)")
     parser.add_argument("--postgres", action="store_true", help="also PostgreSQL (PASTO_BENCH_POSTGRES_URL or a "
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     section = render(results, command, args.repeats, time.perf_counter() - started, (load_before, os.getloadavg()[0]))
     print(section)
     if args.write_docs:
-        write_section(section, DOCS)
+        write_section(section, docs)
     return results
 
 
