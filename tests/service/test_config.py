@@ -130,10 +130,10 @@ def test_unusable_retention_is_refused(monkeypatch, tmp_path, text):
 
 def test_the_scheduler_prunes_with_the_configured_retention(sqlite_url, setup_a):
     """run_retention (the scheduler's job) prunes a round applied longer ago than PASTO_RETENTION_SECONDS."""
+    import sqlalchemy as sa
+
     from service.models import Experiment
     from service.scheduler import run_retention
-
-    import sqlalchemy as sa
 
     app = make_app(sqlite_url, PASTO_RETENTION_SECONDS=0)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
