@@ -8,7 +8,7 @@ attempts, and when the newest applied query began. The declaration itself is in
 ``experiments.config["source"]`` (JSON; secrets by environment-variable name only). No data moves.
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0008'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 
