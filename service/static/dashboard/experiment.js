@@ -74,6 +74,8 @@ const eventMarkerPlugin = {
     ctx.setLineDash([4, 3]);
     ctx.font = `11px ${Chart.defaults.font.family}`;
     ctx.textBaseline = "top";
+    // Right edge of the last label on each text row: a label that would overlap one goes a row lower.
+    const rowEnds = [];
     for (const marker of options.markers ?? []) {
       const position = x.getPixelForValue(marker.round);
       if (position < chartArea.left - 1 || position > chartArea.right + 1) continue;
@@ -84,7 +86,10 @@ const eventMarkerPlugin = {
       // The label goes to the line's left when it would run past the chart's right edge.
       const width = ctx.measureText(marker.label).width;
       const left = position + 3 + width > chartArea.right ? position - 3 - width : position + 3;
-      ctx.fillText(marker.label, left, chartArea.top + 2);
+      let row = rowEnds.findIndex((end) => left > end + 4);
+      if (row < 0) row = rowEnds.length;
+      rowEnds[row] = left + width;
+      ctx.fillText(marker.label, left, chartArea.top + 2 + 13 * row);
     }
     ctx.restore();
   },
@@ -100,12 +105,23 @@ const eventMarkerPlugin = {
   },
 };
 
+function markerFooter(items) {
+  const round = items.length ? items[0].parsed.x : null;
+  return markers.find((marker) => marker.round === round)?.description ?? "";
+}
+
 // Creates the chart on first use; afterwards swaps its data and options in place, so polling does not
 // flicker and the round axis follows new rounds. Round-axis charts (a linear x) get the event markers.
 function drawChart(id, config) {
   if (config.options?.scales?.x?.type === "linear") {
     config.plugins = [eventMarkerPlugin];
-    config.options.plugins = { ...config.options.plugins, eventMarkers: { markers } };
+    const tooltip = config.options.plugins?.tooltip ?? {};
+    config.options.plugins = {
+      ...config.options.plugins,
+      eventMarkers: { markers },
+      // The tooltip of a round with events ends with what happened in it.
+      tooltip: { ...tooltip, callbacks: { ...tooltip.callbacks, footer: markerFooter } },
+    };
   }
   if (charts[id]) {
     charts[id].data = config.data;
