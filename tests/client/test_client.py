@@ -73,6 +73,10 @@ def test_every_route_round_trips(server, admin, create_experiment, true_means):
     assert admin.resume(name)["status"] == "running"
     assert admin.stop(name)["status"] == "stopped"
     assert admin.get_experiment(name)["status"] == "stopped"
+    events = admin.events(name)
+    assert [(event["kind"], event["round"]) for event in events] == [
+        ("created", 0), ("paused", 2), ("resumed", 2), ("stopped", 2)]
+    assert [event["kind"] for event in admin.events(name, since=events[2]["id"])] == ["resumed", "stopped"]
     health = admin.health()
     assert health["status"] == "ok" and health["database"]["reachable"] is True
     assert admin.openapi()["openapi"].startswith("3.1")
