@@ -93,8 +93,7 @@ def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until
         if until.done():
             return False
         if lock.held():
-            server.freeze()
-            time.sleep(0.02)  # SIGSTOP is asynchronous: let every thread stop
+            server.freeze()  # returns once every thread has stopped
             if lock.held() and inside():
                 return True
             server.thaw()
