@@ -119,6 +119,7 @@ def test_server_errors_become_pasto_api_errors(server, admin, create_experiment)
 
 
 def test_unreachable_server_raises_connection_error():
+    # Not a bound: the connection is refused at once; the timeout only ends a hang.
     with Client(f"http://127.0.0.1:{closed_port()}", "token", timeout=2) as client:
         with pytest.raises(PastoConnectionError):
             client.list_experiments()

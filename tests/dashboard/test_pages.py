@@ -244,6 +244,8 @@ def test_experiment_page_refreshes_without_reloading(live_server, browser, anony
     page.wait_for_selector(f'#experiment[data-rounds="{before}"]')
     page.evaluate("window.__sameDocument = true")
     play_round(name)
+    # Tolerance: a poll every 0.5 s (PASTO_DASHBOARD_POLL_SECONDS) redraws within a second; 15 s allows a
+    # loaded machine 30 polls.
     page.wait_for_selector(f'#experiment[data-rounds="{before + 1}"]', timeout=15_000)
     assert page.evaluate("window.__sameDocument === true")
     assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
@@ -388,6 +390,7 @@ def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, brow
     first_not_final = next(entry["index"] for entry in before
                            if entry["applied_at"] is None or entry["best_mixture"] is None)
     play_round(name)
+    # Tolerance: as above, 15 s for a redraw that a 0.5 s poll makes within a second.
     page.wait_for_selector(f'#experiment[data-rounds="{len(before) + 1}"]', timeout=15_000)
     after = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
     assert asked[1:] and all(since >= first_not_final > 0 for since in asked[1:]), asked

@@ -86,6 +86,8 @@ class ServiceProcess:
 
     def wait_healthy(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``GET /healthz`` answers 200 (schema current, database reachable)."""
+        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine (interpreter,
+        # imports, schema check).
         deadline = time.monotonic() + deadline_seconds
         while True:
             if not self.running():
@@ -100,6 +102,7 @@ class ServiceProcess:
 
     def wait_scheduling(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``pasto worker`` has logged that its scheduler runs."""
+        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine.
         deadline = time.monotonic() + deadline_seconds
         while "pasto worker: closing due rounds" not in self.log():
             if not self.running():

@@ -88,6 +88,8 @@ def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until
     returns True with the server frozen inside its transaction, or thaws it and keeps polling. Returns
     False (server running) once ``until`` is done, e.g. the request finished before it could be caught.
     """
+    # Hang guard, not a tolerance: the write lock is taken within a second of the stream starting; `seconds` (60)
+    # only ends a failing run.
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if until.done():
