@@ -20,6 +20,7 @@ from pasto.scenario import Scenario
 from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 from .groundtruth import Solution, arm_names, experiment_objective
+from .supervise import StopRequested
 
 log = logging.getLogger("pasto.demo")
 
@@ -95,10 +96,20 @@ def report_round(client: Client, name: str, round_index: int, objective: Objecti
 
 
 def _print_round_line(line: str, overwrite: bool) -> None:
-    if overwrite:
-        print(f"\r{line}", end="", flush=True)
-    else:
-        print(line, flush=True)
+    """Print a round's line; when standard output is gone, stop the demo as its hang-up asks.
+
+    A closed terminal fails writes with EIO at once, but its SIGHUP reaches the demo's handler only
+    when the main thread next runs Python code: a round line printed in between raised OSError and
+    ended the demo with a traceback and status 1 instead of stopping its server in order (seen in
+    tests/service/test_demo.py's closed-terminal test on a loaded machine)."""
+    try:
+        if overwrite:
+            print(f"\r{line}", end="", flush=True)
+        else:
+            print(line, flush=True)
+    except OSError:
+        sys.stdout = open(os.devnull, "w")  # later messages and the flush at exit go nowhere
+        raise StopRequested("Standard output is gone (the terminal was closed).") from None
 
 
 def end_overwritten_line() -> None:
