@@ -96,20 +96,16 @@ def report_round(client: Client, name: str, round_index: int, objective: Objecti
 
 
 def _print_round_line(line: str, overwrite: bool) -> None:
-    """Print a round's line; when standard output is gone, stop the demo as its hang-up asks.
-
-    A closed terminal fails writes with EIO at once, but its SIGHUP reaches the demo's handler only
-    when the main thread next runs Python code: a round line printed in between raised OSError and
-    ended the demo with a traceback and status 1 instead of stopping its server in order (seen in
-    tests/service/test_demo.py's closed-terminal test on a loaded machine)."""
     try:
         if overwrite:
             print(f"\r{line}", end="", flush=True)
         else:
             print(line, flush=True)
-    except OSError:
-        sys.stdout = open(os.devnull, "w")  # later messages and the flush at exit go nowhere
-        raise StopRequested("Standard output is gone (the terminal was closed).") from None
+    except OSError as error:
+        # The terminal went away (EIO) and its SIGHUP has not arrived yet, or never will: stop as the
+        # SIGHUP would have, instead of dying with a traceback and leaving the server running.
+        sys.stdout = open(os.devnull, "w")
+        raise StopRequested("The terminal went away.") from error
 
 
 def end_overwritten_line() -> None:
