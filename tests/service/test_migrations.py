@@ -13,8 +13,9 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
-#: Tables of revisions after 0006: gone whenever the round trip below downgrades to 0005 or earlier.
-TABLES_AFTER_0006 = {"experiment_events"}
+#: Tables of revisions after 0006 (0007 statistics batches, 0011 experiment events): gone whenever the
+#: round trip below downgrades to 0005 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "experiment_events"}
 
 
 def _tables(url: str) -> set[str]:
@@ -64,6 +65,16 @@ def _check_round_trip(url: str) -> None:
             "experiment_id", "round_index", "arm_index", "metric_index"]
         _check_late_schema(inspector)
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
+        _check_retention_schema(inspector)
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0006")  # 0007 alone: the batch table, pruned_rounds and the index go
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006
+        assert "pruned_rounds" not in [column["name"] for column in inspector.get_columns("experiments")]
+        assert inspector.get_indexes("observation_ids") == []
     finally:
         engine.dispose()
     _check_token_lifecycle_round_trip(url)
@@ -98,6 +109,17 @@ def _check_round_trip(url: str) -> None:
     assert _tables(url) == set()
     migrations.upgrade(url)
     assert _tables(url) == EXPECTED_TABLES
+
+
+def _check_retention_schema(inspector) -> None:
+    """Revision 0007: ``statistics_batches`` keyed by (experiment, batch id), ``experiments.pruned_rounds``
+    (NOT NULL, default 0) and the index of observation ids by round."""
+    assert inspector.get_pk_constraint("statistics_batches")["constrained_columns"] == ["experiment_id", "batch_id"]
+    (pruned,) = [column for column in inspector.get_columns("experiments") if column["name"] == "pruned_rounds"]
+    assert pruned["nullable"] is False and "0" in str(pruned["default"])
+    (index,) = inspector.get_indexes("observation_ids")
+    assert index["name"] == "ix_observation_ids_round"
+    assert index["column_names"] == ["experiment_id", "round_index"]
 
 
 def _check_fold_schema(inspector, dialect: str) -> None:
