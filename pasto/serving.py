@@ -65,6 +65,7 @@ __all__ = [
     "constrained_optimum",
     "has_hard_guardrails",
     "arm_posterior",
+    "change_detected",
     "choose",
     "hard_constraints",
     "initial_state",
@@ -469,8 +470,18 @@ def _soft_gradient(objective: Objective, x: np.ndarray, thresholds: np.ndarray) 
     return gradient
 
 
-def _change_detected(config: ServingConfig, statistics: Statistics, block: Statistics) -> np.ndarray:
-    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...)."""
+def change_detected(statistics: Statistics, block: Statistics, level: float) -> np.ndarray:
+    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...).
+
+    Parameters
+    ----------
+    statistics : Statistics, shape (..., M, K)
+        The evidence since the last detected change, the latest block included.
+    block : Statistics, shape (..., M, K)
+        The latest block's observations.
+    level : float
+        Family-wise false-alarm probability over the M K two-sample z tests, in (0, 1).
+    """
     n_block = block.counts
     n_rest = statistics.counts - n_block
     usable = (n_block >= 2) & (n_rest >= 2)
@@ -493,7 +504,7 @@ def _change_detected(config: ServingConfig, statistics: Statistics, block: Stati
         )
     z = np.where(usable & np.isfinite(z), z, 0.0)
     tests = max(1, int(np.prod(statistics.shape[-2:])))
-    critical = float(ndtri(1.0 - config.change_level / (2.0 * tests)))
+    critical = float(ndtri(1.0 - level / (2.0 * tests)))
     return np.max(z, axis=(-2, -1)) > critical
 
 
@@ -540,7 +551,7 @@ def _advance(config, objective, state, round_statistics):
     block = state.block + round_statistics
     resets = state.resets
     if config.change_level > 0 and t % config.change_every == 0:
-        changed = _change_detected(config, statistics, block)
+        changed = change_detected(statistics, block, config.change_level)
         if changed.any():
             # Start afresh: the block that raised the alarm is the most extreme stretch of the
             # data, so keeping it would bias the new estimate (a false alarm on setup A kept a
