@@ -74,6 +74,9 @@ __all__ = [
     "SegmentedState",
     "initial_segmented_state",
     "segmented_update",
+    "check_scopes",
+    "aggregate_state",
+    "measured_shares",
 ]
 
 SCOPES = ("segment", "global")
@@ -240,6 +243,12 @@ def _check_scopes(objective: Objective, scopes) -> tuple[str, ...]:
             f"on {soft} are soft (penalised). Give them 'hard': true."
         )
     return scopes
+
+
+def check_scopes(objective: Objective, scopes) -> tuple[str, ...]:
+    """The scopes as a tuple, or a ``ValueError`` sentence: one scope per guardrail, each in
+    :data:`SCOPES`, and hard guardrails only (the joint problem is a linear program)."""
+    return _check_scopes(objective, scopes)
 
 
 @dataclass(frozen=True)
@@ -516,6 +525,19 @@ class SegmentedConfig:
             "confidence_z": self.confidence_z,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> SegmentedConfig:
+        """Inverse of :meth:`to_dict`: ``SegmentedConfig.from_dict(c.to_dict()) == c``."""
+        unknown = sorted(set(data) - {"algorithm", "scopes", "shrink", "confidence_z"})
+        if unknown:
+            raise ValueError(f"Unknown segmented configuration key(s) {unknown}.")
+        return cls(
+            algorithm=algorithm.AlgorithmConfig.from_dict(dict(data.get("algorithm", {}))),
+            scopes=tuple(data.get("scopes", ())),
+            shrink=bool(data.get("shrink", True)),
+            confidence_z=data.get("confidence_z", 2.0),
+        )
+
 
 @dataclass(frozen=True)
 class SegmentedState:
@@ -531,6 +553,34 @@ class SegmentedState:
 
     controller: algorithm.ControllerState
     joint: np.ndarray
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict: the per-segment controller's :meth:`ControllerState.to_dict` (arrays
+        with the segment axis) and the joint mixtures as nested lists."""
+        return {"controller": self.controller.to_dict(), "joint": np.asarray(self.joint).tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SegmentedState:
+        """Inverse of :meth:`to_dict` (arrays compare equal after the round trip)."""
+        missing = [key for key in ("controller", "joint") if key not in data]
+        if missing:
+            raise ValueError(f"The segmented state is missing the key(s) {missing}.")
+        unknown = sorted(set(data) - {"controller", "joint"})
+        if unknown:
+            raise ValueError(f"The segmented state has unknown key(s) {unknown}.")
+        controller = algorithm.ControllerState.from_dict(data["controller"])
+        joint = np.asarray(data["joint"], dtype=float)
+        if joint.shape != controller.probabilities.shape:
+            raise ValueError(
+                f"The joint mixtures have shape {joint.shape}, the served ones {controller.probabilities.shape}; "
+                "they must agree (segments x arms)."
+            )
+        return cls(controller=controller, joint=joint)
+
+    @property
+    def n_segments(self) -> int:
+        """S, the number of segments."""
+        return int(self.joint.shape[-2])
 
     @property
     def probabilities(self) -> np.ndarray:
@@ -550,6 +600,56 @@ def initial_segmented_state(
     batch = tuple(batch_shape) + (int(n_segments),)
     controller = algorithm.initial_state(config.algorithm, n_arms, n_metrics, batch)
     return SegmentedState(controller=controller, joint=np.full(batch + (n_arms,), 1.0 / n_arms))
+
+
+def aggregate_state(state: SegmentedState, shares: np.ndarray) -> algorithm.ControllerState:
+    """The traffic-weighted aggregate of a (unbatched) segmented state, as one ``ControllerState``.
+
+    What the platform as a whole is served: probabilities, deployed mixture and schedule sums are
+    sum_s w_s x_s; the estimator accumulators are per segment and left out (None), so estimates on the
+    aggregate read pooled statistics.
+
+    Parameters
+    ----------
+    state : SegmentedState
+        Batch shape (S,): arrays (S, K).
+    shares : ndarray, shape (S,)
+        Traffic shares w_s (sum 1).
+
+    Returns
+    -------
+    ControllerState
+        Arrays (K,) (guardrail weights (G,)).
+    """
+    controller = state.controller
+    shares = _validate_shares(shares, state.n_segments)
+    deployed = shares @ controller.deployed
+    log_deployed = np.log(np.maximum(deployed, np.exp(-700.0)))
+    return algorithm.ControllerState(
+        round_index=controller.round_index,
+        probabilities=shares @ controller.probabilities,
+        deployed=deployed,
+        log_weights=log_deployed - np.log(np.exp(log_deployed).sum()),
+        probability_sum=shares @ controller.probability_sum,
+        stage_probability_sum=shares @ controller.stage_probability_sum,
+        gradient_square_sum=np.asarray(shares @ np.asarray(controller.gradient_square_sum, dtype=float)),
+        guardrail_weights=shares @ controller.guardrail_weights,
+        history=None,
+        baseline=None,
+        discounted=None,
+    )
+
+
+def measured_shares(counts: np.ndarray, expected: np.ndarray | None = None) -> np.ndarray:
+    """Traffic shares (S,) from observation counts per segment (S,): the measured ones once there is any
+    observation, else ``expected`` (else equal shares)."""
+    counts = np.asarray(counts, dtype=float)
+    total = counts.sum()
+    if total > 0:
+        return counts / total
+    if expected is not None:
+        return np.asarray(expected, dtype=float)
+    return np.full(counts.shape, 1.0 / counts.size)
 
 
 def segmented_update(
