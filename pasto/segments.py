@@ -54,6 +54,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from pasto import algorithm
+from pasto.diagnostics import guardrail_report
 from pasto.estimators import Estimate, Statistics, pooled_estimate
 from pasto.objectives import Objective
 from pasto.optimum import solve
@@ -77,6 +78,8 @@ __all__ = [
     "check_scopes",
     "aggregate_state",
     "measured_shares",
+    "SegmentReport",
+    "segment_report",
 ]
 
 SCOPES = ("segment", "global")
@@ -754,3 +757,102 @@ def _joint_step(config, objective, scopes, pooled_statistics, shares, previous) 
             ).probabilities
         joint[index] = mixtures
     return joint
+
+
+# ----------------------------------------------------------------------------- reporting
+@dataclass(frozen=True)
+class SegmentReport:
+    """How a segmented controller is doing on its current (shrunk) estimate; no batch dimensions.
+
+    Attributes
+    ----------
+    estimate : Estimate
+        Per-segment estimate, (S, M, K) (:func:`shrunk_estimate`).
+    shares : ndarray, shape (S,)
+    thresholds : ndarray, shape (S, G)
+        From :func:`resolve_thresholds` on the estimate.
+    segment_values : ndarray, shape (S,)
+        a . (means_s p_s) of each segment's deployed mixture.
+    platform_value : float
+        sum_s w_s a . (means_s p_s) of the deployed per-segment mixtures.
+    global_mixture : ndarray, shape (K,)
+        The best single mixture for every segment under the same guardrails (:func:`global_mixture`).
+    global_value : float
+        Its platform value.
+    gain : float
+        platform_value - global_value: what segmenting gains over one global mixture.
+    gain_interval : ndarray, shape (2,)
+        95% interval of the gain (delta method, mixtures held fixed, cells independent).
+    guardrails : tuple of dict
+        Per segment (S entries), :func:`pasto.diagnostics.guardrail_report` of its deployed mixture on
+        its own estimate.
+    platform_guardrails : tuple of dict
+        Per guardrail: the traffic-weighted platform value sum_s w_s g_j . (means_s p_s), its 95%
+        interval, the threshold in force (global: c_j; segment-scoped: sum_s w_s c_{s,j}), the scope, and
+        whether it holds.
+    """
+
+    estimate: Estimate
+    shares: np.ndarray
+    thresholds: np.ndarray
+    segment_values: np.ndarray
+    platform_value: float
+    global_mixture: np.ndarray
+    global_value: float
+    gain: float
+    gain_interval: np.ndarray
+    guardrails: tuple
+    platform_guardrails: tuple
+
+
+def segment_report(
+    config: SegmentedConfig, objective: Objective, deployed: np.ndarray, pooled_statistics: Statistics, shares
+) -> SegmentReport:
+    """Per-segment values and guardrails, the platform-wide guardrails and the gain of segmenting.
+
+    Parameters
+    ----------
+    config : SegmentedConfig
+    objective : Objective
+    deployed : ndarray, shape (S, K)
+        The per-segment mixtures to report on.
+    pooled_statistics : Statistics, shape (S, M, K)
+    shares : ndarray, shape (S,)
+    """
+    scopes = _check_scopes(objective, config.scopes)
+    deployed = np.asarray(deployed, dtype=float)
+    n_segments, n_arms = deployed.shape
+    shares = _validate_shares(shares, n_segments)
+    current = shrunk_estimate(pooled_statistics, config.shrink)
+    means = current.means
+    errors = np.nan_to_num(current.standard_errors, nan=0.0)
+    thresholds = resolve_thresholds(objective, means, shares, scopes)
+    platform, _, primary = segmented_values(objective, means, shares, deployed, thresholds)
+    tied = _solve_tied(objective, means, shares, scopes)
+    tied_value = float(segmented_values(objective, means, shares, np.broadcast_to(tied, deployed.shape), thresholds)[0])
+    gain = float(platform) - tied_value
+    weights = objective.primary_weights
+    gain_variance = float(np.einsum("s,m,smk,sk->", shares**2, weights**2, errors**2, (deployed - tied[None, :]) ** 2))
+    half = 1.959963984540054 * math.sqrt(gain_variance)
+    per_segment = tuple(
+        tuple(guardrail_report(objective, Estimate(means[s], current.standard_errors[s]), deployed[s]))
+        for s in range(n_segments)
+    )
+    platform_rows = []
+    rows = objective.guardrail_rows
+    for j, (guardrail, scope) in enumerate(zip(objective.guardrails, scopes)):
+        values = np.einsum("sk,sk->s", means[:, rows[j], :], deployed)
+        value = float(shares @ values)
+        error = math.sqrt(float(np.einsum("s,sk,sk->", shares**2, errors[:, rows[j], :] ** 2, deployed**2)))
+        threshold = float(thresholds[0, j]) if scope == "global" else float(shares @ thresholds[:, j])
+        platform_rows.append({
+            "metric": guardrail.metric, "scope": scope, "threshold": threshold, "estimate": value,
+            "interval": [value - 1.959963984540054 * error, value + 1.959963984540054 * error],
+            "holds": bool(value >= threshold),
+        })
+    return SegmentReport(
+        estimate=current, shares=shares, thresholds=thresholds, segment_values=np.asarray(primary),
+        platform_value=float(platform), global_mixture=tied, global_value=tied_value, gain=gain,
+        gain_interval=np.array([gain - half, gain + half]), guardrails=per_segment,
+        platform_guardrails=tuple(platform_rows),
+    )

@@ -95,6 +95,9 @@ class GuardrailSpec(_Strict):
     penalty: Annotated[Number, Field(ge=0)] | None = None
     relative_to: ShortName | None = None
     hard: bool = False
+    #: Segmented experiments: held in every segment ("segment") or on the traffic-weighted platform
+    #: value ("global", the default there). Refused for an unsegmented experiment.
+    scope: Literal["segment", "global"] | None = None
 
 
 class ObjectiveSpec(_Strict):
@@ -102,6 +105,32 @@ class ObjectiveSpec(_Strict):
     guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
     #: The known-safe arm (production setting) that safe serving pads traffic with.
     baseline: ShortName | None = None
+
+
+MAX_SEGMENTS = 1_000
+SegmentName = ShortName
+
+
+class SegmentsSpec(_Strict):
+    """A closed list of segments; ``shares`` are the expected traffic shares (measured shares replace
+    them once there are observations), ``shrink`` and ``confidence_z`` tune the segmented controller
+    (``pasto.segments.SegmentedConfig``)."""
+
+    names: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_SEGMENTS)]
+    shares: Annotated[list[Annotated[FiniteFloat, Field(ge=0)]], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    shrink: bool = True
+    confidence_z: Annotated[FiniteFloat, Field(ge=0, le=10)] = 2.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SegmentsSpec:
+        _require_unique(self.names, "segments.names", "segment name")
+        if self.shares is not None:
+            if len(self.shares) != len(self.names):
+                raise invalid("segments.shares", f"Give one share per segment: {len(self.names)} segments, "
+                                                 f"{len(self.shares)} shares.")
+            if not math.isclose(sum(self.shares), 1.0, abs_tol=1e-6):
+                raise invalid("segments.shares", f"The shares must sum to 1; they sum to {sum(self.shares):g}.")
+        return self
 
 
 class AlgorithmSpec(BaseModel):
@@ -120,20 +149,46 @@ class ExperimentCreate(_Strict):
     settle_seconds: Annotated[Seconds, Field(ge=0)] = 0.0
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    #: Per-segment mixtures (docs/segments.md): a list of segment names or a :class:`SegmentsSpec`.
+    segments: list[SegmentName] | SegmentsSpec | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentCreate:
         _require_unique([arm.name for arm in self.arms], "arms", "arm name", suffix=".name")
         _require_unique(self.metrics, "metrics", "metric")
+        if isinstance(self.segments, list):
+            if not 1 <= len(self.segments) <= MAX_SEGMENTS:
+                raise invalid("segments", f"Give between 1 and {MAX_SEGMENTS} segment names, not {len(self.segments)}.")
+            _require_unique(self.segments, "segments", "segment name")
         return self
 
 
 class AssignOne(_Strict):
     unit: Identifier
+    #: The unit's segment (segmented experiments only).
+    segment: SegmentName | None = None
 
 
 class AssignMany(_Strict):
     units: Annotated[list[Identifier], Field(min_length=1, max_length=MAX_BATCH)]
+    #: One segment for every unit of the batch, or ``segments``: one per unit (segmented experiments only).
+    segment: SegmentName | None = None
+    segments: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+
+    @model_validator(mode="after")
+    def _segments_match_units(self) -> AssignMany:
+        if self.segment is not None and self.segments is not None:
+            raise invalid("segments", "Send either segment (one for every unit) or segments (one per unit), not both.")
+        if self.segments is not None and len(self.segments) != len(self.units):
+            raise invalid("segments", f"Give one segment per unit: {len(self.units)} units, "
+                                      f"{len(self.segments)} segments.")
+        return self
+
+    def unit_segments(self) -> list[str] | None:
+        """The segment of each unit, or None when the request names none."""
+        if self.segments is not None:
+            return self.segments
+        return None if self.segment is None else [self.segment] * len(self.units)
 
 
 class Observation(_Strict):
@@ -142,6 +197,8 @@ class Observation(_Strict):
     round: Annotated[int, Field(ge=0, le=2**31 - 1)]
     arm: ShortName | None = None
     values: Annotated[dict[MetricName, Number], Field(min_length=1, max_length=64)]
+    #: The unit's segment (required by a segmented experiment, refused by an unsegmented one).
+    segment: SegmentName | None = None
 
 
 class ObservationBatch(_Strict):

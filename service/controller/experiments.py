@@ -12,8 +12,11 @@ import secrets
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from pasto.algorithm import AlgorithmConfig, initial_state
 from pasto.objectives import Objective
+from pasto.segments import SegmentedConfig, aggregate_state, check_scopes, initial_segmented_state
 
 from .. import store
 from ..cache import Snapshot, get_cache
@@ -55,12 +58,61 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
     return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
 
 
+def segmented_config(config: dict[str, Any], algorithm: AlgorithmConfig) -> SegmentedConfig | None:
+    """The segmented controller's configuration of a stored experiment config (None: unsegmented)."""
+    segments = config.get("segments")
+    if segments is None:
+        return None
+    return SegmentedConfig(algorithm=algorithm, scopes=tuple(segments["scopes"]), shrink=segments["shrink"],
+                           confidence_z=segments["confidence_z"])
+
+
+def expected_shares(config: dict[str, Any]) -> np.ndarray:
+    """The expected traffic shares (S,) of a segmented experiment's stored config (equal when not given)."""
+    segments = config["segments"]
+    if segments.get("shares") is not None:
+        return np.asarray(segments["shares"], dtype=np.float64)
+    return np.full(len(segments["names"]), 1.0 / len(segments["names"]))
+
+
+def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, Any] | None:
+    """``config["segments"]`` of a new experiment (None: unsegmented); a 422 naming what is wrong."""
+    scopes = [guardrail.scope for guardrail in body.objective.guardrails]
+    if body.segments is None:
+        for index, scope in enumerate(scopes):
+            if scope is not None:
+                raise invalid(f"objective.guardrails[{index}].scope",
+                              "A guardrail scope applies only to an experiment with segments; this one has none.")
+        return None
+    spec = body.segments
+    names = list(spec) if isinstance(spec, list) else list(spec.names)
+    resolved = tuple(scope or "global" for scope in scopes)
+    try:
+        check_scopes(objective, resolved)
+    except ValueError as error:
+        raise invalid("objective.guardrails", f"With segments: {error}") from None
+    shares = None if isinstance(spec, list) or spec.shares is None else [float(share) for share in spec.shares]
+    if shares is not None:
+        total = sum(shares)
+        shares = [share / total for share in shares]  # summed to 1 within 1e-6: made exact
+    return {
+        "names": names,
+        "shares": shares,
+        "scopes": list(resolved),
+        "shrink": True if isinstance(spec, list) else spec.shrink,
+        "confidence_z": 2.0 if isinstance(spec, list) else float(spec.confidence_z),
+    }
+
+
 def create(body: ExperimentCreate) -> Snapshot:
     """Create the experiment ``body`` describes; 409 if the name is taken."""
     arm_names = [arm.name for arm in body.arms]
-    objective = build_objective(body.metrics, body.objective.model_dump(exclude_none=True), arm_names)
+    objective_spec = body.objective.model_dump(exclude_none=True)
+    for guardrail in objective_spec.get("guardrails", []):
+        guardrail.pop("scope", None)  # kept in config["segments"]["scopes"]; not part of the Objective
+    objective = build_objective(body.metrics, objective_spec, arm_names)
     algorithm = build_algorithm(body.algorithm.model_dump())
-    state = initial_state(algorithm, len(arm_names), len(body.metrics))
+    segments = _segments_config(body, objective)
     config = {
         "metrics": body.metrics,
         "objective": objective.to_spec(),
@@ -68,13 +120,24 @@ def create(body: ExperimentCreate) -> Snapshot:
         "round_seconds": body.round_seconds,
         "settle_seconds": body.settle_seconds,
     }
+    segment_state = segment_probabilities = None
+    if segments is None:
+        state = initial_state(algorithm, len(arm_names), len(body.metrics))
+    else:
+        config["segments"] = segments
+        segmented = initial_segmented_state(segmented_config(config, algorithm), len(segments["names"]),
+                                            len(arm_names), len(body.metrics))
+        state = aggregate_state(segmented, expected_shares(config))
+        segment_state = segmented.to_dict()
+        segment_probabilities = segmented.probabilities.tolist()
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         with get_db().write() as session:
             store.create_experiment(
                 session, name=body.name, config=config, seed=seed, state=state.to_dict(),
                 arms=[(arm.name, arm.params) for arm in body.arms], probabilities=state.probabilities.tolist(),
-                now=utcnow(), round_seconds=body.round_seconds)
+                now=utcnow(), round_seconds=body.round_seconds, segment_state=segment_state,
+                segment_probabilities=segment_probabilities)
     except store.ExperimentExists:
         raise ApiError(409, "conflict", f"An experiment named {body.name!r} already exists.") from None
     return get_cache().get(body.name, fresh=True)

@@ -96,13 +96,24 @@ def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observa
                                  f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}."))
         if observation.arm is not None and observation.arm not in snapshot.arm_positions:
             problems.append((position, f"observations[{position}].arm", f"Unknown arm {observation.arm!r}."))
+    segments = resolve_segments(snapshot, batch, problems)
     rounds = np.fromiter((observation.round for observation in batch), dtype=np.int64, count=len(batch))
     arms = np.full(len(batch), -1, dtype=np.int64)  # -1: a round that has not started has no assignment
     for round_index in np.unique(rounds[rounds <= snapshot.round_index]).tolist():
         members = np.flatnonzero(rounds == round_index)
-        units = [batch[i].unit for i in members.tolist()]
-        probabilities = cache.round_probabilities(snapshot, round_index)
-        arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+        if segments is None:
+            units = [batch[i].unit for i in members.tolist()]
+            probabilities = cache.round_probabilities(snapshot, round_index)
+            arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+            continue
+        # Segmented: the unit's sticky arm under its segment's mixture of that round.
+        per_segment = cache.round_segment_probabilities(snapshot, round_index)
+        for segment in np.unique(segments[members]).tolist():
+            if segment < 0:
+                continue  # an unknown or missing segment, reported above
+            group = members[segments[members] == segment]
+            units = [batch[i].unit for i in group.tolist()]
+            arms[group] = choose_arms(per_segment[segment], buckets(snapshot.seed, units, round_index))
     for position, observation in enumerate(batch):
         given = snapshot.arm_positions.get(observation.arm) if observation.arm is not None else None
         if given is not None and arms[position] >= 0 and given != arms[position]:
@@ -114,6 +125,34 @@ def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observa
         problems.sort(key=lambda problem: problem[0])  # stable: within an item, in the order checked
         raise problems_error([{"location": location, "message": message} for _, location, message in problems])
     return arms
+
+
+def segment_problem(snapshot: Snapshot, segment: str | None) -> str | None:
+    """Why ``segment`` cannot be used with the experiment of ``snapshot`` (None: it can)."""
+    if not snapshot.segmented:
+        if segment is not None:
+            return f"Experiment {snapshot.name!r} has no segments; send no segment."
+        return None
+    if segment is None:
+        return (f"Experiment {snapshot.name!r} is segmented: give the unit's segment, one of "
+                f"{list(snapshot.segment_names)}.")
+    if segment not in snapshot.segment_positions:
+        return f"Unknown segment {segment!r}; the segments are {list(snapshot.segment_names)}."
+    return None
+
+
+def resolve_segments(snapshot: Snapshot, batch: list[Observation],
+                     problems: list[tuple[int, str, str]]) -> np.ndarray | None:
+    """Segment positions of the observations, shape (N,) (-1 where refused; None: unsegmented experiment),
+    problems appended to ``problems``."""
+    positions = np.full(len(batch), -1, dtype=np.int64)
+    for position, observation in enumerate(batch):
+        problem = segment_problem(snapshot, observation.segment)
+        if problem is not None:
+            problems.append((position, f"observations[{position}].segment", problem))
+        elif snapshot.segmented:
+            positions[position] = snapshot.segment_positions[observation.segment]
+    return positions if snapshot.segmented else None
 
 
 def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
@@ -137,6 +176,10 @@ def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm
             connection = session.connection()
             store.add_statistics(connection, snapshot.id, statistics_cells(snapshot, batch, arm_indices, new_positions),
                                  row.applied_rounds)
+            if snapshot.segmented:
+                store.add_segment_statistics(connection, snapshot.id,
+                                             segment_statistics_cells(snapshot, batch, arm_indices, new_positions),
+                                             row.applied_rounds)
             arm_counts = dict(store.add_units_and_counts(
                 connection, snapshot.id, ((batch[p].round, batch[p].unit, arms[p]) for p in new_positions),
                 row.applied_rounds))
@@ -172,3 +215,28 @@ def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndar
     return list(zip((pairs[pair] // n_arms).tolist(), (pairs[pair] % n_arms).tolist(), metric.tolist(),
                     statistics.counts.T[pair, metric].astype(np.int64).tolist(),
                     statistics.sums.T[pair, metric].tolist(), statistics.sums_of_squares.T[pair, metric].tolist()))
+
+
+def segment_statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray,
+                             positions: list[int]) -> list[tuple[int, int, int, int, int, float, float]]:
+    """:func:`statistics_cells` with a segment axis: ``(round, segment, arm, metric, count, sum,
+    sum_of_squares)`` rows sorted by key (each (round, segment, arm) triple is one "arm" of
+    ``Statistics.from_observations``)."""
+    n_arms, n_metrics, n_segments = snapshot.n_arms, len(snapshot.metrics), len(snapshot.segment_names)
+    metric_positions = snapshot.metric_positions
+    values = np.full((len(positions), n_metrics), np.nan)
+    for row, position in enumerate(positions):
+        for metric, value in batch[position].values.items():
+            values[row, metric_positions[metric]] = value
+    rounds = np.fromiter((batch[p].round for p in positions), dtype=np.int64, count=len(positions))
+    segments = np.fromiter((snapshot.segment_positions[batch[p].segment] for p in positions), dtype=np.int64,
+                           count=len(positions))
+    keys = (rounds * n_segments + segments) * n_arms + arms[positions]
+    triples, triple_of = np.unique(keys, return_inverse=True)  # sorted (round, segment, arm)
+    statistics = Statistics.from_observations(triple_of, values, triples.size)  # (M, triples)
+    triple, metric = np.nonzero(statistics.counts.T)
+    key = triples[triple]
+    return list(zip((key // (n_segments * n_arms)).tolist(), (key // n_arms % n_segments).tolist(),
+                    (key % n_arms).tolist(), metric.tolist(),
+                    statistics.counts.T[triple, metric].astype(np.int64).tolist(),
+                    statistics.sums.T[triple, metric].tolist(), statistics.sums_of_squares.T[triple, metric].tolist()))

@@ -7,6 +7,7 @@ best mixture, best single arm, regret, guardrails.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,12 +24,13 @@ from pasto.diagnostics import sample_ratio_mismatch
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.report import RoundReport, round_report
+from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
 
 from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import Database, get_db, is_unavailable_error
 from ..models import utcnow
-from .experiments import algorithm_and_objective
+from .experiments import algorithm_and_objective, expected_shares, segmented_config
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
@@ -47,6 +49,34 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         "guardrails": json_safe(list(report.served.guardrails)),
         "guardrails_deployed": json_safe(list(report.deployed.guardrails)),
     }
+
+
+def segment_observations(statistics: Statistics) -> np.ndarray:
+    """Observations per segment (S,) of statistics (S, M, K): per segment, the count of its most observed
+    metric summed over arms (an observation may carry several metrics)."""
+    return statistics.counts.sum(axis=-1).max(axis=-1)
+
+
+def segment_summary(config: SegmentedConfig, objective: Objective, state: SegmentedState, pooled: Statistics,
+                    shares: np.ndarray, names: list[str] | None = None) -> dict[str, Any]:
+    """The per-segment part of a round summary or of the diagnostics (``pasto.segments.segment_report``
+    of the deployed per-segment mixtures): per segment its share, served and deployed mixture, objective
+    and guardrails; the platform-wide guardrails; the gain of segmenting over one global mixture."""
+    report = segment_report(config, objective, state.deployed, pooled, shares)
+    observations = segment_observations(pooled)
+    return json_safe({
+        "segments": [
+            {"name": None if names is None else names[s], "share": report.shares[s],
+             "observations": int(observations[s]),
+             "probabilities": state.probabilities[s], "deployed": state.deployed[s],
+             "objective": report.segment_values[s], "guardrails": list(report.guardrails[s])}
+            for s in range(state.n_segments)
+        ],
+        "objective": report.platform_value,
+        "platform_guardrails": list(report.platform_guardrails),
+        "global_mixture": {"probabilities": report.global_mixture, "objective": report.global_value},
+        "gain": {"value": report.gain, "interval": report.gain_interval},
+    })
 
 
 def finite(value: float) -> float | None:
@@ -79,6 +109,7 @@ class Diagnostics:
     units: np.ndarray  # (K,)
     late_observations: int
     srm: dict[str, Any]
+    segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
 
 
 def diagnostics(name: str) -> Diagnostics:
@@ -90,11 +121,23 @@ def diagnostics(name: str) -> Diagnostics:
         pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
         summaries = store.round_summaries(session, snapshot.id)
         units, late, srm = traffic_report(session, snapshot.id, n_arms)
+        segmented = segmented_config(snapshot.config, algorithm)
+        if segmented is not None:
+            segment_pooled = store.segment_pooled_statistics(session, snapshot.id, snapshot.round_index,
+                                                             len(snapshot.segment_names), n_metrics, n_arms)
+            segment_state = store.segment_state(session, snapshot.id)
     state = ControllerState.from_dict(snapshot.state)
+    segments = None
+    if segmented is not None:
+        # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
+        algorithm = dataclasses.replace(algorithm, estimator="pooled", discount=1.0)
+        shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config))
+        segments = segment_summary(segmented, objective, SegmentedState.from_dict(segment_state), segment_pooled,
+                                   shares, list(snapshot.segment_names))
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
-                       units=units, late_observations=late, srm=srm)
+                       units=units, late_observations=late, srm=srm, segments=segments)
 
 
 def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
@@ -129,6 +172,7 @@ class RoundHistory:
     units: np.ndarray  # (rounds, K) distinct units
     late: np.ndarray  # (rounds,)
     means: np.ndarray  # (rounds, M, K), nan where no data
+    segment_observations: np.ndarray | None = None  # segmented: (rounds, S) observations per segment
 
 
 def arm_count(name: str) -> int:
@@ -142,6 +186,7 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
     with get_db().read() as session:
         round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
+        traffic = store.segment_round_traffic(session, snapshot.id, since, last) if snapshot.segmented else None
     n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
     metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
     metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
@@ -161,8 +206,15 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
         np.add.at(late_counts, offset, late)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
-    return RoundHistory(snapshot=snapshot, rounds=list(round_rows),
-                        counts=observation_counts, units=unit_counts, late=late_counts, means=means)
+    segment_counts = None
+    if traffic is not None:
+        # Per round and segment, the count of its most observed metric (an observation may carry several).
+        per_metric = np.zeros((n_rounds, len(snapshot.segment_names), n_metrics), dtype=np.int64)
+        for round_index, segment, metric, count in traffic:
+            per_metric[round_index - since, segment, metric] = count
+        segment_counts = per_metric.max(axis=-1, initial=0)
+    return RoundHistory(snapshot=snapshot, rounds=list(round_rows), counts=observation_counts, units=unit_counts,
+                        late=late_counts, means=means, segment_observations=segment_counts)
 
 
 # ------------------------------------------------------------------------------ monitoring, health

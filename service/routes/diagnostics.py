@@ -37,4 +37,5 @@ def diagnostics(name: str):
             means={metric: report.estimate.means[m].tolist() for m, metric in enumerate(metrics)},
             standard_errors={metric: report.estimate.standard_errors[m].tolist() for m, metric in enumerate(metrics)},
         ),
+        **({"segments": diagnostics.segments} if diagnostics.segments is not None else {}),
     ))

@@ -9,7 +9,7 @@ from flask import Blueprint
 from ..auth import require_role
 from ..cache import Snapshot
 from ..controller import experiments
-from ..responses import ArmView, Experiment, ExperimentList, RoundTimes, respond
+from ..responses import ArmView, Experiment, ExperimentList, RoundTimes, SegmentsView, respond
 from ..schemas import ExperimentCreate, json_body, parse
 
 bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
@@ -43,6 +43,19 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         deployed=snapshot.deployed.tolist(),
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
+        **({"segments": segments_view(snapshot)} if snapshot.segmented else {}),  # unsegmented: no key at all
+    )
+
+
+def segments_view(snapshot: Snapshot) -> SegmentsView | None:
+    if not snapshot.segmented:
+        return None
+    spec = snapshot.config["segments"]
+    return SegmentsView(
+        names=list(snapshot.segment_names), shares=spec["shares"], scopes=spec["scopes"], shrink=spec["shrink"],
+        confidence_z=spec["confidence_z"],
+        probabilities={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_probabilities)},
+        deployed={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_deployed)},
     )
 
 

@@ -13,6 +13,8 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
+#: Added by 0009 (per-segment statistics): absent after any downgrade below it.
+SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics"}
 
 
 def _tables(url: str) -> set[str]:
@@ -40,7 +42,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures"} - SEGMENT_TABLES
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -68,7 +70,7 @@ def _check_round_trip(url: str) -> None:
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics"} - SEGMENT_TABLES
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -82,7 +84,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics"} - SEGMENT_TABLES
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []

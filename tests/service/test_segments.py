@@ -1,0 +1,166 @@
+"""Per-segment mixtures through the API (issue 17): creation, assignment, observations, the round close,
+diagnostics, and every bad segment input a 4xx naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pasto.hashing import buckets, choose_arms
+
+SEGMENTS = ["new", "returning", "mobile"]
+
+
+def segmented_body(name: str = "seg", **overrides):
+    body = {
+        "name": name,
+        "arms": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+        "metrics": ["x", "y"],
+        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+        "round_seconds": 3600,
+        "seed": 11,
+        "segments": {"names": SEGMENTS, "shares": [0.5, 0.3, 0.2]},
+    }
+    body.update(overrides)
+    return body
+
+
+def test_segmented_experiment_serves_each_segment_its_mixture(api):
+    created = api("POST", "/api/v1/experiments", json=segmented_body())
+    assert created.status_code == 201, created.get_json()
+    experiment = created.get_json()
+    assert experiment["segments"]["names"] == SEGMENTS
+    assert experiment["segments"]["scopes"] == ["global"]
+    assert set(experiment["segments"]["probabilities"]) == set(SEGMENTS)
+    one = api("POST", "/api/v1/experiments/seg/assign", role="ingest", json={"unit": "u1", "segment": "mobile"})
+    assert one.status_code == 200, one.get_json()
+    assert one.get_json()["segment"] == "mobile"
+    units = [f"u{i}" for i in range(300)]
+    segments = [SEGMENTS[i % 3] for i in range(300)]
+    batch = api("POST", "/api/v1/experiments/seg/assign", role="ingest", json={"units": units, "segments": segments})
+    assert batch.status_code == 200, batch.get_json()
+    answers = batch.get_json()["assignments"]
+    assert [answer["segment"] for answer in answers] == segments
+    # The server's arm is the segment's mixture through pasto.hashing.
+    u = buckets(11, units, 0)
+    for segment in SEGMENTS:
+        members = [i for i, s in enumerate(segments) if s == segment]
+        expected = choose_arms(np.asarray(experiment["segments"]["probabilities"][segment]), u[members])
+        assert [answers[i]["arm"] for i in members] == [["a", "b", "c"][k] for k in expected]
+    means = {"new": {"a": (2, -1), "b": (0, 1), "c": (1, 0)}, "returning": {"a": (0, 1), "b": (2, -1), "c": (1, 0)},
+             "mobile": {"a": (1, 0), "b": (1, 0), "c": (2, 1)}}
+    rng = np.random.default_rng(0)
+    for round_index in range(3):
+        batch = api("POST", "/api/v1/experiments/seg/assign", role="ingest",
+                    json={"units": units, "segments": segments}).get_json()["assignments"]
+        observations = [
+            {"id": f"{round_index}-{a['unit']}", "unit": a["unit"], "round": a["round"], "segment": a["segment"],
+             "values": dict(zip(["x", "y"], np.add(means[a["segment"]][a["arm"]], rng.normal(0, 0.3, 2)).tolist()))}
+            for a in batch
+        ]
+        posted = api("POST", "/api/v1/experiments/seg/observations", role="ingest", json={"observations": observations})
+        assert posted.status_code == 202, posted.get_json()
+        closed = api("POST", "/api/v1/experiments/seg/rounds", json={"round": round_index})
+        assert closed.status_code == 200, closed.get_json()
+    experiment = api("GET", "/api/v1/experiments/seg", role="read").get_json()
+    deployed = {name: np.asarray(p) for name, p in experiment["segments"]["deployed"].items()}
+    assert deployed["mobile"].argmax() == 2 and deployed["new"].argmax() != deployed["returning"].argmax()
+    diagnostics = api("GET", "/api/v1/experiments/seg/diagnostics", role="read")
+    assert diagnostics.status_code == 200, diagnostics.get_json()
+    segments_report = diagnostics.get_json()["segments"]
+    assert [entry["name"] for entry in segments_report["segments"]] == SEGMENTS
+    np.testing.assert_allclose([entry["share"] for entry in segments_report["segments"]], [1 / 3] * 3, atol=0.01)
+    assert segments_report["gain"]["value"] > 0
+    low, high = segments_report["gain"]["interval"]
+    assert low <= segments_report["gain"]["value"] <= high
+    assert segments_report["platform_guardrails"][0]["metric"] == "y"
+    rounds = api("GET", "/api/v1/experiments/seg/rounds", role="read").get_json()["rounds"]
+    assert sum(sum(entry["counts"]) for entry in rounds) == 900
+    assert [sum(entry["segments"]["observations"].values()) for entry in rounds] == [300, 300, 300, 0]
+    assert rounds[0]["segments"]["observations"] == {"new": 100, "returning": 100, "mobile": 100}
+    assert rounds[2]["segments"]["summary"]["segments"][2]["name"] == "mobile"
+    assert rounds[3]["segments"]["summary"] is None
+    assert rounds[3]["segments"]["probabilities"] == experiment["segments"]["probabilities"]
+
+
+def test_segmented_answers_match_the_published_schemas(api):
+    """Every segmented answer and request validates against the OpenAPI document."""
+    import jsonschema
+
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+
+    def check(method, path, schema_name=None, role="admin", **kwargs):
+        response = api(method, path, role=role, **kwargs)
+        assert response.status_code < 300, response.get_json()
+        template = path.replace("/seg", "/{name}")
+        schema = document["paths"][template][method.lower()]["responses"][str(response.status_code)]
+        schema = {**schema["content"]["application/json"]["schema"], "components": document["components"]}
+        jsonschema.Draft202012Validator(schema).validate(response.get_json())
+        if schema_name is not None:
+            request_schema = {"$ref": f"#/components/schemas/{schema_name}", "components": document["components"]}
+            jsonschema.Draft202012Validator(request_schema).validate(kwargs["json"])
+        return response.get_json()
+
+    check("POST", "/api/v1/experiments", "ExperimentCreate", json=segmented_body())
+    check("GET", "/api/v1/experiments/seg", role="read")
+    check("POST", "/api/v1/experiments/seg/assign", "AssignOne", role="ingest", json={"unit": "u", "segment": "new"})
+    check("POST", "/api/v1/experiments/seg/assign", "AssignMany", role="ingest",
+          json={"units": ["u", "v"], "segment": "new"})
+    check("POST", "/api/v1/experiments/seg/observations", "ObservationBatch", role="ingest",
+          json={"observations": [{"id": "o", "unit": "u", "round": 0, "segment": "new", "values": {"x": 1.0}}]})
+    check("POST", "/api/v1/experiments/seg/rounds")
+    check("GET", "/api/v1/experiments/seg/rounds", role="read")
+    check("GET", "/api/v1/experiments/seg/diagnostics", role="read")
+
+
+def _problems(response) -> list[dict]:
+    return response.get_json()["error"]["details"]
+
+
+@pytest.mark.parametrize("change, location, words", [
+    (lambda b: b.update(segments={"names": ["a", "a"]}), "segments.names[1]", "Duplicate segment name 'a'"),
+    (lambda b: b.update(segments=["a", "a"]), "segments[1]", "Duplicate segment name 'a'"),
+    (lambda b: b.update(segments={"names": ["a", "b"], "shares": [1.0]}), "segments.shares", "one share per segment"),
+    (lambda b: b.update(segments={"names": ["a", "b"], "shares": [0.5, 0.6]}), "segments.shares", "sum to 1"),
+    (lambda b: b["objective"]["guardrails"][0].update(hard=False, penalty=5.0), "objective.guardrails",
+     "hard guardrails only"),
+    (lambda b: (b.pop("segments"), b["objective"]["guardrails"][0].update(scope="segment")),
+     "objective.guardrails[0].scope", "only to an experiment with segments"),
+    (lambda b: b["objective"]["guardrails"][0].update(scope="everywhere"), "objective.guardrails[0].scope", ""),
+])
+def test_bad_segment_configuration_is_a_422_naming_it(api, change, location, words):
+    body = segmented_body()
+    change(body)
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 422, response.get_json()
+    problems = _problems(response)
+    assert any(problem.get("location") == location and words in problem.get("message", "") for problem in problems), \
+        problems
+
+
+def test_bad_segment_on_assign_and_observations_is_a_422_naming_it(api, setup_a):
+    assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
+    assert api("POST", "/api/v1/experiments", json=setup_a("plain")).status_code == 201
+    cases = [
+        ("seg", {"unit": "u", "segment": "tablet"}, "segment", "Unknown segment 'tablet'"),
+        ("seg", {"unit": "u"}, "segment", "give the unit's segment"),
+        ("plain", {"unit": "u", "segment": "new"}, "segment", "has no segments"),
+        ("seg", {"units": ["u", "v"], "segments": ["new", "tablet"]}, "segments[1]", "Unknown segment 'tablet'"),
+        ("seg", {"units": ["u", "v"], "segments": ["new"]}, "segments", "one segment per unit"),
+        ("seg", {"units": ["u"], "segment": "new", "segments": ["new"]}, "segments", "not both"),
+    ]
+    for name, body, location, words in cases:
+        response = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest", json=body)
+        assert response.status_code == 422, (body, response.get_json())
+        problems = _problems(response)
+        assert any(p.get("location") == location and words in p.get("message", "") for p in problems), (body, problems)
+    observation = {"id": "1", "unit": "u", "round": 0, "values": {"x": 1.0}}
+    for name, extra, words in [("seg", {"segment": "tablet"}, "Unknown segment 'tablet'"),
+                               ("seg", {}, "give the unit's segment"),
+                               ("plain", {"segment": "new"}, "has no segments")]:
+        response = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+                       json={"observations": [{**observation, **extra}]})
+        assert response.status_code == 422, response.get_json()
+        problems = _problems(response)
+        assert any(p.get("location") == "observations[0].segment" and words in p.get("message", "")
+                   for p in problems), problems
