@@ -34,7 +34,7 @@ def assign_one(name: str, unit: str, segment: str | None = None) -> tuple[Snapsh
         arm = choose_arm(snapshot.segment_serving_cumulative[position], snapshot.hasher(unit))
         probability = float(snapshot.segment_serving[position, arm])
     events.assigned.send(snapshot, arms=[arm])
-    record_exposures(snapshot, [unit], [arm])
+    record_exposures(snapshot, [unit], [arm], None if segment is None else [segment])
     return snapshot, stale, arm, probability
 
 
@@ -65,5 +65,5 @@ def assign_many(name: str, units: list[str], segments: list[str] | None = None
             arms[members] = choose_arms(snapshot.segment_serving[position], u[members])
         probabilities = snapshot.segment_serving[positions, arms]
     events.assigned.send(snapshot, arms=arms)
-    record_exposures(snapshot, units, arms)
+    record_exposures(snapshot, units, arms, segments if snapshot.segmented else None)
     return snapshot, stale, arms, probabilities
