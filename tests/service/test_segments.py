@@ -164,3 +164,105 @@ def test_bad_segment_on_assign_and_observations_is_a_422_naming_it(api, setup_a)
         problems = _problems(response)
         assert any(p.get("location") == "observations[0].segment" and words in p.get("message", "")
                    for p in problems), problems
+
+
+# Three segments whose best arms differ, under a global (platform-wide) hard guardrail y >= 0:
+# "new" prefers a and "returning" b, each at a cost in y that only "mobile"'s surplus can cover
+# (per-segment oracle 2.34 with the guardrail binding; the best global mixture, arm a, 1.4).
+TRUE_MEANS = {  # segment -> arm -> (x, y)
+    "new": {"a": (3.0, -0.4), "b": (0.0, 1.0), "c": (0.0, 0.0)},
+    "returning": {"a": (0.0, 1.0), "b": (3.0, -0.4), "c": (0.0, 0.0)},
+    "mobile": {"a": (1.0, 1.0), "b": (1.0, 1.0), "c": (1.0, 1.0)},
+}
+TRUE_SHARES = np.array([0.4, 0.4, 0.2])
+
+
+def _true_platform(deployed: dict[str, list[float]]) -> tuple[float, float]:
+    """Platform primary value and y of per-segment mixtures under the true means and shares."""
+    x = y = 0.0
+    for share, segment in zip(TRUE_SHARES, SEGMENTS):
+        for arm, p in zip("abc", deployed[segment]):
+            x += share * p * TRUE_MEANS[segment][arm][0]
+            y += share * p * TRUE_MEANS[segment][arm][1]
+    return x, y
+
+
+def test_three_segments_end_to_end_with_the_scheduler(backend_url, app_factory, serve, admin_token):
+    """Through HTTP and the real scheduler (1-second rounds) on SQLite and PostgreSQL: three segments'
+    traffic assigned in batches, observed with noise; the deployed per-segment mixtures beat the best
+    global mixture under the true means and keep the global guardrail."""
+    import time
+
+    import requests
+
+    from pasto.objectives import Objective
+    from pasto.segments import global_mixture, solve_joint
+    from service.db import get_db
+    from service.scheduler import start_scheduler
+
+    app = app_factory(backend_url, PASTO_SCHEDULER_INTERVAL=0.2)
+    scheduler = start_scheduler(app)
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {admin_token}"
+    try:
+        base = serve(app)
+        body = segmented_body("e2e", round_seconds=1, segments={"names": SEGMENTS, "shares": TRUE_SHARES.tolist()})
+        created = session.post(f"{base}/api/v1/experiments", json=body, timeout=30)
+        assert created.status_code == 201, created.text
+        url = f"{base}/api/v1/experiments/e2e"
+        rng = np.random.default_rng(5)
+        population = [f"user-{i}" for i in range(20_000)]
+        population_segments = rng.choice(3, size=len(population), p=TRUE_SHARES)
+        sent, last_round, batch_number = 0, -1, 0
+        deadline = time.monotonic() + 120
+        while last_round < 15:
+            assert time.monotonic() < deadline, f"the scheduler stopped advancing rounds at {last_round}"
+            picked = rng.choice(len(population), size=1500, replace=False)
+            units = [population[i] for i in picked]
+            segments = [SEGMENTS[population_segments[i]] for i in picked]
+            answer = session.post(f"{url}/assign", json={"units": units, "segments": segments}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            assignments = answer.json()["assignments"]
+            noise = rng.normal(0.0, 0.5, size=(len(assignments), 2))
+            observations = [
+                {"id": f"{batch_number}:{a['unit']}", "unit": a["unit"], "round": a["round"], "arm": a["arm"],
+                 "segment": a["segment"],
+                 "values": {"x": TRUE_MEANS[a["segment"]][a["arm"]][0] + nx,
+                            "y": TRUE_MEANS[a["segment"]][a["arm"]][1] + ny}}
+                for a, (nx, ny) in zip(assignments, noise)
+            ]
+            posted = session.post(f"{url}/observations", json={"observations": observations}, timeout=30)
+            assert posted.status_code == 202, posted.text
+            assert posted.json() == {"accepted": len(observations), "duplicates": 0}
+            sent += len(observations)
+            batch_number += 1
+            served_round = assignments[0]["round"]
+            if served_round == last_round:
+                time.sleep(0.1)
+            last_round = served_round
+        experiment = session.get(url, timeout=30).json()
+        assert experiment["applied_rounds"] >= 15
+        deployed = experiment["segments"]["deployed"]
+        value, guardrail = _true_platform(deployed)
+
+        objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+            {"metric": "y", "threshold": 0.0, "hard": True}]})
+        means = np.array([[[TRUE_MEANS[s][arm][m] for arm in "abc"] for m in range(2)] for s in SEGMENTS])
+        oracle = solve_joint(objective, means, TRUE_SHARES, ["global"]).value
+        tied = global_mixture(objective, means, TRUE_SHARES, ["global"])
+        global_value = _true_platform({s: tied.tolist() for s in SEGMENTS})[0]
+        assert oracle > global_value + 0.3  # the scenario rewards segmenting
+        # Most of the gap closed, the global guardrail kept (up to the noise of 15 rounds).
+        assert value >= global_value + 0.5 * (oracle - global_value), (value, global_value, oracle, deployed)
+        # Measured: value 2.35 (oracle 2.34), y -0.005: the tolerance is ten times that.
+        assert guardrail >= -0.05, (guardrail, deployed)
+
+        rounds = session.get(f"{url}/rounds", timeout=30).json()["rounds"]
+        assert sum(sum(entry["counts"]) for entry in rounds) == sent
+        assert sum(sum(entry["segments"]["observations"].values()) for entry in rounds) == sent
+        diagnostics = session.get(f"{url}/diagnostics", timeout=30).json()["segments"]
+        np.testing.assert_allclose([entry["share"] for entry in diagnostics["segments"]], TRUE_SHARES, atol=0.03)
+        assert diagnostics["gain"]["interval"][0] > 0
+    finally:
+        scheduler.shutdown(wait=True)
+        get_db(app).engine.dispose()
