@@ -266,3 +266,46 @@ def test_three_segments_end_to_end_with_the_scheduler(backend_url, app_factory, 
     finally:
         scheduler.shutdown(wait=True)
         get_db(app).engine.dispose()
+
+
+def test_per_segment_prometheus_series_are_bounded_to_the_top_segments(sqlite_url):
+    """PASTO_METRICS_TOP_SEGMENTS = 2 of 3: series for the two largest segments, one aggregate for the
+    third; the platform guardrail margin and the gain of segmenting are exported."""
+    import math
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from service.auth import create_token
+    from service.db import get_db
+    from tests.service.conftest import Api, make_app
+
+    application = make_app(sqlite_url, PASTO_METRICS_TOP_SEGMENTS=2)
+    with get_db(application).write() as session:
+        tokens = {role: create_token(session, role, f"test-{role}") for role in ("read", "ingest", "admin")}
+    api = Api(application.test_client(), tokens)
+    assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
+    units = [f"u{i}" for i in range(600)]
+    segments = ["new"] * 300 + ["returning"] * 200 + ["mobile"] * 100
+    answers = api("POST", "/api/v1/experiments/seg/assign", role="ingest",
+                  json={"units": units, "segments": segments}).get_json()["assignments"]
+    rng = np.random.default_rng(3)
+    observations = [{"id": a["unit"], "unit": a["unit"], "round": 0, "segment": a["segment"],
+                     "values": {"x": float(rng.normal()), "y": float(rng.normal(0.5))}} for a in answers]
+    assert api("POST", "/api/v1/experiments/seg/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    assert api("POST", "/api/v1/experiments/seg/rounds").status_code == 200
+    text = api("GET", "/metrics", role="read").get_data(as_text=True)
+    samples = {family.name: family.samples for family in text_string_to_metric_families(text)}
+    shares = {s.labels["segment"]: s.value for s in samples["pasto_segment_share"]}
+    assert set(shares) == {"new", "returning"}
+    assert math.isclose(shares["new"], 0.5) and math.isclose(shares["returning"], 1 / 3)
+    (other,) = samples["pasto_other_segments_share"]
+    assert math.isclose(other.value, 1 / 6)
+    assert {s.labels["segment"] for s in samples["pasto_segment_objective_estimate"]} == {"new", "returning"}
+    assert {s.labels["bound"] for s in samples["pasto_segmenting_gain_estimate"]} == {"estimate", "lower", "upper"}
+    (margin,) = samples["pasto_platform_guardrail_margin"]
+    assert margin.labels == {"experiment": "seg", "metric": "y", "guardrail": "0", "scope": "global"}
+    diagnostics = api("GET", "/api/v1/experiments/seg/rounds", role="read").get_json()["rounds"][0]["segments"]
+    platform = diagnostics["summary"]["platform_guardrails"][0]
+    assert math.isclose(margin.value, platform["estimate"] - platform["threshold"])
+    get_db(application).engine.dispose()
