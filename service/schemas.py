@@ -121,6 +121,14 @@ class SegmentsSpec(_Strict):
     shrink: bool = True
     confidence_z: Annotated[FiniteFloat, Field(ge=0, le=10)] = 2.0
 
+    @model_validator(mode="before")
+    @classmethod
+    def _closed_list_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "by" in data:
+            raise invalid("segments.by", "Open segment sets ({\"by\": attribute, \"min_units\": N}) are not "
+                                         "supported yet; list the segment names in segments.names.")
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> SegmentsSpec:
         _require_unique(self.names, "segments.names", "segment name")

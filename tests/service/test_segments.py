@@ -127,6 +127,7 @@ def _problems(response) -> list[dict]:
     (lambda b: (b.pop("segments"), b["objective"]["guardrails"][0].update(scope="segment")),
      "objective.guardrails[0].scope", "only to an experiment with segments"),
     (lambda b: b["objective"]["guardrails"][0].update(scope="everywhere"), "objective.guardrails[0].scope", ""),
+    (lambda b: b.update(segments={"by": "country", "min_units": 500}), "segments.by", "not supported yet"),
 ])
 def test_bad_segment_configuration_is_a_422_naming_it(api, change, location, words):
     body = segmented_body()
@@ -309,3 +310,40 @@ def test_per_segment_prometheus_series_are_bounded_to_the_top_segments(sqlite_ur
     platform = diagnostics["summary"]["platform_guardrails"][0]
     assert math.isclose(margin.value, platform["estimate"] - platform["threshold"])
     get_db(application).engine.dispose()
+
+
+def test_late_observations_reach_the_segment_totals_and_a_stopped_experiment_serves_each_segments_deployed(api):
+    assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
+
+    def observe(ids, round_index, segment):
+        answers = api("POST", "/api/v1/experiments/seg/assign", role="ingest",
+                      json={"units": ids, "segment": segment}).get_json()["assignments"]
+        body = {"observations": [{"id": f"{a['unit']}-{round_index}", "unit": a["unit"], "round": round_index,
+                                  "segment": segment, "values": {"x": 1.0, "y": 0.5}} for a in answers]}
+        response = api("POST", "/api/v1/experiments/seg/observations", role="ingest", json=body)
+        assert response.status_code == 202, response.get_json()
+
+    observe([f"n{i}" for i in range(40)], 0, "new")
+    observe([f"r{i}" for i in range(20)], 0, "returning")
+    assert api("POST", "/api/v1/experiments/seg/rounds", json={"round": 0}).status_code == 200
+    # Late for round 0 (its update ran): the sticky arm is recomputed under round 0's segment mixture.
+    late_units = [f"late{i}" for i in range(10)]
+    body = {"observations": [{"id": f"late-{unit}", "unit": unit, "round": 0, "segment": "mobile",
+                              "values": {"x": 2.0}} for unit in late_units]}
+    assert api("POST", "/api/v1/experiments/seg/observations", role="ingest", json=body).status_code == 202
+    before = api("GET", "/api/v1/experiments/seg/diagnostics", role="read").get_json()["segments"]["segments"]
+    assert [entry["observations"] for entry in before] == [40, 20, 10]  # totals + late cells, read without writing
+    assert api("POST", "/api/v1/experiments/seg/rounds", json={"round": 1}).status_code == 200
+    rounds = api("GET", "/api/v1/experiments/seg/rounds", role="read").get_json()["rounds"]
+    assert rounds[0]["late_observations"] == 10 and rounds[0]["segments"]["observations"]["mobile"] == 10
+    # Round 1's update folded the late cells into the per-segment totals its summary was computed on.
+    summary = rounds[1]["segments"]["summary"]["segments"]
+    assert [entry["observations"] for entry in summary] == [40, 20, 10]
+
+    stopped = api("POST", "/api/v1/experiments/seg/stop").get_json()
+    for segment in SEGMENTS:
+        deployed = stopped["segments"]["deployed"][segment]
+        answers = api("POST", "/api/v1/experiments/seg/assign", role="ingest",
+                      json={"units": [f"s{i}" for i in range(200)], "segment": segment}).get_json()["assignments"]
+        for answer in answers:
+            assert answer["probability"] == deployed["abc".index(answer["arm"])]
