@@ -75,6 +75,7 @@ __all__ = [
     "SegmentedState",
     "initial_segmented_state",
     "segmented_update",
+    "add_segments",
     "check_scopes",
     "aggregate_state",
     "measured_shares",
@@ -640,6 +641,69 @@ def aggregate_state(state: SegmentedState, shares: np.ndarray) -> algorithm.Cont
         history=None,
         baseline=None,
         discounted=None,
+    )
+
+
+def add_segments(state: SegmentedState, count: int, template: int = 0) -> SegmentedState:
+    """``state`` with ``count`` more segments at the end, each starting as a copy of segment ``template``.
+
+    For an open set of segment values: a value that reaches its unit threshold gets its own mixture,
+    starting from the mixture its traffic had (the template's: the long tail's shared segment) with
+    that segment's schedule and accumulators; its estimate then comes from its own statistics
+    (shrunk toward the pooled means) and the joint solve. Unbatched states only.
+
+    Parameters
+    ----------
+    state : SegmentedState
+        Batch shape (S,).
+    count : int
+        Segments to add (>= 0).
+    template : int
+        Position of the segment copied.
+
+    Returns
+    -------
+    SegmentedState
+        Batch shape (S + count,).
+    """
+    if count < 0:
+        raise ValueError(f"The number of segments to add must be >= 0, got {count}.")
+    n_segments = state.n_segments
+    if state.joint.ndim != 2:
+        raise ValueError("add_segments takes an unbatched segmented state (arrays of shape (S, K)).")
+    if not 0 <= template < n_segments:
+        raise ValueError(f"The template segment must be one of 0..{n_segments - 1}, got {template}.")
+    if count == 0:
+        return state
+
+    def grown(array):
+        if array is None:
+            return None
+        array = np.asarray(array)
+        return np.concatenate([array, np.repeat(array[template:template + 1], count, axis=0)], axis=0)
+
+    controller = state.controller
+    history = controller.history
+    if history is not None:
+        history = type(history)(grown(history.sums), grown(history.sums_of_squares), grown(history.weights))
+    discounted = controller.discounted
+    if discounted is not None:
+        discounted = Statistics(grown(discounted.counts), grown(discounted.sums), grown(discounted.sums_of_squares))
+    return SegmentedState(
+        controller=algorithm.ControllerState(
+            round_index=controller.round_index,
+            probabilities=grown(controller.probabilities),
+            deployed=grown(controller.deployed),
+            log_weights=grown(controller.log_weights),
+            probability_sum=grown(controller.probability_sum),
+            stage_probability_sum=grown(controller.stage_probability_sum),
+            gradient_square_sum=grown(controller.gradient_square_sum),
+            guardrail_weights=grown(controller.guardrail_weights),
+            history=history,
+            baseline=grown(controller.baseline),
+            discounted=discounted,
+        ),
+        joint=grown(state.joint),
     )
 
 

@@ -43,6 +43,8 @@ class _Snapshot:
     overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
     # Segmented experiments: per segment name, what the four fields above the hasher are for it.
     segments: Mapping[str, _SegmentMixture] | None = None
+    # Open sets: the long tail's mixture, served to values without one of their own (and to no value).
+    tail: _SegmentMixture | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +345,7 @@ class LocalAssigner:
                     overdue_poll = min(self.ttl, 2 * previous.overdue_poll)
                 delay = min(delay, overdue_poll)
         hasher = previous.hasher if same_round else PrefixHasher(seed, round_index)
-        segments = None
+        segments = tail = None
         if experiment.get("segments") is not None:
             view = experiment["segments"]
             per_segment = view["deployed"] if status == "stopped" else view["probabilities"]
@@ -352,6 +354,8 @@ class LocalAssigner:
                                             experiment.get("updated_at"))
                 for name in view["names"]
             })
+            if view.get("by") is not None:
+                tail = segments[view["names"][0]]
         return _Snapshot(
             round_index=round_index,
             status=status,
@@ -365,6 +369,7 @@ class LocalAssigner:
             refresh_at=fetched_at + delay,
             overdue_poll=overdue_poll,
             segments=segments,
+            tail=tail,
         )
 
     def _segment_mixture(self, name: str, mixture: tuple[float, ...], arms: Sequence[Mapping[str, Any]],
@@ -386,6 +391,8 @@ def _segment_mixture(snapshot: _Snapshot, experiment: str, segment: str | None) 
     """The mixture ``segment`` is served in ``snapshot``; ``ValueError`` with the server's words otherwise."""
     if snapshot.segments is None:
         raise ValueError(f"Experiment {experiment!r} has no segments; send no segment.")
+    if snapshot.tail is not None:
+        return snapshot.segments.get(segment, snapshot.tail)
     if segment is None:
         raise ValueError(f"Experiment {experiment!r} is segmented: give the unit's segment, one of "
                          f"{list(snapshot.segments)}.")

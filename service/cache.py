@@ -79,6 +79,7 @@ class Snapshot:
     segment_deployed: np.ndarray | None = None
     segment_serving: np.ndarray | None = None
     segment_serving_cumulative: tuple[list[float], ...] = ()
+    segment_open: bool = False  # an open set: unknown values (and no value) are served segment 0, "(other)"
 
     @property
     def n_arms(self) -> int:
@@ -197,10 +198,12 @@ class ExperimentCache:
         metrics = tuple(experiment.config["metrics"])
         segmented: dict[str, Any] = {}
         if experiment.config.get("segments") is not None:
-            names = tuple(experiment.config["segments"]["names"])
             segment_probabilities = np.asarray(current.segment_probabilities, dtype=np.float64)
             segment_deployed = np.asarray(experiment.segment_state["controller"]["deployed"], dtype=np.float64)
             segment_serving = segment_deployed if experiment.status == "stopped" else segment_probabilities
+            # An open set's value that got its mixture by an update that started no round is served
+            # the long tail's until the next round starts: only the segments the round serves count.
+            names = tuple(experiment.segment_state["names"][:len(segment_serving)])
             segmented = dict(
                 segment_names=names,
                 segment_positions={segment: position for position, segment in enumerate(names)},
@@ -208,6 +211,7 @@ class ExperimentCache:
                 segment_deployed=segment_deployed,
                 segment_serving=segment_serving,
                 segment_serving_cumulative=tuple(cumulative_probabilities(row) for row in segment_serving),
+                segment_open=experiment.config["segments"].get("by") is not None,
             )
         return Snapshot(
             id=experiment.id,

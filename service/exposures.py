@@ -124,7 +124,9 @@ class ExposureRecorder:
         positions = arms.tolist() if isinstance(arms, np.ndarray) else arms
         if segments is not None:
             by_segment = self.segment_contexts(snapshot)
-            log.record_many(units, [by_segment[segment][arm] for segment, arm in zip(segments, positions)])
+            # An open set's value without a mixture of its own (or no value) was served the long tail's.
+            tail = by_segment[snapshot.segment_names[0]]
+            log.record_many(units, [by_segment.get(segment, tail)[arm] for segment, arm in zip(segments, positions)])
             return
         contexts = self.contexts(snapshot)
         if len(units) == 1:

@@ -202,6 +202,21 @@ class SegmentLateStatistic(_SegmentArmMetricTotals, Base):
     __tablename__ = "segment_late_statistics"
 
 
+class SegmentValueUnit(Base):
+    """Open segment sets: a unit seen with a segment value that has no mixture of its own yet; a value
+    gets one at a round close once it has ``min_units`` distinct units (its rows are then deleted)."""
+
+    __tablename__ = "segment_value_units"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    value: Mapped[str] = mapped_column(
+        sa.String(128).with_variant(sa.String(128, collation="C"), "postgresql"), primary_key=True)
+    unit: Mapped[str] = mapped_column(
+        sa.String(256).with_variant(sa.String(256, collation="C"), "postgresql"), primary_key=True)
+
+
 class ArmRoundCount(Base):
     """Per round and arm: observations, distinct observed units (for SRM), and late observations."""
 

@@ -56,7 +56,11 @@ class ArmView(_Response):
 
 
 class SegmentsView(_Response):
-    names: list[str]
+    names: list[str] = Field(description="The segments with a mixture of their own, in order; an open set's "
+                                         "first is \"(other)\", the long tail.")
+    by: str | None = Field(default=None, description="Open set: the attribute whose values are the segments.")
+    min_units: int | None = Field(default=None, description="Open set: units a value needs for its own mixture.")
+    max_segments: int | None = Field(default=None, description="Open set: most values with a mixture of their own.")
     shares: list[Number] | None = Field(description="The expected traffic shares given at creation (null: none).")
     scopes: list[Literal["segment", "global"]] = Field(description="Scope of each guardrail of the objective.")
     shrink: bool

@@ -108,6 +108,8 @@ class ObjectiveSpec(_Strict):
 
 
 MAX_SEGMENTS = 1_000
+#: The segment of an open set that serves every value without a mixture of its own (and units without a value).
+OTHER_SEGMENT = "(other)"
 SegmentName = ShortName
 
 
@@ -116,21 +118,28 @@ class SegmentsSpec(_Strict):
     them once there are observations), ``shrink`` and ``confidence_z`` tune the segmented controller
     (``pasto.segments.SegmentedConfig``)."""
 
-    names: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_SEGMENTS)]
+    names: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    #: Open set: the attribute whose values are the segments; a value gets its own mixture once
+    #: ``min_units`` distinct units were observed with it (at most ``max_segments`` values), and is
+    #: served the shared mixture of the long tail (segment "(other)") until then.
+    by: ShortName | None = None
+    min_units: Annotated[int, Field(ge=1, le=10**9)] = 100
+    max_segments: Annotated[int, Field(ge=1, le=MAX_SEGMENTS - 1)] = 100
     shares: Annotated[list[Annotated[FiniteFloat, Field(ge=0)]], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
     shrink: bool = True
     confidence_z: Annotated[FiniteFloat, Field(ge=0, le=10)] = 2.0
 
-    @model_validator(mode="before")
-    @classmethod
-    def _closed_list_only(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "by" in data:
-            raise invalid("segments.by", "Open segment sets ({\"by\": attribute, \"min_units\": N}) are not "
-                                         "supported yet; list the segment names in segments.names.")
-        return data
-
     @model_validator(mode="after")
     def _consistent(self) -> SegmentsSpec:
+        if (self.names is None) == (self.by is None):
+            raise invalid("segments", "Give either names (a closed list of segments) or by (an open set of an "
+                                      "attribute's values), not both or neither.")
+        if self.by is not None:
+            if self.shares is not None:
+                raise invalid("segments.shares", "An open set has no expected shares: the measured ones are used.")
+            return self
+        if OTHER_SEGMENT in self.names:
+            raise invalid("segments.names", f"{OTHER_SEGMENT!r} is reserved (the long tail of an open set).")
         _require_unique(self.names, "segments.names", "segment name")
         if self.shares is not None:
             if len(self.shares) != len(self.names):
@@ -139,6 +148,19 @@ class SegmentsSpec(_Strict):
             if not math.isclose(sum(self.shares), 1.0, abs_tol=1e-6):
                 raise invalid("segments.shares", f"The shares must sum to 1; they sum to {sum(self.shares):g}.")
         return self
+
+
+def _segments_kind(value: Any) -> str | None:
+    return "names" if isinstance(value, list) else "spec" if isinstance(value, (dict, SegmentsSpec)) else None
+
+
+#: A list of segment names or a :class:`SegmentsSpec`, tagged by the JSON type so that an error names the
+#: member the client meant (``segments.min_units: ...``), not both.
+Segments = Annotated[
+    Annotated[list[SegmentName], Tag("names")] | Annotated[SegmentsSpec, Tag("spec")],
+    Discriminator(_segments_kind, custom_error_type="invalid_segments",
+                  custom_error_message="Must be a list of segment names or an object (names or by, ...)"),
+]
 
 
 class AlgorithmSpec(BaseModel):
@@ -158,7 +180,7 @@ class ExperimentCreate(_Strict):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     #: Per-segment mixtures (docs/segments.md): a list of segment names or a :class:`SegmentsSpec`.
-    segments: list[SegmentName] | SegmentsSpec | None = None
+    segments: Segments | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentCreate:
@@ -168,6 +190,8 @@ class ExperimentCreate(_Strict):
             if not 1 <= len(self.segments) <= MAX_SEGMENTS:
                 raise invalid("segments", f"Give between 1 and {MAX_SEGMENTS} segment names, not {len(self.segments)}.")
             _require_unique(self.segments, "segments", "segment name")
+            if OTHER_SEGMENT in self.segments:
+                raise invalid("segments", f"{OTHER_SEGMENT!r} is reserved (the long tail of an open set).")
         return self
 
 

@@ -33,7 +33,7 @@ from pasto.estimators import Statistics
 from .db import Database
 from .models import (Arm, ArmRoundCount, Experiment, LateStatistic, ObservationId, PooledStatistic, Round,
                      RoundStatistic, RoundUnit, SchedulerHeartbeat, SegmentLateStatistic, SegmentPooledStatistic,
-                     SegmentRoundStatistic)
+                     SegmentRoundStatistic, SegmentValueUnit)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -637,6 +637,31 @@ def _read_segment_statistics(session: Session, sql: str, parameters: tuple, shap
     for array, column in zip(arrays, (3, 4, 5)):
         array[index] = data[:, column]
     return Statistics(counts=arrays[0], sums=arrays[1], sums_of_squares=arrays[2])
+
+
+def add_segment_value_units(connection: sa.Connection, experiment_id: int, rows: list[tuple[str, str]]) -> None:
+    """Record ``(value, unit)`` pairs of an open segment set (sorted; existing pairs ignored)."""
+    if rows:
+        insert_new(connection, SegmentValueUnit.__table__, ("experiment_id", "value", "unit"),
+                   [(experiment_id, value, unit) for value, unit in rows], returning=("value",))
+
+
+def graduate_segment_values(session: Session, experiment_id: int, min_units: int, limit: int,
+                            exclude: Sequence[str]) -> list[str]:
+    """Up to ``limit`` values of an open set with at least ``min_units`` units (most units first, then by
+    value), other than ``exclude``; their unit rows are deleted (they now have a mixture of their own).
+    In the close transaction (the experiment row locked exclusively)."""
+    if limit <= 0:
+        return []
+    table = SegmentValueUnit.__table__
+    count = sa.func.count()
+    values = [value for value in session.execute(
+        sa.select(table.c.value).where(table.c.experiment_id == experiment_id)
+        .group_by(table.c.value).having(count >= min_units).order_by(count.desc(), table.c.value)
+    ).scalars() if value not in set(exclude)][:limit]
+    if values:
+        session.execute(sa.delete(table).where(table.c.experiment_id == experiment_id, table.c.value.in_(values)))
+    return values
 
 
 def segment_state(session: Session, experiment_id: int) -> dict[str, Any] | None:

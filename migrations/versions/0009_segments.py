@@ -12,7 +12,9 @@ column in the existing keys would widen every row and index entry of every exper
   (segment, metric, arm) and the late cells not folded in yet (as 0004 does without segments);
 - ``rounds.segment_probabilities``: the S x K propensities served per segment in the round;
 - ``experiments.segment_state``: the segmented controller's state (``pasto.segments.SegmentedState``);
-  ``experiments.state`` then holds the traffic-weighted aggregate the unsegmented reports read.
+  ``experiments.state`` then holds the traffic-weighted aggregate the unsegmented reports read;
+- ``segment_value_units``: for an open set of segment values (``{"by": ..., "min_units": N}``), the
+  distinct units seen with each value that has no mixture of its own yet (rows deleted when it gets one).
 
 Revision ID: 0009
 Revises: 0006
@@ -61,6 +63,16 @@ def upgrade() -> None:
                                 name=op.f(f'fk_{table}_experiment_id_experiments'), ondelete='CASCADE'),
         sa.PrimaryKeyConstraint('experiment_id', 'segment_index', 'metric_index', 'arm_index', name=op.f(f'pk_{table}'))
         )
+    op.create_table('segment_value_units',
+    sa.Column('experiment_id', sa.Integer(), autoincrement=False, nullable=False),
+    sa.Column('value', sa.String(length=128).with_variant(sa.String(length=128, collation='C'), 'postgresql'),
+              nullable=False),
+    sa.Column('unit', sa.String(length=256).with_variant(sa.String(length=256, collation='C'), 'postgresql'),
+              nullable=False),
+    sa.ForeignKeyConstraint(['experiment_id'], ['experiments.id'],
+                            name=op.f('fk_segment_value_units_experiment_id_experiments'), ondelete='CASCADE'),
+    sa.PrimaryKeyConstraint('experiment_id', 'value', 'unit', name=op.f('pk_segment_value_units'))
+    )
     with op.batch_alter_table('rounds') as batch_op:
         batch_op.add_column(sa.Column('segment_probabilities', sa.JSON(), nullable=True))
     with op.batch_alter_table('experiments') as batch_op:
@@ -72,6 +84,7 @@ def downgrade() -> None:
         batch_op.drop_column('segment_state')
     with op.batch_alter_table('rounds') as batch_op:
         batch_op.drop_column('segment_probabilities')
+    op.drop_table('segment_value_units')
     op.drop_table('segment_late_statistics')
     op.drop_table('segment_pooled_statistics')
     op.drop_table('segment_round_statistics')

@@ -16,14 +16,14 @@ import numpy as np
 
 from pasto.algorithm import AlgorithmConfig, initial_state
 from pasto.objectives import Objective
-from pasto.segments import SegmentedConfig, aggregate_state, check_scopes, initial_segmented_state
+from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
 
 from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import get_db
 from ..errors import ApiError, invalid
 from ..models import utcnow
-from ..schemas import ExperimentCreate
+from ..schemas import OTHER_SEGMENT, ExperimentCreate
 
 
 def build_objective(metrics: list[str], spec: dict[str, Any], arm_names: list[str]) -> Objective:
@@ -67,12 +67,24 @@ def segmented_config(config: dict[str, Any], algorithm: AlgorithmConfig) -> Segm
                            confidence_z=segments["confidence_z"])
 
 
-def expected_shares(config: dict[str, Any]) -> np.ndarray:
-    """The expected traffic shares (S,) of a segmented experiment's stored config (equal when not given)."""
+def expected_shares(config: dict[str, Any], n_segments: int) -> np.ndarray:
+    """The expected traffic shares (S,) of a segmented experiment's stored config (equal when not given,
+    and always for an open set, whose number of segments grows)."""
     segments = config["segments"]
     if segments.get("shares") is not None:
         return np.asarray(segments["shares"], dtype=np.float64)
-    return np.full(len(segments["names"]), 1.0 / len(segments["names"]))
+    return np.full(n_segments, 1.0 / n_segments)
+
+
+def load_segment_state(stored: dict[str, Any]) -> tuple[SegmentedState, list[str]]:
+    """The segmented state and the segment names (in state order) of ``experiments.segment_state``."""
+    return SegmentedState.from_dict({key: value for key, value in stored.items() if key != "names"}), stored["names"]
+
+
+def dump_segment_state(state: SegmentedState, names: list[str]) -> dict[str, Any]:
+    """What ``experiments.segment_state`` stores: ``SegmentedState.to_dict()`` plus the segment names (an
+    open set's grow as values get a mixture of their own)."""
+    return {**state.to_dict(), "names": list(names)}
 
 
 def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, Any] | None:
@@ -85,7 +97,8 @@ def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, 
                               "A guardrail scope applies only to an experiment with segments; this one has none.")
         return None
     spec = body.segments
-    names = list(spec) if isinstance(spec, list) else list(spec.names)
+    open_set = not isinstance(spec, list) and spec.by is not None
+    names = list(spec) if isinstance(spec, list) else [OTHER_SEGMENT] if open_set else list(spec.names)
     resolved = tuple(scope or "global" for scope in scopes)
     try:
         check_scopes(objective, resolved)
@@ -96,7 +109,10 @@ def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, 
         total = sum(shares)
         shares = [share / total for share in shares]  # summed to 1 within 1e-6: made exact
     return {
-        "names": names,
+        "names": names,  # an open set's initial names: its long tail only (the current ones: segment_state)
+        "by": spec.by if open_set else None,
+        "min_units": spec.min_units if open_set else None,
+        "max_segments": spec.max_segments if open_set else None,
         "shares": shares,
         "scopes": list(resolved),
         "shrink": True if isinstance(spec, list) else spec.shrink,
@@ -127,8 +143,8 @@ def create(body: ExperimentCreate) -> Snapshot:
         config["segments"] = segments
         segmented = initial_segmented_state(segmented_config(config, algorithm), len(segments["names"]),
                                             len(arm_names), len(body.metrics))
-        state = aggregate_state(segmented, expected_shares(config))
-        segment_state = segmented.to_dict()
+        state = aggregate_state(segmented, expected_shares(config, len(segments["names"])))
+        segment_state = dump_segment_state(segmented, segments["names"])
         segment_probabilities = segmented.probabilities.tolist()
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:

@@ -30,7 +30,7 @@ from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import Database, get_db, is_unavailable_error
 from ..models import utcnow
-from .experiments import algorithm_and_objective, expected_shares, segmented_config
+from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
@@ -123,17 +123,18 @@ def diagnostics(name: str) -> Diagnostics:
         units, late, srm = traffic_report(session, snapshot.id, n_arms)
         segmented = segmented_config(snapshot.config, algorithm)
         if segmented is not None:
+            # The stored state, read in this transaction (an open set may have grown since the snapshot).
+            loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
             segment_pooled = store.segment_pooled_statistics(session, snapshot.id, snapshot.round_index,
-                                                             len(snapshot.segment_names), n_metrics, n_arms)
-            segment_state = store.segment_state(session, snapshot.id)
+                                                             loaded.n_segments, n_metrics, n_arms)
     state = ControllerState.from_dict(snapshot.state)
     segments = None
     if segmented is not None:
         # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
         algorithm = dataclasses.replace(algorithm, estimator="pooled", discount=1.0)
-        shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config))
-        segments = segment_summary(segmented, objective, SegmentedState.from_dict(segment_state), segment_pooled,
-                                   shares, list(snapshot.segment_names))
+        shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config,
+                                                                                        loaded.n_segments))
+        segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
@@ -209,7 +210,8 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     segment_counts = None
     if traffic is not None:
         # Per round and segment, the count of its most observed metric (an observation may carry several).
-        per_metric = np.zeros((n_rounds, len(snapshot.segment_names), n_metrics), dtype=np.int64)
+        n_segments = max([len(snapshot.segment_names)] + [segment + 1 for _, segment, _, _ in traffic])
+        per_metric = np.zeros((n_rounds, n_segments, n_metrics), dtype=np.int64)
         for round_index, segment, metric, count in traffic:
             per_metric[round_index - since, segment, metric] = count
         segment_counts = per_metric.max(axis=-1, initial=0)

@@ -24,18 +24,18 @@ def assign(name: str):
         if "unit" in body:
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         batch = parse(AssignMany, body)
-        units, segments = batch.units, batch.unit_segments()
-        snapshot, stale, arms, probabilities = assignment.assign_many(name, units, segments)
+        units = batch.units
+        snapshot, stale, arms, probabilities, served = assignment.assign_many(name, units, batch.unit_segments())
         return _mark_stale(snapshot, stale, respond_json({"assignments": assignments(
             units, arms.tolist(), probabilities.tolist(), snapshot.arm_names, snapshot.arm_params,
-            snapshot.round_index, segments)}))
+            snapshot.round_index, served)}))
     if isinstance(body, dict) and "unit" not in body:
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     one = parse(AssignOne, body)
     unit = one.unit
-    snapshot, stale, arm, probability = assignment.assign_one(name, unit, one.segment)
+    snapshot, stale, arm, probability, served = assignment.assign_one(name, unit, one.segment)
     (answer,) = assignments([unit], [arm], [probability], snapshot.arm_names, snapshot.arm_params,
-                            snapshot.round_index, None if one.segment is None else [one.segment])
+                            snapshot.round_index, None if served is None else [served])
     return _mark_stale(snapshot, stale, respond_json(answer))
 
 

@@ -52,7 +52,8 @@ def segments_view(snapshot: Snapshot) -> SegmentsView | None:
         return None
     spec = snapshot.config["segments"]
     return SegmentsView(
-        names=list(snapshot.segment_names), shares=spec["shares"], scopes=spec["scopes"], shrink=spec["shrink"],
+        names=list(snapshot.segment_names), by=spec.get("by"), min_units=spec.get("min_units"),
+        max_segments=spec.get("max_segments"), shares=spec["shares"], scopes=spec["scopes"], shrink=spec["shrink"],
         confidence_z=spec["confidence_z"],
         probabilities={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_probabilities)},
         deployed={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_deployed)},

@@ -88,7 +88,9 @@ def list_rounds(name: str):
             guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
             **({} if history.segment_observations is None else {"segments": RoundSegments(
                 probabilities=dict(zip(snapshot.segment_names, round_row.segment_probabilities)),
-                observations=dict(zip(snapshot.segment_names, history.segment_observations[position].tolist())),
+                # The segments the round served (an open set's later ones had no mixture of their own yet).
+                observations=dict(zip(snapshot.segment_names[:len(round_row.segment_probabilities)],
+                                      history.segment_observations[position].tolist())),
                 summary=summary.get("segments"),
             )}),
         ))

@@ -313,3 +313,35 @@ def test_segmented_state_from_dict_names_what_is_wrong():
         SegmentedState.from_dict({**state, "joint": [[1.0, 0.0, 0.0]]})
     with pytest.raises(ValueError, match="unknown key"):
         SegmentedState.from_dict({**state, "extra": 1})
+
+
+@pytest.mark.parametrize("estimator", ["pooled", "ips", "control_variate"])
+def test_added_segments_start_as_copies_of_the_template_and_update(estimator):
+    from pasto.segments import add_segments
+
+    rng = np.random.default_rng(0)
+    objective = _objective(1, 3)
+    config = SegmentedConfig(algorithm=algorithm.AlgorithmConfig.from_preset("default", estimator=estimator),
+                             scopes=("global",))
+    state = initial_segmented_state(config, 2, 3, 2)
+    pooled = Statistics.zeros(2, 3, (2,))
+    for _ in range(3):
+        stats = segment_statistics(rng.choice(2, 20), rng.choice(3, 20), rng.standard_normal((20, 2)), 2, 3)
+        pooled = pooled + stats
+        state = segmented_update(config, objective, state, stats, pooled, np.array([0.5, 0.5]))
+    grown = add_segments(state, 2, template=0)
+    assert grown.n_segments == 4
+    for name, value in grown.controller.to_dict().items():
+        if isinstance(value, list):
+            original = np.asarray(state.controller.to_dict()[name])
+            np.testing.assert_array_equal(np.asarray(value)[:2], original)
+            np.testing.assert_array_equal(np.asarray(value)[2], original[0])
+    assert add_segments(state, 0) is state
+    # The grown state updates like any other: the new segments have no data and serve the global mixture.
+    pooled = Statistics(*(np.concatenate([a, np.zeros((2, 2, 3))]) for a in (pooled.counts, pooled.sums,
+                                                                               pooled.sums_of_squares)))
+    stats = segment_statistics(rng.choice(2, 20), rng.choice(3, 20), rng.standard_normal((20, 2)), 4, 3)
+    after = segmented_update(config, objective, grown, stats, pooled + stats, np.array([0.4, 0.4, 0.1, 0.1]))
+    np.testing.assert_allclose(after.probabilities.sum(axis=-1), 1.0)
+    with pytest.raises(ValueError, match="template segment"):
+        add_segments(state, 1, template=5)

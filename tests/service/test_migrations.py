@@ -14,7 +14,8 @@ from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
 #: Added by 0009 (per-segment statistics): absent after any downgrade below it.
-SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics"}
+SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics",
+                  "segment_value_units"}
 
 
 def _tables(url: str) -> set[str]:

@@ -127,7 +127,10 @@ def _problems(response) -> list[dict]:
     (lambda b: (b.pop("segments"), b["objective"]["guardrails"][0].update(scope="segment")),
      "objective.guardrails[0].scope", "only to an experiment with segments"),
     (lambda b: b["objective"]["guardrails"][0].update(scope="everywhere"), "objective.guardrails[0].scope", ""),
-    (lambda b: b.update(segments={"by": "country", "min_units": 500}), "segments.by", "not supported yet"),
+    (lambda b: b.update(segments={"by": "country", "names": ["a"]}), "segments", "either names"),
+    (lambda b: b.update(segments={"by": "country", "shares": [1.0]}), "segments.shares", "no expected shares"),
+    (lambda b: b.update(segments={"by": "country", "min_units": 0}), "segments.spec.min_units", "greater than or equal to 1"),
+    (lambda b: b.update(segments=["new", "(other)"]), "segments", "reserved"),
 ])
 def test_bad_segment_configuration_is_a_422_naming_it(api, change, location, words):
     body = segmented_body()
@@ -347,3 +350,68 @@ def test_late_observations_reach_the_segment_totals_and_a_stopped_experiment_ser
                       json={"units": [f"s{i}" for i in range(200)], "segment": segment}).get_json()["assignments"]
         for answer in answers:
             assert answer["probability"] == deployed["abc".index(answer["arm"])]
+
+
+def test_an_open_set_gives_a_value_its_own_mixture_after_min_units(api):
+    """{"by": "country", "min_units": 50}: every value starts on the long tail's mixture ("(other)");
+    after a close, a value with 50 units has its own segment (its earlier data stay in the long tail's
+    statistics), one with fewer does not; unknown values and no value fall back to the long tail; the
+    server and an offline LocalAssigner agree."""
+    from pasto_client import LocalAssigner
+
+    body = segmented_body("open", segments={"by": "country", "min_units": 50, "max_segments": 5})
+    created = api("POST", "/api/v1/experiments", json=body)
+    assert created.status_code == 201, created.get_json()
+    view = created.get_json()["segments"]
+    assert view["names"] == ["(other)"] and view["by"] == "country" and view["min_units"] == 50
+
+    def play(round_index, counts):
+        observations = []
+        for value, count in counts.items():
+            units = [f"{value}-{round_index}-{i}" for i in range(count)]
+            payload = {"units": units} if value is None else {"units": units, "segment": value}
+            answers = api("POST", "/api/v1/experiments/open/assign", role="ingest", json=payload).get_json()
+            for answer in answers["assignments"]:
+                observation = {"id": f"{round_index}-{answer['unit']}", "unit": answer["unit"], "round": round_index,
+                               "values": {"x": 1.0, "y": 0.2}}
+                if value is not None:
+                    observation["segment"] = value
+                observations.append(observation)
+        response = api("POST", "/api/v1/experiments/open/observations", role="ingest",
+                       json={"observations": observations})
+        assert response.status_code == 202, response.get_json()
+
+    one = api("POST", "/api/v1/experiments/open/assign", role="ingest", json={"unit": "u", "segment": "fr"}).get_json()
+    assert one["segment"] == "(other)"
+    play(0, {"fr": 60, "de": 20, None: 30})
+    assert api("POST", "/api/v1/experiments/open/rounds").status_code == 200
+    experiment = api("GET", "/api/v1/experiments/open", role="read").get_json()
+    assert experiment["segments"]["names"] == ["(other)", "fr"]
+    assert len(experiment["segments"]["probabilities"]) == 2
+    answers = api("POST", "/api/v1/experiments/open/assign", role="ingest",
+                  json={"units": ["a", "b", "c"], "segments": ["fr", "de", "jp"]}).get_json()["assignments"]
+    assert [answer["segment"] for answer in answers] == ["fr", "(other)", "(other)"]
+    # Late for round 0: "fr" was served the long tail's mixture then, and its data stay there.
+    late = [{"id": f"late-{i}", "unit": f"fr-0-{i}", "round": 0, "segment": "fr", "values": {"x": 1.0}} for i in range(5)]
+    assert api("POST", "/api/v1/experiments/open/observations", role="ingest",
+               json={"observations": late}).status_code == 202
+    play(1, {"fr": 40, "de": 40})  # "de" reaches 60 units: its own mixture at the next close
+    assert api("POST", "/api/v1/experiments/open/rounds").status_code == 200
+    experiment = api("GET", "/api/v1/experiments/open", role="read").get_json()
+    assert experiment["segments"]["names"] == ["(other)", "fr", "de"]
+    rounds = api("GET", "/api/v1/experiments/open/rounds", role="read").get_json()["rounds"]
+    assert rounds[0]["segments"]["observations"] == {"(other)": 115}
+    assert rounds[1]["segments"]["observations"] == {"(other)": 40, "fr": 40}
+    diagnostics = api("GET", "/api/v1/experiments/open/diagnostics", role="read").get_json()["segments"]
+    assert [entry["name"] for entry in diagnostics["segments"]] == ["(other)", "fr", "de"]
+    assert [entry["observations"] for entry in diagnostics["segments"]] == [155, 40, 0]
+
+    units = [f"x{i}" for i in range(3000)]
+    values = [["fr", "de", "jp", "(other)"][i % 4] for i in range(3000)]
+    served = api("POST", "/api/v1/experiments/open/assign", role="ingest",
+                 json={"units": units, "segments": values}).get_json()["assignments"]
+    local = LocalAssigner(None, "open", experiment=experiment)
+    mine = local.assign_many(units, values)
+    assert [(a.arm, a.probability, a.segment) for a in mine] == \
+        [(s["arm"], s["probability"], s["segment"]) for s in served]
+    assert local.assign("x0").segment == "(other)"
