@@ -352,13 +352,14 @@ def test_late_observations_reach_the_segment_totals_and_a_stopped_experiment_ser
             assert answer["probability"] == deployed["abc".index(answer["arm"])]
 
 
-def test_an_open_set_gives_a_value_its_own_mixture_after_min_units(api):
+def test_an_open_set_gives_a_value_its_own_mixture_after_min_units(backend_api):
     """{"by": "country", "min_units": 50}: every value starts on the long tail's mixture ("(other)");
     after a close, a value with 50 units has its own segment (its earlier data stay in the long tail's
     statistics), one with fewer does not; unknown values and no value fall back to the long tail; the
     server and an offline LocalAssigner agree."""
     from pasto_client import LocalAssigner
 
+    api = backend_api  # SQLite and PostgreSQL
     body = segmented_body("open", segments={"by": "country", "min_units": 50, "max_segments": 5})
     created = api("POST", "/api/v1/experiments", json=body)
     assert created.status_code == 201, created.get_json()
