@@ -17,7 +17,7 @@ column in the existing keys would widen every row and index entry of every exper
   distinct units seen with each value that has no mixture of its own yet (rows deleted when it gets one).
 
 Revision ID: 0009
-Revises: 0006
+Revises: 0007
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0009'
-down_revision = '0006'
+down_revision = '0007'
 branch_labels = None
 depends_on = None
 

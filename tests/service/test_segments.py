@@ -416,3 +416,38 @@ def test_an_open_set_gives_a_value_its_own_mixture_after_min_units(backend_api):
     assert [(a.arm, a.probability, a.segment) for a in mine] == \
         [(s["arm"], s["probability"], s["segment"]) for s in served]
     assert local.assign("x0").segment == "(other)"
+
+
+def test_statistics_batches_carry_the_segment_of_each_cell(api, setup_a):
+    """POST .../statistics: a segmented experiment's cells name their segment (two cells of one round,
+    arm and metric in two segments are summed for the unsegmented tables); a missing or unknown segment,
+    or one sent to an unsegmented experiment, is a 422 naming the cell."""
+    assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
+    assert api("POST", "/api/v1/experiments", json=setup_a("plain")).status_code == 201
+    cells = [{"round": 0, "arm": "a", "metric": "x", "count": 10, "sum": 20.0, "sum_of_squares": 50.0, "segment": "new"},
+             {"round": 0, "arm": "a", "metric": "x", "count": 5, "sum": 5.0, "sum_of_squares": 9.0,
+              "segment": "mobile"},
+             {"round": 0, "arm": "b", "metric": "y", "count": 4, "sum": 2.0, "sum_of_squares": 3.0,
+              "segment": "returning"}]
+    response = api("POST", "/api/v1/experiments/seg/statistics", role="ingest",
+                   json={"batch_id": "b1", "cells": cells, "units": [{"round": 0, "arm": "a", "units": 15}]})
+    assert response.status_code < 300, response.get_json()
+    again = api("POST", "/api/v1/experiments/seg/statistics", role="ingest",
+                json={"batch_id": "b1", "cells": cells, "units": [{"round": 0, "arm": "a", "units": 15}]})
+    assert again.get_json()["duplicate"] is True
+    rounds = api("GET", "/api/v1/experiments/seg/rounds", role="read").get_json()["rounds"]
+    assert rounds[0]["counts"] == [15, 4, 0]
+    assert rounds[0]["segments"]["observations"] == {"new": 10, "returning": 4, "mobile": 5}
+    assert api("POST", "/api/v1/experiments/seg/rounds").status_code == 200
+    summary = api("GET", "/api/v1/experiments/seg/rounds", role="read").get_json()["rounds"][0]["segments"]["summary"]
+    assert [entry["observations"] for entry in summary["segments"]] == [10, 4, 5]
+
+    for name, cell, words in [
+        ("seg", {k: v for k, v in cells[0].items() if k != "segment"}, "give the unit's segment"),
+        ("seg", {**cells[0], "segment": "tablet"}, "Unknown segment 'tablet'"),
+        ("plain", {**cells[0], "segment": "new"}, "has no segments"),
+    ]:
+        response = api("POST", f"/api/v1/experiments/{name}/statistics", role="ingest",
+                       json={"batch_id": f"bad-{name}-{words}", "cells": [cell]})
+        assert response.status_code == 422, response.get_json()
+        assert any(p["location"] == "cells[0].segment" and words in p["message"] for p in _problems(response))
