@@ -706,6 +706,8 @@ def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int,
     app = create_app({"PASTO_DATABASE_URL": url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
     client = app.test_client()
     plain = experiment_body("close-plain", n_arms)
+    # Exploration serving, as every segmented experiment runs: the synthetic rounds observe every arm.
+    plain["algorithm"] = {"preset": "default", "serving": "exploration"}
     plain["objective"] = {**SEGMENTED_OBJECTIVE, "guardrails": [
         {key: value for key, value in guardrail.items() if key != "scope"} for guardrail in SEGMENTED_OBJECTIVE["guardrails"]]}
     bodies = {"plain": plain,

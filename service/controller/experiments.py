@@ -127,7 +127,16 @@ def create(body: ExperimentCreate) -> Snapshot:
     for guardrail in objective_spec.get("guardrails", []):
         guardrail.pop("scope", None)  # kept in config["segments"]["scopes"]; not part of the Objective
     objective = build_objective(body.metrics, objective_spec, arm_names)
-    algorithm = build_algorithm(body.algorithm.model_dump())
+    algorithm_spec = body.algorithm.model_dump()
+    if body.segments is not None:
+        # The segmented controller serves its own mixtures, (1 - eps) p*_s + eps / K from the joint LP
+        # (pasto.segments), in place of the per-segment safe-serving rule: it runs "exploration".
+        if algorithm_spec.get("serving", "exploration") != "exploration":
+            raise invalid("algorithm.serving", "Safe serving is not available with segments: the segmented "
+                                               "controller serves the joint solution with exploration "
+                                               "(give serving 'exploration' or leave it out).")
+        algorithm_spec["serving"] = "exploration"
+    algorithm = build_algorithm(algorithm_spec)
     segments = _segments_config(body, objective)
     config = {
         "metrics": body.metrics,
@@ -177,8 +186,18 @@ def show(name: str) -> Snapshot:
     return get_cache().get(name)
 
 
+def events(name: str, since: int, limit: int) -> list:
+    """At most ``limit`` events ``(id, kind, round_index, at, details)`` of experiment ``name`` from
+    event id ``since`` on, oldest first; 404 if there is no such experiment."""
+    snapshot = get_cache().get(name)
+    with get_db().read() as session:
+        return store.experiment_events(session, snapshot.id, since, limit)
+
+
 # Allowed status transitions: target -> statuses it may be reached from (same status: no-op).
 _TRANSITIONS = {"paused": {"running"}, "running": {"paused"}, "stopped": {"running", "paused"}}
+# The event each target status records (running is only reached by resuming).
+_EVENT_KINDS = {"paused": "paused", "running": "resumed", "stopped": "stopped"}
 
 
 def set_status(name: str, target: str) -> Snapshot:
@@ -196,4 +215,5 @@ def set_status(name: str, target: str) -> Snapshot:
             # A round does not run while paused: it gets a full round_seconds after resuming.
             ends_at = now + timedelta(seconds=experiment.config["round_seconds"]) if target == "running" else None
             store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
+            store.add_event(session, experiment.id, _EVENT_KINDS[target], experiment.round_index, now)
     return get_cache().get(name, fresh=True)

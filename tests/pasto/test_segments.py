@@ -273,7 +273,9 @@ def test_segmented_state_and_config_round_trip_through_json(seed, n_segments, ro
 
     rng = np.random.default_rng(seed)
     objective = _objective(1, 3)
-    config = SegmentedConfig(algorithm=algorithm.AlgorithmConfig.from_preset("default", estimator=estimator),
+    # Exploration serving, as the service runs segmented experiments (every arm keeps a positive share).
+    config = SegmentedConfig(algorithm=algorithm.AlgorithmConfig.from_preset("default", estimator=estimator,
+                                                                             serving="exploration"),
                              scopes=("global",), confidence_z=1.5)
     assert SegmentedConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     shares = rng.dirichlet(np.ones(n_segments))

@@ -451,3 +451,14 @@ def test_statistics_batches_carry_the_segment_of_each_cell(api, setup_a):
                        json={"batch_id": f"bad-{name}-{words}", "cells": [cell]})
         assert response.status_code == 422, response.get_json()
         assert any(p["location"] == "cells[0].segment" and words in p["message"] for p in _problems(response))
+
+
+def test_a_segmented_experiment_runs_exploration_serving_and_refuses_safe_serving(api):
+    """The segmented controller serves the joint LP's mixtures with exploration: the default
+    AlgorithmConfig's safe serving is replaced by it, and asking for safe serving is a 422 saying why."""
+    created = api("POST", "/api/v1/experiments", json=segmented_body()).get_json()
+    assert created["algorithm"]["serving"] == "exploration"
+    response = api("POST", "/api/v1/experiments", json=segmented_body("safe", algorithm={"serving": "safe"}))
+    assert response.status_code == 422
+    assert any(p["location"] == "algorithm.serving" and "not available with segments" in p["message"]
+               for p in _problems(response))
