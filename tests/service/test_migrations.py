@@ -13,9 +13,13 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
-#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0011 experiment events):
-#: gone whenever the round trip below downgrades to 0006 or earlier.
-TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status", "experiment_events"}
+#: Added by 0009 (per-segment statistics): absent after any downgrade below it.
+SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics",
+                  "segment_value_units"}
+#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0009 segments, 0011 experiment
+#: events): gone whenever the round trip below downgrades to 0006 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status",
+                     "experiment_events"} | SEGMENT_TABLES
 
 
 def _tables(url: str) -> set[str]:
