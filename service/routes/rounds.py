@@ -8,7 +8,7 @@ from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import BestSingle, Guardrail, RoundClosed, RoundList, RoundView, respond
+from ..responses import BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundView, respond
 from ..schemas import json_body
 from .experiments import iso, round_times
 
@@ -86,6 +86,7 @@ def list_rounds(name: str):
             guardrails=summary.get("guardrails"),
             guardrails_served=_guardrails(summary.get("guardrails")),
             guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
+            lift=Lift.from_summary(summary.get("lift"), snapshot.arm_names),
         ))
     last = since + limit - 1
     next_since = last + 1 if last < history.snapshot.round_index else None
