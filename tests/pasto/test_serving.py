@@ -147,7 +147,8 @@ def test_served_mixture_keeps_the_lower_confidence_bound_of_every_hard_guardrail
     states = run(objective, means, std=0.3, rounds=60, queries=20, config=config)
     for state in states[5:]:
         estimate = serving.arm_posterior(state.statistics)
-        z = 1.6448536269514722
+        # 95% for the 3 arms at once (Bonferroni): the one-sided 1 - 0.05 / 3 quantile.
+        z = 2.128045234184983
         # The next round's mixture is chosen on this estimate: its pessimistic guardrail holds.
         rows = serving.hard_constraints(objective, estimate.means - z * estimate.standard_errors,
                                         estimate.means + z * estimate.standard_errors)
@@ -157,7 +158,9 @@ def test_served_mixture_keeps_the_lower_confidence_bound_of_every_hard_guardrail
     # mixes arms 0 and 1 at y = 0.5 exactly; the bounds are 95% ones, not certainties).
     true_y = states[-1].probabilities @ means[1]
     assert np.all(true_y >= 0.5 * (1 - 1e-3))
-    assert np.all(states[-1].probabilities @ means[0] > 0.8)
+    # Near the optimum's x = 1 on average over the last 10 rounds (a single round may still explore).
+    served_x = np.mean([state.probabilities @ means[0] for state in states[-10:]], axis=0)
+    assert np.all(served_x > 0.8)
 
 
 @needs_hard
