@@ -9,13 +9,15 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    no data still get a finite mean and standard error. The noise variance of an arm is its own
    sample variance pooled with the metric's within-arm variance over all arms.
 2. **Pessimistic constraints.** Every hard guardrail becomes linear constraints ``A p >= c`` on lower
-   confidence bounds L = mean - z se (one-sided level ``level``, 95% by default). An absolute
+   confidence bounds L = mean - z se, simultaneous over the K arms (one-sided level ``level``, 95%
+   by default, for all arms at once: each at 1 - (1 - level) / K). An absolute
    guardrail reads ``L_g . p >= c_g``. A relative one, ``mu_g . p >= (1 + theta) mu_g,b``, is
    pessimistic in both the arms and the reference arm b: ``sum_{k != b} p_k L_k + (p_b - 1 - theta)
    B_b >= 0`` for B_b = U_b and B_b = L_b (two rows: the coefficient of mu_b changes sign at
    p_b = 1 + theta). The baseline arm (``Objective.baseline_index``, known to be acceptable) is
-   treated as meeting every absolute guardrail (its coefficient is max(L, c)), so padding with it
-   always restores feasibility.
+   treated as meeting every absolute guardrail (its coefficient is max(L, c)) while its own upper
+   bound does not refute that, so padding with it restores feasibility; when nothing is known to be
+   feasible, the largest-slack mixture is served.
 3. **Serve.** With hard guardrails: the LP max U_primary . p subject to those constraints, U the
    optimistic (upper) bound of the primary metrics with z_t = optimism * sqrt(2 ln t): arms whose
    upper bound could enter the optimal support get traffic, and that traffic shrinks as the bounds

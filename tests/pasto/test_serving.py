@@ -239,3 +239,24 @@ def test_the_shipped_safe_serving_scenarios_load_with_their_hard_guardrails_and_
     drift = load_scenario("setup-a-drift")
     assert drift.drift.at_round == 1000
     np.testing.assert_array_equal(np.array(drift.drift.means.fixed), np.array(drift.means.fixed)[:, ::-1])
+
+
+def test_a_baseline_below_an_absolute_threshold_is_trusted_only_until_its_data_refute_it():
+    """The demo's production blend has like rate 0.046 against the 0.06 threshold: trusted while its
+    upper bound reaches 0.06 (no data yet), not once the upper bound is below (then its own lower
+    bound counts), so padding with it cannot break the guardrail."""
+    means = np.array([[1.0, 0.5, 0.2], [0.4, 0.7, 0.046]])
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "baseline": "2",
+                                                  "guardrails": [{"metric": "y", "threshold": 0.06, "hard": True}]},
+                                    ["0", "1", "2"])
+    unsure = serving.hard_constraints(objective, means - 0.02, means + 0.02)  # upper 0.066 >= 0.06
+    assert unsure.matrix[0, 2] == 0.06
+    refuted = serving.hard_constraints(objective, means - 0.005, means + 0.005)  # upper 0.051 < 0.06
+    assert refuted.matrix[0, 2] == pytest.approx(0.041)
+
+
+def test_with_nothing_known_feasible_the_largest_slack_mixture_is_served():
+    rows = serving.HardConstraints(np.array([[0.2, 0.5, 0.1]]), np.array([0.6]), np.array([0.6]))
+    safe = serving.largest_slack(rows, np.zeros(3))
+    np.testing.assert_allclose(safe, [0.0, 1.0, 0.0], atol=1e-9)
+    np.testing.assert_allclose(serving._pad(np.array([1.0, 0.0, 0.0]), safe, rows), safe)
