@@ -65,7 +65,7 @@ def read_history(folder: Path) -> tuple[str, list[dict]]:
     return name, rounds
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--round-seconds", type=float, default=2.0)
@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--tolerance", type=float, default=0.0,
                         help="allowed shortfall relative to the threshold (the simulator's acceptance uses 0.001)")
     parser.add_argument("--keep", type=Path, default=None, help="instance folder to use and keep")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     scenario = load_demo_scenario()
     objective, means = experiment_objective(scenario), true_means(scenario)

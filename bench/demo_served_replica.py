@@ -27,7 +27,7 @@ from service.demo.groundtruth import experiment_objective, load_demo_scenario, t
 from service.demo.setup import ALGORITHM
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=60)
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--option", action="append", default=[],
                         help="NAME=JSON overriding an option of the demo's algorithm")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     scenario = load_demo_scenario()
     objective, means = experiment_objective(scenario), true_means(scenario)
