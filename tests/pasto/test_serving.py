@@ -254,9 +254,3 @@ def test_a_baseline_below_an_absolute_threshold_is_trusted_only_until_its_data_r
     refuted = serving.hard_constraints(objective, means - 0.005, means + 0.005)  # upper 0.051 < 0.06
     assert refuted.matrix[0, 2] == pytest.approx(0.041)
 
-
-def test_with_nothing_known_feasible_the_largest_slack_mixture_is_served():
-    rows = serving.HardConstraints(np.array([[0.2, 0.5, 0.1]]), np.array([0.6]), np.array([0.6]))
-    safe = serving.largest_slack(rows, np.zeros(3))
-    np.testing.assert_allclose(safe, [0.0, 1.0, 0.0], atol=1e-9)
-    np.testing.assert_allclose(serving._pad(np.array([1.0, 0.0, 0.0]), safe, rows), safe)
