@@ -646,6 +646,11 @@ def choose(
     previous_log_weights = np.asarray(log_weights, dtype=float)
     log_weights = previous_log_weights.reshape((flat, n_arms)).copy()
     rows = _unbatched(constraints, flat)
+    # The deployed mixture is one mixture chosen once, not a fresh pick among K arms each round on
+    # the traffic users get: it keeps per-arm bounds at ``level`` (the simultaneous ones made the
+    # demo's deployed mixture too timid to learn: below half the gain of mixing at 12,000 sessions
+    # in 37% of runs, against 1%).
+    deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
     if constraints.count:
         soft = [g for g in objective.guardrails if not _is_hard(g)]
         if soft:
@@ -666,7 +671,7 @@ def choose(
             # ... mixed with the mixture with the most pessimistic slack just enough that every
             # hard guardrail's lower bound holds (stochastic bandits with linear constraints).
             served[run] = _pad(hopeful_mixture, safe, rows[run])
-            plug_in[run], _ = served_lp(plain[run], rows[run], np.zeros(n_arms))
+            plug_in[run], _ = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
         log_weights = np.log(np.maximum(plug_in, 1e-300))
     else:
         lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 30.0)
@@ -689,7 +694,7 @@ def choose(
         served = fixed + (1.0 - fixed.sum()) * served
 
     chosen = _defensible(
-        objective, flat_means, flat_errors, flat_thresholds, plug_in, rows, z_safe, z_deploy
+        objective, flat_means, flat_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
     )
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
