@@ -9,8 +9,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    no data still get a finite mean and standard error. The noise variance of an arm is its own
    sample variance pooled with the metric's within-arm variance over all arms.
 2. **Pessimistic constraints.** Every hard guardrail becomes linear constraints ``A p >= c`` on lower
-   confidence bounds L = mean - z se, simultaneous over the K arms (one-sided level ``level``, 95%
-   by default, for all arms at once: each at 1 - (1 - level) / K). An absolute
+   confidence bounds L = mean - z se (one-sided level ``level``, 95% by default); for the served
+   mixture the bounds are simultaneous over the K arms (each at 1 - (1 - level) / K), for the
+   deployed mixture (step 5) per arm. An absolute
    guardrail reads ``L_g . p >= c_g``. A relative one, ``mu_g . p >= (1 + theta) mu_g,b``, is
    pessimistic in both the arms and the reference arm b: ``sum_{k != b} p_k L_k + (p_b - 1 - theta)
    B_b >= 0`` for B_b = U_b and B_b = L_b (two rows: the coefficient of mu_b changes sign at
