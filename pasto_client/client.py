@@ -156,6 +156,7 @@ class Client:
         settle_seconds: float = 0.0,
         algorithm: Mapping[str, Any] | None = None,
         seed: int | None = None,
+        source: Mapping[str, Any] | None = None,
     ) -> dict:
         """``POST /api/v1/experiments`` (admin): create an experiment and return it.
 
@@ -177,6 +178,9 @@ class Client:
             ``{"preset": "paper" | "default", **overrides}``.
         seed : int, optional
             Hash seed; the server draws one otherwise.
+        source : dict, optional
+            A warehouse-native metric source (docs/scaling.md): the scheduler queries it at each
+            round's close and update. Secrets by environment-variable name only.
         """
         body: dict[str, Any] = {
             "name": name,
@@ -190,6 +194,8 @@ class Client:
             body["algorithm"] = dict(algorithm)
         if seed is not None:
             body["seed"] = seed
+        if source is not None:
+            body["source"] = dict(source)
         return self.request("POST", f"{API_PREFIX}/experiments", json=body)
 
     def list_experiments(self) -> list[dict]:
@@ -319,6 +325,18 @@ class Client:
             rounds.extend(page["rounds"])
             cursor = page.get("next_since")  # absent from servers before pagination: one page was all
         return rounds
+
+    def events(self, name: str, since: int | None = None) -> list[dict]:
+        """``GET .../events``: what happened to the experiment (created, paused, resumed, stopped,
+        controller_started), each with its round, oldest first, from event id ``since`` (default 0);
+        every page, followed by its ``next_since`` cursor."""
+        events: list[dict] = []
+        cursor: int | None = since or 0
+        while cursor is not None:
+            page = self.request("GET", self._experiment_path(name, "/events") + f"?since={cursor}")
+            events.extend(page["events"])
+            cursor = page["next_since"]
+        return events
 
     def diagnostics(self, name: str) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,

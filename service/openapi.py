@@ -38,6 +38,7 @@ _ERRORS = {
     "413": "The request body is larger than the server accepts.",
     "415": "The body is not JSON (Content-Type must be application/json).",
     "422": "The body is JSON but invalid; the message and details name the offending item.",
+    "502": "The experiment's metric source failed (code source_failed, with the source's sentence); nothing changed.",
 }
 
 _NAME_PARAMETER = {
@@ -53,6 +54,16 @@ _LIMIT_PARAMETER = {
     "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default 200,000 / K, from 1 to 1,000).",
     "schema": {"type": "integer", "minimum": 1},
 }
+
+_EVENT_SINCE_PARAMETER = {
+    "name": "since", "in": "query", "required": False, "description": "First event id to return (default 0).",
+    "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+}
+_EVENT_LIMIT_PARAMETER = {
+    "name": "limit", "in": "query", "required": False, "description": "At most this many events (default and most 1,000).",
+    "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+}
+
 
 def _operation(summary: str, role: str | None, responses: dict[str, Any], errors: tuple[str, ...] = (),
                body: dict[str, Any] | None = None, body_required: bool = True,
@@ -79,7 +90,9 @@ def _paths() -> dict[str, Any]:
     return {
         "/healthz": {"get": _operation(
             "Database reachable, scheduler alive, schema version.", None,
-            {"200": _json(_ref("Health"), "Healthy."), "503": _json(_ref("Health"), "Database or schema not ready.")},
+            {"200": _json(_ref("Health"), "Healthy (status ok), or degraded: a running experiment's metric source "
+                                          "is failing (listed in sources)."),
+             "503": _json(_ref("Health"), "Database or schema not ready.")},
             path_name=False)},
         "/metrics": {"get": _operation(
             "Prometheus metrics (text exposition format).", "metrics",
@@ -122,11 +135,16 @@ def _paths() -> dict[str, Any]:
                     "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER]},
             "post": _operation(
                 "Close the current round now and run the update (optionally only if it is round {round}).",
-                "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409",),
+                "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409", "502"),
                 body={"type": "object", "additionalProperties": False,
                       "properties": {"round": {"type": "integer", "minimum": 0}}},
                 body_required=False),
         },
+        "/api/v1/experiments/{name}/events": {"get": {
+            **_operation("One page of the experiment's events (created, paused, resumed, stopped, controller "
+                         "started), oldest first, each with its round; next_since is the next page's cursor.",
+                         "read", {"200": _json(_ref("ExperimentEventList"), "The events.")}, ("422",)),
+            "parameters": [_NAME_PARAMETER, _EVENT_SINCE_PARAMETER, _EVENT_LIMIT_PARAMETER]}},
         "/api/v1/experiments/{name}/diagnostics": {"get": _operation(
             "Objective, best mixture and single arm, regret, guardrails, sample-ratio mismatch, late data.",
             "read", {"200": _json(_ref("Diagnostics"), "Diagnostics on the current estimate.")})},

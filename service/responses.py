@@ -72,6 +72,8 @@ class Experiment(_Response):
     deployed: list[Number] = Field(description="The mixture the algorithm recommends now.")
     created_at: Timestamp
     updated_at: Timestamp
+    source: dict[str, Any] | None = Field(
+        default=None, description="The metric source the experiment was created with (docs/scaling.md), or null.")
 
 
 class ExperimentList(_Response):
@@ -190,10 +192,37 @@ class RoundView(_Response):
                                   "for rounds stored before this was recorded).")
 
 
+class SourceErrorView(_Response):
+    """The experiment's metric source is failing: its rounds do not close until it answers again."""
+
+    message: str = Field(description="The source's sentence (the engine's own message kept in it).")
+    since: Timestamp = Field(description="The first failed attempt of this run of failures.")
+    last_failed_at: Timestamp
+    failures: int = Field(description="Failed attempts of the experiment's source, ever "
+                                      "(pasto_source_errors_total).")
+
+
 class RoundList(_Response):
     rounds: list[RoundView]
     next_since: int | None = Field(
         description="The `since` of the next page, or null when this page ends with the current round.")
+    source_error: SourceErrorView | None = Field(
+        default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
+
+
+class ExperimentEvent(_Response):
+    id: int = Field(description="Orders the events of every experiment; the `since` of a page.")
+    kind: Literal["created", "paused", "resumed", "stopped", "controller_started"] = Field(
+        description="What happened; controller_started: a scheduler process (pasto serve or pasto worker) started.")
+    round: int = Field(description="The round being served when it happened.")
+    at: Timestamp
+    details: dict[str, Any] | None = Field(
+        description="What the kind adds (controller_started: the scheduler's host:pid), or null.")
+
+
+class ExperimentEventList(_Response):
+    events: list[ExperimentEvent]
+    next_since: int | None = Field(description="The `since` of the next page, or null after the last event.")
 
 
 class MixtureValues(_Response):
@@ -239,6 +268,8 @@ class Diagnostics(_Response):
     late_observations: int
     units: list[int]
     estimate: EstimateView
+    source_error: SourceErrorView | None = Field(
+        default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
 
 
 class HealthDatabase(_Response):
@@ -256,18 +287,28 @@ class HealthSchema(_Response):
     head: str
 
 
+class HealthSource(_Response):
+    experiment: str
+    message: str
+    since: Timestamp
+
+
 class Health(_Response):
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "degraded", "unavailable"] = Field(
+        description="ok; degraded (HTTP 200: the service serves, but a running experiment's metric source "
+                    "is failing, see `sources`); unavailable (HTTP 503).")
     database: HealthDatabase
     scheduler: HealthScheduler
     schema_: HealthSchema = Field(alias="schema")
+    sources: list[HealthSource] = Field(
+        default_factory=list, description="Running experiments whose metric source is failing.")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 #: Every response model, for the OpenAPI document (``service.openapi``).
 MODELS = (Error, Experiment, ExperimentList, Assignment, AssignmentBatch, IngestResult, StatisticsResult, RoundClosed,
-          RoundList, Diagnostics, Health)
+          RoundList, Diagnostics, Health, ExperimentEventList)
 
 
 def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],

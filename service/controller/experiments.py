@@ -21,6 +21,30 @@ from ..db import get_db
 from ..errors import ApiError, invalid
 from ..models import utcnow
 from ..schemas import ExperimentCreate
+from ..sources import SourceError, parse_source
+
+
+def check_source(declaration: dict[str, Any], metrics: list[str]) -> dict[str, Any]:
+    """The metric source declaration as stored (unchanged), or a 422 with the problem's sentence.
+
+    A table mapping must map exactly the experiment's metrics: a metric it leaves out would get no
+    values from the source, and a name that is no metric is most likely a typo.
+    """
+    try:
+        source = parse_source(declaration)
+    except SourceError as error:
+        raise invalid("source", str(error)) from None
+    if source.mapping is not None:
+        mapped = [metric for metric, _ in source.mapping.events.metrics]
+        unknown = [metric for metric in mapped if metric not in metrics]
+        if unknown:
+            raise invalid("source", f"The metric source maps {unknown}, which are not metrics of the experiment "
+                                    f"{metrics}.")
+        missing = [metric for metric in metrics if metric not in mapped]
+        if missing:
+            raise invalid("source", f"The metric source's mapping.events.metrics does not map the experiment's "
+                                    f"metrics {missing}; map each metric to its column.")
+    return declaration
 
 
 def build_objective(metrics: list[str], spec: dict[str, Any], arm_names: list[str]) -> Objective:
@@ -68,6 +92,8 @@ def create(body: ExperimentCreate) -> Snapshot:
         "round_seconds": body.round_seconds,
         "settle_seconds": body.settle_seconds,
     }
+    if body.source is not None:
+        config["source"] = check_source(body.source, body.metrics)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         with get_db().write() as session:
@@ -98,8 +124,18 @@ def show(name: str) -> Snapshot:
     return get_cache().get(name)
 
 
+def events(name: str, since: int, limit: int) -> list:
+    """At most ``limit`` events ``(id, kind, round_index, at, details)`` of experiment ``name`` from
+    event id ``since`` on, oldest first; 404 if there is no such experiment."""
+    snapshot = get_cache().get(name)
+    with get_db().read() as session:
+        return store.experiment_events(session, snapshot.id, since, limit)
+
+
 # Allowed status transitions: target -> statuses it may be reached from (same status: no-op).
 _TRANSITIONS = {"paused": {"running"}, "running": {"paused"}, "stopped": {"running", "paused"}}
+# The event each target status records (running is only reached by resuming).
+_EVENT_KINDS = {"paused": "paused", "running": "resumed", "stopped": "stopped"}
 
 
 def set_status(name: str, target: str) -> Snapshot:
@@ -117,4 +153,5 @@ def set_status(name: str, target: str) -> Snapshot:
             # A round does not run while paused: it gets a full round_seconds after resuming.
             ends_at = now + timedelta(seconds=experiment.config["round_seconds"]) if target == "running" else None
             store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
+            store.add_event(session, experiment.id, _EVENT_KINDS[target], experiment.round_index, now)
     return get_cache().get(name, fresh=True)

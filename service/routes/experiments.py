@@ -1,4 +1,4 @@
-"""``/api/v1/experiments``: create, list, show, pause, resume, stop."""
+"""``/api/v1/experiments``: create, list, show, pause, resume, stop, and the events of an experiment."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ from flask import Blueprint
 from ..auth import require_role
 from ..cache import Snapshot
 from ..controller import experiments
-from ..responses import ArmView, Experiment, ExperimentList, RoundTimes, respond
+from ..params import query_integer
+from ..responses import (ArmView, Experiment, ExperimentEvent, ExperimentEventList, ExperimentList, RoundTimes,
+                         respond)
 from ..schemas import ExperimentCreate, json_body, parse
 
 bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
+
+#: Events per page: without ``?limit=``, and at most.
+EVENTS_PAGE = 1000
+#: Largest event id a request may name (ids are 32-bit integers on PostgreSQL).
+MAX_EVENT_ID = 2**31 - 1
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -43,6 +50,7 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         deployed=snapshot.deployed.tolist(),
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
+        source=config.get("source"),
     )
 
 
@@ -80,3 +88,16 @@ def resume(name: str):
 @require_role("admin")
 def stop(name: str):
     return respond(experiment_view(experiments.set_status(name, "stopped")))
+
+
+@bp.get("/<name>/events")
+@require_role("read")
+def events(name: str):
+    """Events oldest first, one page from event id ``?since=`` (0) of ``?limit=`` (1,000) events;
+    ``next_since`` is the cursor of the next page (null after the last event)."""
+    since = query_integer("since", 0, 0, MAX_EVENT_ID)
+    limit = query_integer("limit", EVENTS_PAGE, 1, EVENTS_PAGE)
+    rows = experiments.events(name, since, limit + 1)  # one more tells whether another page follows
+    page = [ExperimentEvent(id=row.id, kind=row.kind, round=row.round_index, at=iso(row.at), details=row.details)
+            for row in rows[:limit]]
+    return respond(ExperimentEventList(events=page, next_since=rows[limit].id if len(rows) > limit else None))

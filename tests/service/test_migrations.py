@@ -13,6 +13,9 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
+#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0011 experiment events):
+#: gone whenever the round trip below downgrades to 0006 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status", "experiment_events"}
 
 
 def _tables(url: str) -> set[str]:
@@ -40,7 +43,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "statistics_batches"}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures"}
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -69,7 +72,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"statistics_batches"}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006
         assert "pruned_rounds" not in [column["name"] for column in inspector.get_columns("experiments")]
         assert inspector.get_indexes("observation_ids") == []
     finally:
@@ -78,7 +81,7 @@ def _check_round_trip(url: str) -> None:
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics", "statistics_batches"}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "late_statistics"}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -92,8 +95,8 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics",
-                                                 "statistics_batches"}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "pooled_statistics",
+                                                                      "late_statistics"}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []
@@ -249,5 +252,30 @@ def test_the_stored_algorithm_loses_its_preset_key(backend, request):
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
         migrations.downgrade(url, BEFORE_WITHOUT_PRESET)
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+    finally:
+        engine.dispose()
+
+
+def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url):
+    """0011: every experiment present at the upgrade gets a ``created`` event in round 0 at its
+    ``created_at``; the downgrade drops the table."""
+    migrations.upgrade(sqlite_url, "0006")
+    engine = sa.create_engine(sqlite_url)
+    try:
+        with engine.begin() as connection:
+            for name in ("first", "second"):
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, version, "
+                    "created_at, updated_at) VALUES (:name, '{}', 'running', 1, 4, 4, '{}', 1, "
+                    "'2026-01-02 03:04:05', '2026-01-02 03:04:05')"), {"name": name})
+        migrations.upgrade(sqlite_url, "0011")
+        with engine.connect() as connection:
+            rows = connection.execute(sa.text(
+                "SELECT e.name, v.kind, v.round_index, v.at, v.details FROM experiment_events v "
+                "JOIN experiments e ON e.id = v.experiment_id ORDER BY v.id")).all()
+        assert [tuple(row) for row in rows] == [("first", "created", 0, "2026-01-02 03:04:05", None),
+                                                ("second", "created", 0, "2026-01-02 03:04:05", None)]
+        migrations.downgrade(sqlite_url, "0006")
+        assert "experiment_events" not in _tables(sqlite_url)
     finally:
         engine.dispose()
