@@ -1,6 +1,6 @@
 """Where the bounds of tests/service/test_demo.py's live check come from: an offline replica.
 
-The live test resumes the demo (default preset with ``solve_every`` 1, 1-second rounds) and reads
+The live test resumes the demo (its algorithm ``service.demo.setup.ALGORITHM``, 1-second rounds) and reads
 it in 5 rounds from the one where the experiment holds 12,000 sessions. This replica runs the same
 controller on the demo's ground truth (the shipped scenario ``demo``: means and noise), without the
 service, for many runs at once, and reports over those 5 rounds:
@@ -28,6 +28,7 @@ from pasto.estimators import Statistics
 from pasto.optimum import best_mixture, best_single
 from pasto.simulate import round_statistics, sample_arms
 from service.demo.groundtruth import experiment_objective, load_demo_scenario, true_means
+from service.demo.setup import ALGORITHM
 
 WINDOW_SESSIONS = 12_000  # as in tests/service/test_demo.py
 WINDOW_ROUNDS = 5
@@ -48,7 +49,9 @@ def main() -> None:
     mixture, _ = best_mixture(objective, means)
     single, _ = best_single(objective, means)
     watch_single, watch_best = means[0, single], means[0] @ mixture
-    config = AlgorithmConfig.from_preset("default", solve_every=1)
+    # The demo's own algorithm (safe serving since issue 14), as the live test runs it.
+    options = dict(ALGORITHM)
+    config = AlgorithmConfig.from_preset(options.pop("preset"), **options)
     rng = np.random.default_rng(args.seed)
     runs, queries = args.runs, args.sessions_per_round
     state = initial_state(config, n_arms, n_metrics, (runs,))

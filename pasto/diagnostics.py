@@ -11,9 +11,10 @@ from scipy import stats
 from pasto.estimators import Estimate
 from pasto.objectives import Objective
 
-__all__ = ["guardrail_report", "sample_ratio_mismatch"]
+__all__ = ["Z_95", "guardrail_report", "sample_ratio_mismatch"]
 
-_Z_95 = float(stats.norm.ppf(0.975))
+#: The 97.5% quantile of the standard normal: half-width of a 95% interval in standard errors.
+Z_95 = float(stats.norm.ppf(0.975))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -57,7 +58,7 @@ def guardrail_report(
         value = float(means[row] @ p)
         used = p > 0
         standard_error = float(np.sqrt(np.sum((p[used] * errors[row, used]) ** 2)))
-        low, high = value - _Z_95 * standard_error, value + _Z_95 * standard_error
+        low, high = value - Z_95 * standard_error, value + Z_95 * standard_error
         threshold = float(thresholds[j])
         report.append(
             {

@@ -7,6 +7,11 @@ with their values, and for the *served* mixture (the traffic's p, exploration in
 the best mixture and every guardrail's estimate with its 95% interval
 (:func:`pasto.diagnostics.guardrail_report`).
 
+Each mixture also gets its *lift* over the baseline arm (:func:`baseline_lift`): the objective's
+``baseline`` (else the first ``relative_to`` arm; a holdout share is served that arm, so its lift is
+the lift over the holdout), on the primary metric and on the objective, each with a 95% interval by
+the delta method on the per-arm means and standard errors.
+
 Everything is on the estimate, not the truth: the values are what the controller believes now.
 """
 
@@ -15,15 +20,123 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import math
+
 import numpy as np
 
 from pasto import optimum
 from pasto.algorithm import AlgorithmConfig, ControllerState, estimate
-from pasto.diagnostics import guardrail_report
+from pasto.diagnostics import Z_95, guardrail_report
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
 
-__all__ = ["MixtureReport", "RoundReport", "round_report"]
+__all__ = ["Lift", "MixtureReport", "RoundReport", "baseline_lift", "round_report"]
+
+
+@dataclass(frozen=True)
+class Lift:
+    """A mixture's value minus the baseline arm's, with a 95% delta-method interval.
+
+    Attributes
+    ----------
+    estimate : float
+        ``g(V p) - g(V e_b)`` for g the primary part (``w . x``) or the objective f.
+    lower, upper : float
+        ``estimate -+ 1.96 se``; nan while an arm the difference depends on has no standard error.
+    relative : float
+        ``estimate / g(V e_b)``: the lift as a share of the baseline's value; nan unless that
+        value is positive (a share of a negative or zero value means nothing).
+    relative_lower, relative_upper : float
+        Its 95% interval (delta method on the ratio), nan as ``relative`` or the bounds are.
+    """
+
+    estimate: float
+    lower: float
+    upper: float
+    relative: float
+    relative_lower: float
+    relative_upper: float
+
+
+def baseline_lift(
+    objective: Objective,
+    means: np.ndarray,
+    standard_errors: np.ndarray,
+    thresholds: np.ndarray,
+    probabilities: np.ndarray,
+    baseline: int,
+) -> dict[str, Lift]:
+    """Lift of mixture p over the single baseline arm b on the primary metric and on the objective.
+
+    Each arm's and metric's mean is an independent estimate, so for a difference
+    ``D(V) = g(V p) - g(V e_b)`` the delta method gives ``Var D = sum_{m,k} (dD/dV_mk)^2 se_mk^2`` with
+    ``dD/dV_mk = g'(x_p)_m p_k - g'(x_b)_m [k = b]`` (x_p = V p, x_b = V e_b): the baseline's own
+    share of p enters both terms, so the two values' covariance is in. For the relative lift
+    ``R = g(V p) / g(V e_b) - 1``, ``dR/dV = (g'(x_p) p^T) / g(x_b) - g(x_p) (g'(x_b) e_b^T) / g(x_b)^2``.
+    Resolved relative thresholds are held fixed, as in :meth:`pasto.objectives.Objective.value`; hard
+    guardrails take no part in f.
+
+    Parameters
+    ----------
+    objective : Objective
+    means, standard_errors : ndarray, shape (M, K)
+    thresholds : ndarray, shape (G,)
+        Resolved thresholds (``objective.thresholds(means)``).
+    probabilities : ndarray, shape (K,)
+    baseline : int
+        Column of the baseline arm.
+
+    Returns
+    -------
+    dict
+        ``{"primary": Lift, "objective": Lift}``.
+    """
+    means = np.asarray(means, dtype=float)
+    errors = np.asarray(standard_errors, dtype=float)
+    p = np.asarray(probabilities, dtype=float)
+    single = np.zeros_like(p)
+    single[baseline] = 1.0
+    x_mixture, x_baseline = means @ p, means @ single
+    weights = objective.primary_weights
+    measures = {
+        "primary": (float(weights @ x_mixture), float(weights @ x_baseline), weights, weights),
+        "objective": (
+            float(objective.value(x_mixture, thresholds)),
+            float(objective.value(x_baseline, thresholds)),
+            objective.gradient(x_mixture, thresholds),
+            objective.gradient(x_baseline, thresholds),
+        ),
+    }
+    result = {}
+    for name, (value, base, gradient_mixture, gradient_baseline) in measures.items():
+        # dg(V p)/dV_mk = g'(x_p)_m p_k; dg(V e_b)/dV_mk = g'(x_b)_m [k = b]: both (M, K).
+        mixture_part = np.outer(gradient_mixture, p)
+        baseline_part = np.outer(gradient_baseline, single)
+        difference = value - base
+        spread = _delta_error(mixture_part - baseline_part, errors)
+        if base > 0 and np.isfinite(base):
+            ratio = difference / base
+            ratio_spread = _delta_error(mixture_part / base - value * baseline_part / base**2, errors)
+        else:
+            ratio = ratio_spread = math.nan
+        result[name] = Lift(
+            estimate=difference,
+            lower=difference - Z_95 * spread,
+            upper=difference + Z_95 * spread,
+            relative=ratio,
+            relative_lower=ratio - Z_95 * ratio_spread,
+            relative_upper=ratio + Z_95 * ratio_spread,
+        )
+    return result
+
+
+def _delta_error(coefficients: np.ndarray, errors: np.ndarray) -> float:
+    """sqrt(sum c_mk^2 se_mk^2) over the entries with c != 0 (an unused arm's missing error is no
+    uncertainty); nan when a used entry's error is not finite."""
+    used = coefficients != 0
+    if not np.all(np.isfinite(errors[used])):
+        return math.nan
+    return float(np.sqrt(np.sum((coefficients[used] * errors[used]) ** 2)))
 
 
 @dataclass(frozen=True)
@@ -42,12 +155,16 @@ class MixtureReport:
         One per guardrail, as :func:`pasto.diagnostics.guardrail_report` gives them: ``metric``,
         ``threshold``, ``relative_to``, ``estimate``, ``interval`` (95%), ``holds``,
         ``confidently_holds``.
+    lift : dict or None
+        ``{"primary": Lift, "objective": Lift}`` over the baseline arm (:func:`baseline_lift`); None
+        when the objective has no baseline arm.
     """
 
     probabilities: np.ndarray
     value: float
     regret: float
     guardrails: tuple[dict[str, Any], ...]
+    lift: dict[str, Lift] | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +193,8 @@ class RoundReport:
         The mixture the traffic was (or is being) served with.
     deployed : MixtureReport
         The mixture the algorithm recommends (``state.deployed``).
+    baseline_arm : int or None
+        Column of the arm the lifts are measured against (``objective.baseline_index``), or None.
     """
 
     round_index: int
@@ -88,6 +207,7 @@ class RoundReport:
     mixing_gain: float
     served: MixtureReport
     deployed: MixtureReport
+    baseline_arm: int | None = None
 
 
 def round_report(
@@ -144,13 +264,19 @@ def round_report(
     best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
     best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
 
+    baseline = objective.baseline_index
+
     def mixture(probabilities: np.ndarray) -> MixtureReport:
         value = float(objective.mixture_value(means, probabilities, thresholds))
+        lift = None
+        if baseline is not None:
+            lift = baseline_lift(objective, means, current.standard_errors, thresholds, probabilities, baseline)
         return MixtureReport(
             probabilities=probabilities,
             value=value,
             regret=max(0.0, best_value - value),
             guardrails=tuple(guardrail_report(objective, current, probabilities)),
+            lift=lift,
         )
 
     return RoundReport(
@@ -164,4 +290,5 @@ def round_report(
         mixing_gain=float(best_value - best_single_value),
         served=mixture(served),
         deployed=mixture(np.asarray(state.deployed, dtype=float)),
+        baseline_arm=baseline,
     )

@@ -257,6 +257,16 @@ class ControllerCollector:
             "round, exploration included; deployed: the recommended mixture), else 0; `level` estimate: "
             "the point estimate is at or above the threshold, interval: the 95% interval's lower end is.",
             "experiment", "metric", "guardrail", "mixture", "level")
+        lift = _gauge(
+            "pasto_lift",
+            "Lift over the baseline arm after the latest update: `mixture` (served: the traffic of that round; "
+            "deployed) minus the baseline on `measure` (primary metric or objective), `bound` estimate or the "
+            "95% interval's lower/upper end. Absent when the objective has no baseline arm.",
+            "experiment", "mixture", "measure", "bound")
+        lift_relative = _gauge(
+            "pasto_lift_relative",
+            "pasto_lift as a share of the baseline arm's value (absent unless that value is positive).",
+            "experiment", "mixture", "measure", "bound")
         srm = _gauge("pasto_srm_p_value",
                      "Sample-ratio-mismatch chi-square p-value of observed units per arm (small: split is off).",
                      "experiment")
@@ -352,6 +362,7 @@ class ControllerCollector:
 
             if summary.get("segments"):
                 _add_segments(segment_families, name, summary["segments"], segment_limit)
+            _add_lifts(lift, lift_relative, name, summary.get("lift"))
 
             _, late_count, srm_report = traffic[row.id]
             if srm_report["p_value"] is not None:
@@ -369,9 +380,26 @@ class ControllerCollector:
             source_failing.add_metric([row.name], float(row.error is not None))
 
         yield from (status, round_index, applied, arm_count, probability, other_probability, deployed,
-                    other_deployed, objective, regret, margin, holds, holds_by_mixture,
+                    other_deployed, objective, regret, margin, holds, holds_by_mixture, lift, lift_relative,
                     srm, srm_ok, observations, late, lag, last_update, heartbeat, source_errors, source_failing,
                     *segment_families.values())
+
+
+def _add_lifts(lift: GaugeMetricFamily, relative: GaugeMetricFamily, experiment: str,
+               stored: Mapping[str, Any] | None) -> None:
+    """The lift gauges of one experiment from its latest round summary's ``lift`` (nothing when None):
+    at most 2 mixtures x 2 measures x 3 bounds series per gauge."""
+    if not stored:
+        return
+    for mixture in ("served", "deployed"):
+        for measure, values in stored[mixture].items():
+            for gauge, estimate, (lower, upper) in (
+                (lift, values["estimate"], values["interval"]),
+                (relative, values["relative"], values["relative_interval"]),
+            ):
+                for bound, value in (("estimate", estimate), ("lower", lower), ("upper", upper)):
+                    if value is not None:
+                        gauge.add_metric([experiment, mixture, measure, bound], value)
 
 
 def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experiment: str,

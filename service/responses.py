@@ -10,6 +10,7 @@ given (``Number``: an ``int`` stays ``60``, not ``60.0``), and non-finite floats
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from flask import Response, jsonify
@@ -158,6 +159,35 @@ class RoundSegments(_Response):
         "guardrails and the gain of segmenting (as the diagnostics' segments; null until applied)."))
 
 
+class LiftValue(_Response):
+    estimate: Finite = Field(description="The mixture's value minus the baseline arm's.")
+    interval: list[Finite] = Field(description="95% interval of the estimate (delta method); null ends while an "
+                                               "arm in use has too little data.")
+    relative: Finite = Field(description="The estimate as a share of the baseline's value (null unless that "
+                                         "value is positive).")
+    relative_interval: list[Finite] = Field(description="95% interval of the relative lift.")
+
+
+class MixtureLift(_Response):
+    primary: LiftValue = Field(description="Lift on the primary metric (the weighted sum of primary metrics).")
+    objective: LiftValue = Field(description="Lift on the objective f (primary minus soft penalties).")
+
+
+class Lift(_Response):
+    baseline: str = Field(description="The arm the lifts are measured against (the objective's baseline, else "
+                                      "the first relative_to arm; a holdout is served this arm).")
+    served: MixtureLift = Field(description="The traffic served (p_t, exploration included).")
+    deployed: MixtureLift = Field(description="The deployed mixture.")
+
+    @classmethod
+    def from_summary(cls, stored: dict[str, Any] | None, arm_names: Sequence[str]) -> Lift | None:
+        """From ``service.controller.reports.lift_summary``'s JSON (None stays None)."""
+        if stored is None:
+            return None
+        return cls(baseline=arm_names[stored["baseline_index"]],
+                   served=MixtureLift(**stored["served"]), deployed=MixtureLift(**stored["deployed"]))
+
+
 class RoundView(_Response):
     index: int
     started_at: Timestamp
@@ -183,6 +213,10 @@ class RoundView(_Response):
         default=None, description="Each guardrail under the deployed mixture right after the round's update "
                                   "(null for rounds stored before this was recorded).")
     segments: RoundSegments | None = Field(default=None, description="Segmented experiments only.")
+    lift: Lift | None = Field(
+        default=None, description="Lift of the served and deployed mixtures over the baseline arm, on the "
+                                  "estimate right after the round's update (null without a baseline arm, or "
+                                  "for rounds stored before this was recorded).")
 
 
 class SourceErrorView(_Response):
@@ -255,6 +289,8 @@ class Diagnostics(_Response):
     guardrails_served: list[Guardrail] = Field(
         description="Each guardrail under the mixture being served now (p_t, exploration included).")
     guardrails_deployed: list[Guardrail] = Field(description="Each guardrail under the deployed mixture.")
+    lift: Lift | None = Field(description="Lift of the mixture being served now and of the deployed mixture over "
+                                          "the baseline arm (null when the objective has no baseline arm).")
     srm: SampleRatioMismatch
     late_observations: int
     units: list[int]

@@ -48,6 +48,7 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         # mixture recommended after its update (rows stored before this key have only the first).
         "guardrails": json_safe(list(report.served.guardrails)),
         "guardrails_deployed": json_safe(list(report.deployed.guardrails)),
+        "lift": lift_summary(report),
     }
 
 
@@ -77,6 +78,23 @@ def segment_summary(config: SegmentedConfig, objective: Objective, state: Segmen
         "global_mixture": {"probabilities": report.global_mixture, "objective": report.global_value},
         "gain": {"value": report.gain, "interval": report.gain_interval},
     })
+
+
+def lift_summary(report: RoundReport) -> dict[str, Any] | None:
+    """The served and deployed mixtures' lifts over the baseline arm as JSON (``baseline_index``, then per
+    mixture ``primary`` and ``objective``: ``estimate``, ``interval``, ``relative``,
+    ``relative_interval``), or None when the objective has no baseline arm."""
+    if report.baseline_arm is None:
+        return None
+
+    def lifts(mixture) -> dict[str, Any]:
+        return {measure: json_safe({"estimate": lift.estimate, "interval": [lift.lower, lift.upper],
+                                    "relative": lift.relative,
+                                    "relative_interval": [lift.relative_lower, lift.relative_upper]})
+                for measure, lift in mixture.lift.items()}
+
+    return {"baseline_index": report.baseline_arm, "served": lifts(report.served),
+            "deployed": lifts(report.deployed)}
 
 
 def finite(value: float) -> float | None:

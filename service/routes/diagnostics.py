@@ -6,9 +6,9 @@ from flask import Blueprint
 
 from ..auth import require_role
 from ..controller import reports
-from ..controller.reports import json_safe
-from ..responses import (BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, MixtureValues, Regret,
-                         SampleRatioMismatch, SourceErrorView, respond)
+from ..controller.reports import json_safe, lift_summary
+from ..responses import (BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
+                         Regret, SampleRatioMismatch, SourceErrorView, respond)
 
 bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 
@@ -30,6 +30,7 @@ def diagnostics(name: str):
         guardrails=[Guardrail(**item) for item in json_safe(list(report.deployed.guardrails))],
         guardrails_served=[Guardrail(**item) for item in json_safe(list(report.served.guardrails))],
         guardrails_deployed=[Guardrail(**item) for item in json_safe(list(report.deployed.guardrails))],
+        lift=Lift.from_summary(lift_summary(report), snapshot.arm_names),
         srm=SampleRatioMismatch(**diagnostics.srm),
         late_observations=diagnostics.late_observations,
         units=diagnostics.units.astype(int).tolist(),

@@ -8,8 +8,8 @@ from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import (BestSingle, Guardrail, RoundClosed, RoundList, RoundSegments, RoundView, SourceErrorView,
-                         respond)
+from ..responses import (BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
+                         SourceErrorView, respond)
 from ..schemas import json_body
 from .experiments import iso, round_times
 
@@ -94,6 +94,7 @@ def list_rounds(name: str):
                                       history.segment_observations[position].tolist())),
                 summary=summary.get("segments"),
             )}),
+            lift=Lift.from_summary(summary.get("lift"), snapshot.arm_names),
         ))
     last = since + limit - 1
     next_since = last + 1 if last < history.snapshot.round_index else None

@@ -223,6 +223,8 @@ def test_experiment_page_draws_every_panel_from_the_api(live_server, browser, sc
 
     # Legend swatches are drawn like their lines: dashed where the line is dashed.
     swatches = legend_swatches(page, "chart-objective")
+    # The markers of served values off the axis are in the legend only when there are some.
+    swatches.pop("served p_t off the axis", None)
     assert swatches == {"served p_t": False, "deployed mixture": False, "best single arm": True, "best mixture": True}
     assert legend_swatches(page, "chart-guardrail-0") == {"95% interval": None, "estimate": False, "threshold": True}
     assert page.locator("#fig-late").inner_text() == str(diagnostics["late_observations"])
@@ -301,7 +303,10 @@ def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, brow
     last = [entry["index"] for entry in rounds[-10:]]
     for chart in ("chart-mixture", "chart-objective", "chart-regret", "chart-observations", "chart-guardrail-0"):
         for dataset in chart_data(page, chart):
-            assert dataset["x"] == last, (chart, dataset["label"])
+            if dataset["label"] == "served p_t off the axis":  # only the rounds whose served value is off it
+                assert set(dataset["x"]) <= set(last), (chart, dataset["label"])
+            else:
+                assert dataset["x"] == last, (chart, dataset["label"])
     # Cumulative regret still sums from round 0, and the observation total counts every round.
     regret = [value for value in chart_data(page, "chart-regret")[0]["y"] if value is not None]
     assert math.isclose(regret[-1], diagnostics["regret"]["cumulative"], rel_tol=1e-9)
@@ -463,6 +468,114 @@ def test_the_segments_table_reads_the_diagnostics(live_server, browser, anonymou
     page.goto(f"{live_server.base_url}/experiments/{live_server.experiment}")
     page.wait_for_selector("#experiment[data-rounds]")
     assert not page.locator("#panel-segments").is_visible()
+
+
+def objective_axis(page) -> dict:
+    """The objective chart's y-range and, per line, the pixel row of each value."""
+    return page.evaluate(
+        """() => {
+               const chart = Chart.getChart("chart-objective");
+               const y = chart.scales.y;
+               return {min: y.min, max: y.max, pixel: (value) => y.getPixelForValue(value),
+                       pixels: Object.fromEntries(chart.data.datasets.map((dataset) => [dataset.label,
+                           dataset.data.map((point) => (point.y === null ? null : y.getPixelForValue(point.y)))])),
+                       off: chart.data.datasets[4].data.map((point) => [point.x, point.y])};
+           }""")
+
+
+def test_objective_chart_scales_to_the_lines_it_compares_and_regret_says_which_mixture(
+        live_server, browser, anonymous_loopback):
+    """Constant 50% exploration over an arm with x = -40 drags the served objective far below the
+    deployed mixture, the best mixture and the best single arm. The axis is scaled to those three
+    (each distinguishable), the served line is clipped and each clipped round is marked on the axis's
+    lower edge; the regret panel names the served traffic and the best mixture; with no baseline
+    arm the lift cards say so."""
+    name = "exploring"
+    live_server.api("POST", "/experiments", json={
+        "name": name,
+        "arms": [{"name": "watch", "params": {}}, {"name": "likes", "params": {}}, {"name": "bad", "params": {}}],
+        "metrics": ["x", "y"],
+        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
+        "algorithm": {"preset": "default", "serving": "exploration", "exploration": "constant",
+                      "exploration_scale": 0.5},
+        "round_seconds": 3600,
+        "seed": 8,
+    })
+    rng = np.random.default_rng(4)
+    means = {"watch": (2.0, -2.0), "likes": (0.0, 2.0), "bad": (-40.0, 0.0)}
+    for round_position in range(6):
+        assignments = live_server.api("POST", f"/experiments/{name}/assign", role="ingest", json={
+            "units": [f"ex{round_position}-{i}" for i in range(150)]}).json()["assignments"]
+        live_server.api("POST", f"/experiments/{name}/observations", role="ingest", json={"observations": [
+            {"id": item["unit"], "unit": item["unit"], "round": item["round"],
+             "values": dict(zip(["x", "y"], (np.array(means[item["arm"]]) + 0.1 * rng.standard_normal(2)).tolist()))}
+            for item in assignments]})
+        live_server.api("POST", f"/experiments/{name}/rounds")
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"]
+    applied = [entry for entry in rounds if entry["objective"] is not None]
+    compared = [value for entry in applied
+                for value in (entry["objective_deployed"], entry["best_mixture"], entry["best_single"]["value"])]
+    low, high = min(compared), max(compared)
+    assert max(entry["objective"] for entry in applied) < low - (high - low) / 10  # the dip is real
+
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    axis = objective_axis(page)
+    # The range is the three lines' own, padded by a tenth of their spread: not the served line's.
+    pad = (high - low) / 10
+    assert axis["min"] == pytest.approx(low - pad) and axis["max"] == pytest.approx(high + pad)
+    # Every served value is below it: each is marked on the lower edge, none silently lost.
+    assert axis["off"] == [[entry["index"], axis["min"]] for entry in applied]
+    # Deployed, best mixture and best single arm are told apart on screen: the gain of mixing of the
+    # last round spans at least a fifth of the plot's height.
+    pixels = axis["pixels"]
+    height = page.evaluate("Chart.getChart('chart-objective').chartArea.height")
+    last = len(rounds) - 2
+    gap = abs(pixels["best mixture"][last] - pixels["best single arm"][last])
+    assert rounds[last]["best_mixture"] - rounds[last]["best_single"]["value"] > 0.1
+    assert gap >= height / 5, (gap, height)
+    clipped_note = page.locator("#objective-clipped").inner_text()
+    assert f"leaves it in {len(applied)} of these rounds" in clipped_note
+
+    # The regret panel says whose regret it is, against what.
+    assert page.locator("#panel-regret h2").inner_text() == "Cumulative regret of the served traffic"
+    explained = page.locator("#regret-explained").inner_text()
+    assert "best mixture p*" in explained and "served in each round" in explained
+    assert "not the deployed mixture" in explained
+    assert chart_data(page, "chart-regret")[0]["label"] == "cumulative regret of served p_t against the best mixture"
+
+    # No baseline arm: the lift cards say so.
+    assert page.locator("#fig-lift-served").inner_text() == "no baseline"
+    assert page.locator("#fig-lift-deployed").inner_text() == "no baseline"
+    assert console.problems == []
+    context.close()
+
+
+def test_lift_cards_show_the_apis_lift_over_the_baseline(live_server, browser, anonymous_loopback):
+    """The main experiment's diversity guardrail is relative to arm "control": the lifts are over it."""
+    name = live_server.experiment
+    diagnostics = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()
+    rounds = live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"]
+    lift = diagnostics["lift"]
+    assert lift["baseline"] == "control"
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    for mixture in ("served", "deployed"):
+        assert page.locator(f"#fig-lift-{mixture}-label").inner_text() == f"Lift over control, {mixture}"
+        primary = lift[mixture]["primary"]
+        low, high = primary["interval"]
+        card = page.locator(f"#fig-lift-{mixture}")
+        text = card.inner_text()
+        assert text.startswith("+" if primary["estimate"] > 0 else "−" if primary["estimate"] < 0 else "0")
+        assert "[" in text and "]" in text
+        expected = "above" if low > 0 else "below" if high < 0 else "unclear"
+        assert card.get_attribute("data-verdict") == expected
+        # The card's figures are the API's: the estimate and both ends, to the 3 digits shown.
+        shown = [float(number.replace("−", "-")) for number in
+                 text.replace("[", " ").replace("]", " ").replace(",", " ").replace("+", " ").split()[:3]]
+        assert shown == pytest.approx([primary["estimate"], low, high], rel=5e-3, abs=5e-3)
 
 
 MARKER_RGB = (0x6A, 0x3D, 0x9A)  # MARKER_COLOUR of experiment.js

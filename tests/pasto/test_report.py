@@ -11,7 +11,7 @@ import pytest
 from pasto.algorithm import AlgorithmConfig, initial_state, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
-from pasto.report import round_report
+from pasto.report import baseline_lift, round_report
 
 # f(x) = x_0 - 5 min(0, x_1)^2. With p = (q, 1 - q): x = (2q, 2 - 4q); for q > 1/2 the guardrail is
 # short by 4q - 2, f = 2q - 5 (4q - 2)^2, maximal at 4q - 2 = 0.05: p* = (0.5125, 0.4875), f = 1.0125.
@@ -126,3 +126,79 @@ def test_round_report_rejects_batches_and_mismatched_inputs():
         round_report(config, OBJECTIVE, initial_state(config, 2, 2), pooled, served=np.ones(3) / 3)
     with pytest.raises(ValueError, match="finite and non-negative"):
         round_report(config, OBJECTIVE, initial_state(config, 2, 2), pooled, served=np.array([1.5, -0.5]))
+
+
+# ------------------------------------------------------------------------------ lift over the baseline
+LIFT_OBJECTIVE = Objective.from_spec(
+    ["watch", "likes"],
+    {"primary": {"watch": 2.0}, "baseline": "b",
+     "guardrails": [{"metric": "likes", "threshold": 0.06, "penalty": 20000.0}]},
+    arm_names=["a", "b", "c"],
+)
+
+
+def test_lift_of_the_primary_metric_matches_its_closed_form():
+    """Linear in the means, so the delta method is exact: Var = sum_m w_m^2 sum_k (p_k - [k = b])^2 se_mk^2."""
+    means = np.array([[5.0, 4.0, 6.0], [0.08, 0.06, 0.02]])
+    errors = np.array([[0.1, 0.2, 0.3], [0.01, 0.01, 0.02]])
+    p = np.array([0.3, 0.2, 0.5])
+    lift = baseline_lift(LIFT_OBJECTIVE, means, errors, LIFT_OBJECTIVE.thresholds(means), p, 1)["primary"]
+    difference = 2.0 * (means[0] @ p - means[0, 1])
+    spread = 2.0 * math.sqrt(0.3**2 * 0.1**2 + 0.8**2 * 0.2**2 + 0.5**2 * 0.3**2)
+    assert lift.estimate == pytest.approx(difference)
+    assert (lift.lower, lift.upper) == pytest.approx((difference - Z_95 * spread, difference + Z_95 * spread))
+    assert lift.relative == pytest.approx(difference / 8.0)
+
+
+def test_lift_intervals_cover_the_true_lift_95_percent_of_the_time():
+    """Monte-Carlo oracle: estimates drawn around known true means with their standard errors; the
+    95% intervals of both lifts (absolute and relative, primary and objective: the penalty is active,
+    so the objective's lift is non-linear) must cover the true lift in 95% of draws."""
+    rng = np.random.default_rng(7)
+    truth = np.array([[5.0, 4.0, 6.0], [0.08, 0.06, 0.03]])
+    errors = np.array([[0.05, 0.04, 0.05], [0.002, 0.002, 0.002]])
+    p = np.array([0.3, 0.2, 0.5])
+    thresholds = LIFT_OBJECTIVE.thresholds(truth)
+    true_lift = baseline_lift(LIFT_OBJECTIVE, truth, errors, thresholds, p, 1)
+    assert LIFT_OBJECTIVE.value(truth @ p, thresholds) < 2.0 * truth[0] @ p  # the penalty is active
+    draws = 4000
+    covered = {(measure, kind): 0 for measure in ("primary", "objective") for kind in ("absolute", "relative")}
+    for _ in range(draws):
+        estimate = truth + errors * rng.standard_normal(truth.shape)
+        lift = baseline_lift(LIFT_OBJECTIVE, estimate, errors, thresholds, p, 1)
+        for measure in ("primary", "objective"):
+            covered[measure, "absolute"] += lift[measure].lower <= true_lift[measure].estimate <= lift[measure].upper
+            covered[measure, "relative"] += (lift[measure].relative_lower <= true_lift[measure].relative
+                                             <= lift[measure].relative_upper)
+    # 4,000 draws: the coverage's standard error is 0.0034; 0.935..0.965 is more than 4 of them.
+    for key, count in covered.items():
+        assert 0.935 <= count / draws <= 0.965, (key, count / draws)
+
+
+def test_lift_is_zero_for_the_baseline_itself_and_undefined_without_errors():
+    means = np.array([[5.0, 4.0, 6.0], [0.08, 0.06, 0.02]])
+    errors = np.array([[0.1, np.inf, 0.3], [0.01, np.inf, 0.02]])
+    thresholds = LIFT_OBJECTIVE.thresholds(means)
+    lift = baseline_lift(LIFT_OBJECTIVE, means, np.full((2, 3), 0.1), thresholds, np.array([0.0, 1.0, 0.0]), 1)
+    assert lift["primary"].estimate == 0.0 and lift["primary"].lower == 0.0 and lift["primary"].upper == 0.0
+    # The baseline has no standard error yet: the estimate is defined, the interval is not.
+    lift = baseline_lift(LIFT_OBJECTIVE, means, errors, thresholds, np.array([0.5, 0.0, 0.5]), 1)["primary"]
+    assert lift.estimate == pytest.approx(2.0 * (5.5 - 4.0))
+    assert math.isnan(lift.lower) and math.isnan(lift.upper)
+    # An arm without traffic (p_k = 0) adds no uncertainty even without a standard error.
+    lift = baseline_lift(LIFT_OBJECTIVE, means, np.where(np.isinf(errors), 0.1, np.inf), thresholds,
+                         np.array([0.0, 1.0, 0.0]), 1)["primary"]
+    assert lift.lower == 0.0
+
+
+def test_round_report_gives_lifts_only_with_a_baseline():
+    config = AlgorithmConfig.from_preset("default")
+    pooled = _exact_statistics(np.array([[5.0, 4.0, 6.0], [0.08, 0.06, 0.02]]), 101)
+    state = dataclasses.replace(initial_state(config, 3, 2), deployed=np.array([0.6, 0.0, 0.4]))
+    report = round_report(config, LIFT_OBJECTIVE, state, pooled)
+    assert report.baseline_arm == 1
+    assert report.deployed.lift["primary"].estimate == pytest.approx(2.0 * (0.6 * 5 + 0.4 * 6 - 4.0))
+    assert report.served.lift["primary"].estimate == pytest.approx(2.0 * (5.0 - 4.0))
+    no_baseline = Objective.from_spec(["watch", "likes"], {"primary": "watch"}, arm_names=["a", "b", "c"])
+    report = round_report(config, no_baseline, state, pooled)
+    assert report.baseline_arm is None and report.served.lift is None and report.deployed.lift is None

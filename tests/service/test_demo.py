@@ -325,9 +325,13 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
             # 70% bound's whole margin. The tolerances below come from 12,000 runs of the replica
             # (bench/demo_test_bounds.py --runs 4000 at 300, 630 and 1,000 sessions per round):
             # the deployed mixture's true watch time had at least 51% of the gain of mixing (0.1%
-            # quantile 59%, 1% quantile 68%, median 94%), so half the gain is asked for; ...
+            # quantile 59%, 1% quantile 68%, median 94%), so half the gain was asked for. With safe
+            # serving (issue 14: hard guardrails on bounds, a baseline below the like-rate threshold
+            # trusted only until refuted) the replica's 300 runs at 630 sessions per round give
+            # minimum 22%, 0.1% quantile 23%, 1% quantile 27%, median 89% (24 runs below half), so
+            # a fifth is asked for: more than the best single blend, at a fifth of the gain; ...
             watch = float(means[0] @ deployed)
-            assert watch >= watch_single + 0.5 * (watch_best - watch_single), (index, watch, deployed)
+            assert watch >= watch_single + 0.2 * (watch_best - watch_single), (index, watch, deployed)
             like_rate = next(item for item in diagnostics["guardrails"] if item["metric"] == "like_rate")
             # ... the like rate the mixture leans on holds on the estimate (it is solved on that
             # estimate with a hedge: smallest margin 0.00074, about 1.3 standard errors), and its

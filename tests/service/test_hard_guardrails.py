@@ -119,3 +119,59 @@ def test_rounds_and_diagnostics_report_served_and_deployed_guardrails(api, setup
         -2.0 * served_now[0] + 2.0 * served_now[1], abs=0.1)
     # Safe serving keeps the hard guardrail's lower bound for the traffic served next.
     assert diagnostics["guardrails_served"][0]["holds"] is True
+
+
+def test_lift_over_the_baseline_in_rounds_diagnostics_and_metrics(api, setup_a):
+    """Arm a: x = 2, arm b (the baseline): x = -2. The lift of a mixture p on x is 4 p_a on the
+    estimate, with the interval the per-arm standard errors give; the same values reach Prometheus."""
+    from tests.service.test_monitoring import by_label, scrape
+
+    assert api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe")).status_code == 201
+    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                   json={"units": [f"u{i}" for i in range(400)]}).get_json()["assignments"]
+    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
+    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
+                     "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
+                                "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
+                    for i, item in enumerate(assigned)]
+    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    closed = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"][0]
+    lift = closed["lift"]
+    assert lift["baseline"] == "b"
+    for mixture, probabilities in (("served", closed["probabilities"]), ("deployed", closed["deployed"])):
+        primary = lift[mixture]["primary"]
+        assert primary["estimate"] == pytest.approx(4.0 * probabilities[0], abs=0.02)
+        low, high = primary["interval"]
+        assert low <= primary["estimate"] <= high
+        # Hard guardrails take no part in f: the objective is x alone, so both lifts agree.
+        assert lift[mixture]["objective"] == primary
+        # The baseline's x is negative: a share of it means nothing.
+        assert primary["relative"] is None and primary["relative_interval"] == [None, None]
+    if closed["probabilities"][0] > 0:
+        assert lift["served"]["primary"]["interval"][0] > 0  # 400 observations: clearly above the baseline
+    diagnostics = api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()
+    assert diagnostics["lift"]["baseline"] == "b"
+    assert diagnostics["lift"]["deployed"] == lift["deployed"]  # the same estimate, the same mixture
+    samples = scrape(api)
+    for mixture in ("served", "deployed"):
+        values = by_label(samples["pasto_lift"], "bound", experiment="setup-a", mixture=mixture, measure="primary")
+        expected = lift[mixture]["primary"]
+        assert values == pytest.approx({"estimate": expected["estimate"], "lower": expected["interval"][0],
+                                        "upper": expected["interval"][1]}, rel=1e-12)
+    assert not [sample for sample in samples.get("pasto_lift_relative", [])
+                if sample.labels["experiment"] == "setup-a"]
+
+
+def test_no_baseline_means_no_lift(api, setup_a):
+    from tests.service.test_monitoring import scrape
+
+    body = setup_a(objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+                   algorithm={"preset": "default", "serving": "safe"})
+    assert api("POST", "/api/v1/experiments", json=body).status_code == 201
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    (closed, _) = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
+    assert closed["lift"] is None
+    assert api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()["lift"] is None
+    assert not [sample for sample in scrape(api).get("pasto_lift", []) if sample.labels["experiment"] == "setup-a"]

@@ -4,7 +4,7 @@ import {
 } from "./pasto.js";
 import {
   armEstimates, armSamples, cumulativeRegret, deployedBars, eventMarkers, guardrailSeries, guardrailSummary, guardrailVerdict, hasData,
-  mixtureSeries, objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
+  liftOf, mixtureSeries, objectiveRange, objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
 } from "./model.js";
 
 const name = document.getElementById("experiment").dataset.name;
@@ -212,6 +212,13 @@ function drawDeployed(experiment, colourOf) {
 
 function drawObjective(rounds) {
   const series = objectiveSeries(rounds);
+  const range = objectiveRange(series);
+  const clipped = range?.clipped ?? [];
+  // Served values off the axis: a marker on the edge they left by, pointing the way they went.
+  const outside = clipped.map((position) => ({
+    x: rounds[position].index, y: series.served[position] < range.min ? range.min : range.max,
+    value: series.served[position],
+  }));
   drawChart("chart-objective", {
     type: "line",
     data: {
@@ -220,13 +227,27 @@ function drawObjective(rounds) {
         line("deployed mixture", points(rounds, series.deployed), "#009E73"),
         line("best single arm", points(rounds, series.bestSingle), "#D55E00", { borderDash: [6, 4] }),
         line("best mixture", points(rounds, series.bestMixture), "#8a93a3", { borderDash: [2, 3], borderWidth: 1.5 }),
+        {
+          label: "served p_t off the axis", data: outside, showLine: false, borderColor: "#0072B2",
+          backgroundColor: "#0072B2", pointStyle: "triangle", pointRadius: 4, pointHoverRadius: 5,
+          pointRotation: outside.map((point) => (point.y === range.min ? 180 : 0)),
+        },
       ],
     },
     options: {
-      scales: { x: roundAxis(rounds), y: { title: { display: true, text: "f(V p)" } } },
-      plugins: { legend: LINE_LEGEND, tooltip: numberTooltip },
+      scales: {
+        x: roundAxis(rounds),
+        y: { title: { display: true, text: "f(V p)" }, ...(range ? { min: range.min, max: range.max } : {}) },
+      },
+      plugins: {
+        legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 4 || clipped.length > 0 } },
+        tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatNumber(item.raw.value ?? item.parsed.y)}` } },
+      },
     },
   });
+  document.getElementById("objective-clipped").textContent = clipped.length
+    ? `The axis is scaled to the deployed mixture, the best mixture and the best single arm; the served p_t leaves it in ${formatInteger(clipped.length)} of these rounds (exploration), marked ▲▼ on its edge.`
+    : "";
 }
 
 // `cumulative` is over every round; only the shown `rounds` (the last of them) are drawn.
@@ -234,7 +255,7 @@ function drawRegret(rounds, cumulative) {
   drawChart("chart-regret", {
     type: "line",
     data: {
-      datasets: [line("cumulative regret", points(rounds, cumulative.slice(-rounds.length)), "#CC79A7", {
+      datasets: [line("cumulative regret of served p_t against the best mixture", points(rounds, cumulative.slice(-rounds.length)), "#CC79A7", {
         backgroundColor: withAlpha("#CC79A7", 0.15), fill: "origin",
       })],
     },
@@ -440,6 +461,24 @@ function show(id, ...content) {
   document.getElementById(id).replaceChildren(...content);
 }
 
+// "+0.59 [0.52, 0.66] +13%": the lift on the primary metric over the baseline arm with its 95% interval.
+function showLift(mixture, lift) {
+  const id = `fig-lift-${mixture}`;
+  document.getElementById(`${id}-label`).textContent = lift
+    ? `Lift over ${lift.baseline}, ${mixture === "served" ? "served" : "deployed"}` : `Lift, ${mixture}`;
+  if (!lift) {
+    show(id, "no baseline");
+    return;
+  }
+  const signed = (value, format) => (value === null ? "–" : `${value > 0 ? "+" : ""}${format(value)}`);
+  const [low, high] = lift.interval;
+  show(id, signed(lift.estimate, formatNumber),
+    element("span", { class: "interval" }, low === null ? " [no interval yet]" : ` [${formatNumber(low)}, ${formatNumber(high)}]`),
+    lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`));
+  const verdict = low === null ? "unknown" : low > 0 ? "above" : high < 0 ? "below" : "unclear";
+  document.getElementById(id).dataset.verdict = verdict;
+}
+
 function drawFigures(experiment, rounds, diagnostics) {
   const status = document.getElementById("status-badge");
   status.textContent = experiment.status;
@@ -467,6 +506,7 @@ function drawFigures(experiment, rounds, diagnostics) {
   show("fig-best-single", formatNumber(diagnostics.best_single.value),
     element("span", { class: "interval" }, diagnostics.best_single.arm));
   show("fig-gain", formatNumber(diagnostics.mixing_gain));
+  for (const mixture of ["served", "deployed"]) showLift(mixture, liftOf(diagnostics, mixture));
   const guardrails = guardrailSummary(diagnostics);
   show("fig-guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? "no data"
     : badge(guardrailVerdict(guardrails), guardrails.violated.length ? "bad" : "ok"));

@@ -127,6 +127,29 @@ export function objectiveSeries(rounds) {
   };
 }
 
+// The objective chart's y-range: from the lines that must be told apart (deployed mixture, best
+// mixture, best single arm), padded by a tenth of their spread, not from the served line, whose
+// exploration rounds can dip far below and would squash the others into one line. `clipped` lists
+// the positions of the served values outside the range (drawn as markers on its edge).
+export function objectiveRange(series) {
+  const values = [...series.deployed, ...series.bestSingle, ...series.bestMixture].filter(Number.isFinite);
+  if (!values.length) return null;
+  const low = values.reduce((a, b) => Math.min(a, b));
+  const high = values.reduce((a, b) => Math.max(a, b));
+  const pad = (high - low) / 10 || Math.abs(high) / 20 || 1;
+  const range = { min: low - pad, max: high + pad };
+  range.clipped = series.served.flatMap((value, position) =>
+    Number.isFinite(value) && (value < range.min || value > range.max) ? [position] : []);
+  return range;
+}
+
+// The lift of `mixture` ("served" or "deployed") on the primary metric over the baseline arm, from
+// diagnostics: null when the objective has no baseline arm.
+export function liftOf(diagnostics, mixture) {
+  const lift = diagnostics.lift;
+  return lift ? { baseline: lift.baseline, ...lift[mixture].primary } : null;
+}
+
 export function cumulativeRegret(rounds) {
   let total = 0;
   return rounds.map((round) => {
