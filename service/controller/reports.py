@@ -26,7 +26,7 @@ from pasto.report import RoundReport, round_report
 
 from .. import store
 from ..cache import Snapshot, get_cache
-from ..db import Database, get_db, is_unavailable_error
+from ..db import Database, DatabaseUnreachable, get_db, is_unavailable_error
 from ..models import utcnow
 from .experiments import algorithm_and_objective
 
@@ -238,7 +238,7 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
     except FutureTimeout:
         return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
                             current=None, head=head, alive=False, last_heartbeat=None)
-    except sa.exc.SQLAlchemyError as error:
+    except (sa.exc.SQLAlchemyError, DatabaseUnreachable) as error:
         if is_unavailable_error(error):
             database.status.failed(error)
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
