@@ -71,6 +71,7 @@ class Snapshot:
     serving: np.ndarray  # (K,)
     serving_cumulative: list[float]
     hasher: PrefixHasher
+    archived_at: datetime | None = None
 
     @property
     def n_arms(self) -> int:
@@ -109,6 +110,11 @@ class ExperimentCache:
             snapshot = self._load(name, snapshot)
         self._snapshots[name] = (snapshot, now)
         return snapshot
+
+    def forget(self, name: str) -> None:
+        """Drop the snapshot of ``name`` (deleted): the next request asks the database."""
+        self._snapshots.pop(name, None)
+        self._stale_until.pop(name, None)
 
     def serve(self, name: str) -> tuple[Snapshot, bool]:
         """The snapshot assignment serves for experiment ``name`` and whether it is stale: when the
@@ -189,6 +195,7 @@ class ExperimentCache:
             serving=serving,
             serving_cumulative=cumulative_probabilities(serving),
             hasher=PrefixHasher(experiment.seed, experiment.round_index),
+            archived_at=experiment.archived_at,
         )
 
 

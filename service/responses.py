@@ -71,10 +71,18 @@ class Experiment(_Response):
     deployed: list[Number] = Field(description="The mixture the algorithm recommends now.")
     created_at: Timestamp
     updated_at: Timestamp
+    archived_at: OptionalTimestamp = Field(
+        None, description="When the experiment was archived (null: not archived). An archived experiment is stopped.")
 
 
 class ExperimentList(_Response):
     experiments: list[Experiment]
+
+
+class ExperimentDeleted(_Response):
+    name: str
+    deleted_rows: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="Rows deleted per table, the experiment's own row under `experiments`.")
 
 
 class Assignment(_Response):
@@ -222,7 +230,7 @@ class Health(_Response):
 
 
 #: Every response model, for the OpenAPI document (``service.openapi``).
-MODELS = (Error, Experiment, ExperimentList, Assignment, AssignmentBatch, IngestResult, RoundClosed, RoundList,
+MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, AssignmentBatch, IngestResult, RoundClosed, RoundList,
           Diagnostics, Health)
 
 

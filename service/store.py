@@ -31,8 +31,8 @@ from sqlalchemy.orm import Session
 from pasto.estimators import Statistics
 
 from .db import Database
-from .models import (Arm, ArmRoundCount, Experiment, LateStatistic, ObservationId, PooledStatistic, Round,
-                     RoundStatistic, RoundUnit, SchedulerHeartbeat)
+from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, LateStatistic, ObservationId,
+                     PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -181,8 +181,8 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
         if exists is not None:
             raise ExperimentExists(name)
         experiment = Experiment(
-            name=name, config=config, status="running", seed=seed, round_index=0, applied_rounds=0,
-            state=state, version=1, created_at=now, updated_at=now,
+            id=_next_sqlite_experiment_id(session), name=name, config=config, status="running", seed=seed,
+            round_index=0, applied_rounds=0, state=state, version=1, created_at=now, updated_at=now,
         )
         session.add(experiment)
         session.flush()
@@ -198,8 +198,67 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
         raise ExperimentExists(name) from None
 
 
-def experiment_names(session: Session) -> list[str]:
-    return list(session.execute(sa.select(Experiment.name).order_by(Experiment.id)).scalars())
+def _next_sqlite_experiment_id(session: Session) -> int | None:
+    """On SQLite, an id above every experiment's, deleted ones included (None: the database's own).
+
+    SQLite gives a table without AUTOINCREMENT the largest id present plus one, so it would reuse the
+    id of the newest experiment once that is deleted, and a worker still holding the deleted
+    experiment's cached snapshot would ingest into the new one. Writes on SQLite are serialised
+    (``BEGIN IMMEDIATE``), so two creations cannot pick the same id. PostgreSQL's sequence never
+    goes back."""
+    if session.get_bind().dialect.name != "sqlite":
+        return None
+    highest = session.execute(sa.select(sa.func.max(sa.func.coalesce(
+        sa.select(sa.func.max(Experiment.id)).scalar_subquery(), 0), sa.func.coalesce(
+        sa.select(sa.func.max(DeletedExperiment.id)).scalar_subquery(), 0)))).scalar_one()
+    return int(highest) + 1
+
+
+def experiment_names(session: Session, archived: bool = False) -> list[str]:
+    """Names of the experiments not archived (``archived``: of the archived ones), oldest first."""
+    archived_at = Experiment.archived_at.is_not(None) if archived else Experiment.archived_at.is_(None)
+    return list(session.execute(sa.select(Experiment.name).where(archived_at).order_by(Experiment.id)).scalars())
+
+
+def archive_experiment(session: Session, experiment: sa.Row, now: datetime) -> None:
+    """Archive a locked experiment: stopped (it serves its deployed mixture and closes no more
+    rounds) and marked archived; a new version, so every worker's cached snapshot is refreshed."""
+    session.execute(sa.update(_experiments).where(_experiments.c.id == experiment.id)
+                    .values(status="stopped", archived_at=now, version=_experiments.c.version + 1, updated_at=now))
+
+
+def _tables_of_an_experiment() -> list[sa.Table]:
+    """Every table with rows of one experiment (an ``experiment_id`` column), those that refer to
+    others first: whatever tables are added to ``service.models``, a delete reaches them all."""
+    return [table for table in reversed(Base.metadata.sorted_tables)
+            if "experiment_id" in table.c and table is not _experiments]
+
+
+def delete_experiment(session: Session, experiment: sa.Row, now: datetime) -> dict[str, int]:
+    """Delete a locked experiment and every row of it, and record its id in ``deleted_experiments``
+    (never given out again); the number of rows deleted per table.
+
+    Each table is deleted from explicitly: ``observation_ids`` and ``round_units`` have no foreign
+    key to ``experiments`` (migration 0003), and SQLite only cascades with ``PRAGMA foreign_keys``.
+    """
+    deleted = {}
+    for table in _tables_of_an_experiment():
+        deleted[table.name] = session.execute(
+            sa.delete(table).where(table.c.experiment_id == experiment.id)).rowcount
+    deleted["experiments"] = session.execute(sa.delete(_experiments).where(_experiments.c.id == experiment.id)).rowcount
+    session.execute(sa.insert(DeletedExperiment.__table__).values(id=experiment.id, name=experiment.name,
+                                                                  deleted_at=now))
+    return deleted
+
+
+def experiment_row_counts(session: Session, experiment_id: int) -> dict[str, int]:
+    """Rows of experiment ``experiment_id`` per table (its ``experiments`` row included)."""
+    counts = {table.name: session.execute(sa.select(sa.func.count()).select_from(table)
+                                          .where(table.c.experiment_id == experiment_id)).scalar_one()
+              for table in _tables_of_an_experiment()}
+    counts["experiments"] = session.execute(sa.select(sa.func.count()).select_from(_experiments)
+                                            .where(_experiments.c.id == experiment_id)).scalar_one()
+    return counts
 
 
 def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
@@ -271,17 +330,17 @@ def set_status(session: Session, experiment: sa.Row, status: str, now: datetime,
 
 
 # ------------------------------------------------------------------------------ ingestion
-def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row:
-    """``(status, applied_rounds)`` under a share lock on the experiment's row.
+def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row | None:
+    """``(status, applied_rounds)`` under a share lock on the experiment's row (None: deleted).
 
-    Shares the row lock with other ingestion requests and excludes a concurrent round close, so
-    "late" is decided against the rounds as they are when this transaction commits.
+    Shares the row lock with other ingestion requests and excludes a concurrent round close or
+    delete, so "late" is decided against the rounds as they are when this transaction commits.
     """
     return session.connection().execute(
         sa.select(Experiment.status, Experiment.applied_rounds)
         .where(Experiment.id == experiment_id)
         .with_for_update(read=True)
-    ).one()
+    ).one_or_none()
 
 
 def insert_observation_ids(session: Session, experiment_id: int, rows: list[tuple[str, int, int]],
@@ -553,18 +612,18 @@ def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:
 
 
 def monitoring_rows(session: Session) -> dict[str, Any]:
-    """What a metrics scrape reads, for every experiment at once."""
+    """What a metrics scrape reads, for every experiment at once (archived ones left out)."""
     experiments = session.execute(
         sa.select(Experiment.id, Experiment.name, Experiment.status, Experiment.round_index,
                   Experiment.applied_rounds, Experiment.config, Experiment.state,
-                  Experiment.updated_at).order_by(Experiment.id)
+                  Experiment.updated_at).where(Experiment.archived_at.is_(None)).order_by(Experiment.id)
     ).all()
     # Rounds still open or waiting for their update (usually one or two per experiment), and
     # the latest applied one, whose summary holds the newest estimates.
     rounds = session.execute(
         sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
         .join(Experiment, Experiment.id == Round.experiment_id)
-        .where(Round.index >= Experiment.applied_rounds - 1)
+        .where(Round.index >= Experiment.applied_rounds - 1, Experiment.archived_at.is_(None))
     ).all()
     regret_sums = dict(session.execute(
         sa.select(Round.experiment_id, sa.func.sum(Round.summary["regret"].as_float()))

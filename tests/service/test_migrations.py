@@ -23,6 +23,38 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
+LIFECYCLE_TABLES = {"deleted_experiments"}  # migration 0010
+
+
+def _check_experiment_lifecycle_round_trip(url: str) -> None:
+    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade drops the
+    column in place (an archived experiment stays, stopped) without touching the rows that refer
+    to the experiment (a rebuilt table's DROP would cascade into them on SQLite)."""
+    engine = sa.create_engine(url)
+    try:
+        assert "archived_at" in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
+        with engine.begin() as connection:
+            connection.execute(sa.text(
+                "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, state, version, "
+                "created_at, updated_at, archived_at) VALUES (41, 'kept', '{}', 'stopped', 1, 0, 0, '{}', 1, "
+                "'2026-01-01', '2026-01-01', '2026-01-02')"))
+            connection.execute(sa.text(
+                "INSERT INTO arms (experiment_id, position, name, params) VALUES (41, 0, 'a', '{}')"))
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0006")
+    engine = sa.create_engine(url)
+    try:
+        assert _tables(url) == EXPECTED_TABLES - LIFECYCLE_TABLES
+        assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
+        with engine.begin() as connection:
+            assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
+            connection.execute(sa.text("DELETE FROM arms"))
+            connection.execute(sa.text("DELETE FROM experiments"))
+    finally:
+        engine.dispose()
+
+
 def _check_token_lifecycle_round_trip(url: str) -> None:
     """0005: tokens gain expires_at/revoked_at and auth_failures appears; the downgrade deletes the
     revoked and expiring tokens (they would become valid forever) and keeps the others."""
@@ -40,7 +72,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", *LIFECYCLE_TABLES}
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -64,11 +96,12 @@ def _check_round_trip(url: str) -> None:
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
     finally:
         engine.dispose()
+    _check_experiment_lifecycle_round_trip(url)
     _check_token_lifecycle_round_trip(url)
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics", *LIFECYCLE_TABLES}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -82,7 +115,8 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics"}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics",
+                                                  *LIFECYCLE_TABLES}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []
