@@ -611,35 +611,64 @@ def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:
     return counts, round_probabilities
 
 
-def monitoring_rows(session: Session) -> dict[str, Any]:
-    """What a metrics scrape reads, for every experiment at once (archived ones left out)."""
-    experiments = session.execute(
+def monitoring_versions(session: Session) -> list[sa.Row]:
+    """One small row per experiment not archived, what a metrics scrape reads every time: ``id, name,
+    status, round_index, applied_rounds, version, updated_at`` and ``summarized`` (whether the latest
+    applied round's summary is stored: it is written after the close, without a new version)."""
+    latest = sa.select(Round.summary.is_not(None)).where(
+        Round.experiment_id == Experiment.id, Round.index == Experiment.applied_rounds - 1).scalar_subquery()
+    return session.execute(
         sa.select(Experiment.id, Experiment.name, Experiment.status, Experiment.round_index,
-                  Experiment.applied_rounds, Experiment.config, Experiment.state,
-                  Experiment.updated_at).where(Experiment.archived_at.is_(None)).order_by(Experiment.id)
+                  Experiment.applied_rounds, Experiment.version, Experiment.updated_at,
+                  sa.func.coalesce(latest, False).label("summarized"))
+        .where(Experiment.archived_at.is_(None)).order_by(Experiment.id)
     ).all()
-    # Rounds still open or waiting for their update (usually one or two per experiment), and
-    # the latest applied one, whose summary holds the newest estimates.
+
+
+def monitoring_rows(session: Session, experiment_ids: Sequence[int]) -> dict[str, Any]:
+    """What a metrics scrape needs of experiments ``experiment_ids`` that changes only with their
+    version (and the latest summary): configuration and state, the rounds still open or waiting for
+    their update and the latest applied one (whose summary holds the newest estimates), the regret
+    summed over the rounds, the arm names."""
+    experiments = session.execute(
+        sa.select(Experiment.id, Experiment.config, Experiment.state).where(Experiment.id.in_(experiment_ids))
+    ).all()
     rounds = session.execute(
         sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
         .join(Experiment, Experiment.id == Round.experiment_id)
-        .where(Round.index >= Experiment.applied_rounds - 1, Experiment.archived_at.is_(None))
+        .where(Round.index >= Experiment.applied_rounds - 1, Experiment.id.in_(experiment_ids))
     ).all()
     regret_sums = dict(session.execute(
         sa.select(Round.experiment_id, sa.func.sum(Round.summary["regret"].as_float()))
-        .group_by(Round.experiment_id)
-    ).all())
-    stored = dict(session.execute(
-        sa.select(ArmRoundCount.experiment_id, sa.func.sum(ArmRoundCount.observations))
-        .group_by(ArmRoundCount.experiment_id)
+        .where(Round.experiment_id.in_(experiment_ids)).group_by(Round.experiment_id)
     ).all())
     names: dict[int, list[str]] = {}
     for experiment_id, arm_name in session.execute(
-        sa.select(Arm.experiment_id, Arm.name).order_by(Arm.experiment_id, Arm.position)
+        sa.select(Arm.experiment_id, Arm.name).where(Arm.experiment_id.in_(experiment_ids))
+        .order_by(Arm.experiment_id, Arm.position)
     ):
         names.setdefault(experiment_id, []).append(arm_name)
-    return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
+    return {"experiments": {row.id: row for row in experiments}, "rounds": rounds, "regret_sums": regret_sums,
             "arm_names": names}
+
+
+def round_totals(session: Session, experiment_ids: Sequence[int]) -> list[sa.Row]:
+    """``(experiment_id, round_index, units, observations, late_observations)`` summed over the arms,
+    per experiment and round: the counts a scrape reads each time (they change with every batch)."""
+    return session.connection().execute(
+        sa.select(ArmRoundCount.experiment_id, ArmRoundCount.round_index, sa.func.sum(ArmRoundCount.units),
+                  sa.func.sum(ArmRoundCount.observations), sa.func.sum(ArmRoundCount.late_observations))
+        .where(ArmRoundCount.experiment_id.in_(experiment_ids))
+        .group_by(ArmRoundCount.experiment_id, ArmRoundCount.round_index)
+    ).all()
+
+
+def arm_units(session: Session, experiment_id: int) -> list[sa.Row]:
+    """``(arm_index, units)``: distinct observed units per arm, summed over the rounds."""
+    return session.connection().execute(
+        sa.select(ArmRoundCount.arm_index, sa.func.sum(ArmRoundCount.units))
+        .where(ArmRoundCount.experiment_id == experiment_id).group_by(ArmRoundCount.arm_index)
+    ).all()
 
 
 # ------------------------------------------------------------------------------ scheduler
