@@ -264,18 +264,23 @@ def experiment_row_counts(session: Session, experiment_id: int) -> dict[str, int
 def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
     """``(id, version)`` of experiment ``name``, or None. The hottest query of the service: plain DBAPI,
     no ORM or SQL compilation on the way."""
-    connection = database.engine.raw_connection()
+    probe = database.status.admit()  # as Database.read() does: no wait for a database known to be away
     try:
-        cursor = connection.cursor()
+        connection = database.engine.raw_connection()
         try:
-            cursor.execute(f"SELECT id, version FROM experiments WHERE name = {_placeholder(database.engine)}",
-                           (name,))
-            row = cursor.fetchone()
+            cursor = connection.cursor()
+            try:
+                cursor.execute(f"SELECT id, version FROM experiments WHERE name = {_placeholder(database.engine)}",
+                               (name,))
+                row = cursor.fetchone()
+            finally:
+                cursor.close()
+            connection.rollback()
         finally:
-            cursor.close()
-        connection.rollback()
+            connection.close()
     finally:
-        connection.close()
+        if probe:
+            database.status.probe_done()
     return None if row is None else (int(row[0]), int(row[1]))
 
 

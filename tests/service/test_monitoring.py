@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.controller import reports
 from service.controller.rounds import close_due_rounds
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
@@ -350,6 +351,16 @@ def _check_against_the_api(api, name: str, observed: int, late: int) -> None:
             diagnostics["srm"]["p_value"], rel=1e-9, abs=1e-300)
     assert value(samples, "pasto_observations_stored", experiment=name) == observed
     assert value(samples, "pasto_late_observations", experiment=name) == diagnostics["late_observations"] == late
+    # Both read this process's running sums: check them against the sums over every round's rows.
+    app = api.client.application
+    with app.app_context(), get_db(app).read() as session:
+        experiment_id = session.execute(sa.select(Experiment.id).where(Experiment.name == name)).scalar_one()
+        units, late_from_rows, srm = reports.traffic_report(session, experiment_id, len(arm_names))
+    assert diagnostics["units"] == units.astype(int).tolist() and late_from_rows == late
+    if srm["p_value"] is None:
+        assert diagnostics["srm"]["p_value"] is None
+    else:
+        assert diagnostics["srm"]["p_value"] == pytest.approx(srm["p_value"], rel=1e-9, abs=1e-300)
     if experiment["applied_rounds"]:
         assert math.isclose(value(samples, "pasto_regret_cumulative_estimate", experiment=name),
                             diagnostics["regret"]["cumulative"], rel_tol=1e-9)
