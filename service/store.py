@@ -314,6 +314,18 @@ def round_probabilities(database: Database, experiment_id: int, round_index: int
         ).scalar_one_or_none()
 
 
+def round_probabilities_text(session: Session, experiment_id: int, round_indices: Sequence[int]) -> list[tuple[int, str]]:
+    """``(index, propensities as JSON text)`` of the given rounds: the caller parses the K numbers
+    itself (``numpy``), several times faster than a JSON column's decoding at K = 10,000."""
+    rows: list[tuple[int, str]] = []
+    indices = sorted(round_indices)
+    for start in range(0, len(indices), 100):
+        rows.extend(tuple(row) for row in session.connection().execute(
+            sa.select(Round.index, sa.cast(Round.probabilities, sa.Text))
+            .where(Round.experiment_id == experiment_id, Round.index.in_(indices[start:start + 100]))))
+    return rows
+
+
 def lock_experiment(session: Session, experiment_id: int) -> sa.Row | None:
     """The experiment's row, locked exclusively until the transaction ends (None: no such experiment)."""
     return session.execute(

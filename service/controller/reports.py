@@ -213,21 +213,23 @@ class _Traffic:
         self.units = np.zeros(n_arms)
         self.srm: dict[str, Any] = {"statistic": None, "p_value": None, "ok": True}
 
-    def update(self, database: Database, session, experiment_id: int, round_units: dict[int, float],
+    def update(self, session, experiment_id: int, round_units: dict[int, float],
                current: tuple[int, Any] | None) -> None:
+        changes = {round_index: units - self.round_units.get(round_index, 0.0)
+                   for round_index, units in round_units.items() if units != self.round_units.get(round_index, 0.0)}
+        propensities: dict[int, np.ndarray] = {}
+        if current is not None and current[0] in changes:
+            propensities[current[0]] = np.asarray(current[1], dtype=np.float64)
+        wanted = [round_index for round_index in changes if round_index not in propensities]
+        for round_index, text in store.round_probabilities_text(session, experiment_id, wanted):
+            propensities[round_index] = np.fromstring(text.strip()[1:-1], sep=",")
         changed = False
-        for round_index, units in round_units.items():
-            change = units - self.round_units.get(round_index, 0.0)
-            if change == 0:
+        for round_index, change in changes.items():
+            probabilities = propensities.get(round_index)
+            if probabilities is None or probabilities.shape != self.expected.shape:
                 continue
-            if current is not None and round_index == current[0]:
-                probabilities = current[1]
-            else:
-                probabilities = store.round_probabilities(database, experiment_id, round_index)
-            if probabilities is None:
-                continue
-            self.expected += change * np.asarray(probabilities, dtype=np.float64)
-            self.round_units[round_index] = units
+            self.expected += change * probabilities
+            self.round_units[round_index] = round_units[round_index]
             changed = True
         if not changed:
             return
@@ -272,7 +274,7 @@ def running_traffic(database: Database, session, experiment_id: int, n_arms: int
         running = cache.traffic.get(experiment_id)
         if running is None or running.expected.shape != (n_arms,):
             running = cache.traffic[experiment_id] = _Traffic(n_arms)
-        running.update(database, session, experiment_id, round_units, current)
+        running.update(session, experiment_id, round_units, current)
         return running.units.copy(), late, running.srm
 
 
@@ -337,7 +339,7 @@ def controller_metrics(database: Database) -> dict[str, Any]:
             running = cache.traffic.get(row.id)
             if running is None or running.expected.shape != (n_arms,):
                 running = cache.traffic[row.id] = _Traffic(n_arms)
-            running.update(database, session, row.id, round_units.get(row.id, {}), current)
+            running.update(session, row.id, round_units.get(row.id, {}), current)
             traffic[row.id] = (running.units, late.get(row.id, 0), running.srm)
     return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
             "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat}

@@ -54,6 +54,8 @@ MUTATING_ROLES = {
     ("POST", "/api/v1/experiments/<name>/pause"): "admin",
     ("POST", "/api/v1/experiments/<name>/resume"): "admin",
     ("POST", "/api/v1/experiments/<name>/stop"): "admin",
+    ("POST", "/api/v1/experiments/<name>/archive"): "admin",
+    ("DELETE", "/api/v1/experiments/<name>"): "admin",
 }
 
 #: A body each route would accept, so that a refusal can only be the token's doing.

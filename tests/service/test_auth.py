@@ -34,6 +34,8 @@ ROUTES = [
     ("POST", "/api/v1/experiments/setup-a/pause", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/resume", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/stop", "admin", None),
+    ("POST", "/api/v1/experiments/setup-a/archive", "admin", None),
+    ("DELETE", "/api/v1/experiments/setup-a", "admin", None),  # 409 for the admin: not archived
 ]
 PUBLIC = [("GET", "/healthz"), ("GET", "/api/v1/openapi.json")]
 
