@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import migrations  # noqa: E402
 from service import create_app  # noqa: E402
+from service.controller.retention import prune  # noqa: E402
 from service.db import get_db  # noqa: E402
+from service.models import utcnow  # noqa: E402
 
 ADMIN_TOKEN = "bench-sqlite-decay-admin-token"
 EXPERIMENT = "decay"
@@ -59,12 +61,12 @@ def uuid_like(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def batch_body(rng: random.Random, size: int) -> bytes:
+def batch_body(rng: random.Random, size: int, round_index: int = 0) -> bytes:
     """One request body: ``size`` observations with random UUID-like ids and units, all five metrics."""
     observations = []
     for _ in range(size):
         unit = uuid.UUID(int=random.Random(rng.randrange(UNIT_POPULATION)).getrandbits(128), version=4)
-        observations.append({"id": uuid_like(rng), "unit": f"user-{unit}", "round": 0,
+        observations.append({"id": uuid_like(rng), "unit": f"user-{unit}", "round": round_index,
                              "values": {metric: round(rng.gauss(0.0, 1.0), 6) for metric in METRICS}})
     return json.dumps({"observations": observations}).encode()
 
@@ -106,7 +108,7 @@ def without_rowid(path: Path) -> None:
 
 
 def run(observations: int, batch: int, n_arms: int, pragmas: list[str], folder: Path,
-        page_size: int | None = None, rowid: bool = True) -> dict:
+        page_size: int | None = None, rowid: bool = True, prune_every: int | None = None) -> dict:
     url = f"sqlite:///{folder / 'decay.sqlite'}"
     if page_size:  # only a new, empty file takes a page size (before WAL mode, which fixes it)
         sqlite3.connect(folder / "decay.sqlite").execute(f"PRAGMA page_size={page_size}").connection.execute(
@@ -139,10 +141,20 @@ def run(observations: int, batch: int, n_arms: int, pragmas: list[str], folder: 
     slice_cpu = [0.0] * SLICES
     slice_bytes = [0] * SLICES
     accepted = 0
+    round_index = 0
     for index in range(per_slice * SLICES):
-        body = batch_body(rng, batch)
+        body = batch_body(rng, batch, round_index)
         start, cpu_start, bytes_start = time.perf_counter(), time.process_time(), written_bytes()
         answer = client.post(path, data=body, headers=headers)
+        if prune_every and (index + 1) * batch % prune_every == 0:
+            # Retention as the scheduler runs it, timed with the stream: close the round, then prune
+            # every applied round (retention 0 s), chunk by chunk until nothing is left.
+            closed = client.post(f"/api/v1/experiments/{EXPERIMENT}/rounds", headers=headers)
+            if closed.status_code != 200:
+                raise SystemExit(f"Closing round {round_index} failed: {closed.get_data(as_text=True)}")
+            round_index += 1
+            while not prune(get_db(app), utcnow(), 0.0).finished:
+                pass
         slice_seconds[index // per_slice] += time.perf_counter() - start
         slice_cpu[index // per_slice] += time.process_time() - cpu_start
         slice_bytes[index // per_slice] += written_bytes() - bytes_start
@@ -171,14 +183,18 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, help="hypothesis: create the file with this page size")
     parser.add_argument("--without-rowid", action="store_true",
                         help="hypothesis: rebuild observation_ids and round_units WITHOUT ROWID before ingesting")
+    parser.add_argument("--prune-every", type=int, metavar="N",
+                        help="retention: close the round every N observations and prune the ids of applied rounds "
+                             "(PASTO_RETENTION_SECONDS=0), timed with the stream")
     parser.add_argument("--folder", type=Path, help="where the SQLite file goes (default: a temporary folder)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.folder) as folder:
         result = run(args.observations, args.batch, args.arms, args.pragma, Path(folder), args.page_size,
-                     not args.without_rowid)
+                     not args.without_rowid, args.prune_every)
     print(f"SQLite ingestion, {result['observations']:,} observations in batches of {args.batch:,} into one "
           f"experiment ({result['accepted']:,} accepted){', pragmas ' + ', '.join(args.pragma) if args.pragma else ''}"
-          f"{f', page size {args.page_size}' if args.page_size else ''}{', WITHOUT ROWID' if args.without_rowid else ''}")
+          f"{f', page size {args.page_size}' if args.page_size else ''}{', WITHOUT ROWID' if args.without_rowid else ''}"
+          f"{f', round closed and ids pruned every {args.prune_every:,}' if args.prune_every else ''}")
     print("  slice (% of the stream)   observations/s   CPU us/observation   written KB/observation")
     for position, rate in enumerate(result["rates"]):
         print(f"  {position + 1:2d} ({position * 10:3d}-{position * 10 + 10:3d}%)   {rate:18,.0f}   "

@@ -5,14 +5,13 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import random
 import threading
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from pasto_client.batching import BatchQueue
-from pasto_client.client import Client
+from pasto_client.client import Client, retry_delay
 from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
 
 logger = logging.getLogger(__name__)
@@ -242,12 +241,7 @@ class ObservationBuffer:
                     self.duplicates += int(result.get("duplicates", 0))
                 return
             self.retries += 1
-            delay = backoff * (0.5 + random.random())
-            retry_after = getattr(reason, "retry_after", None)
-            if retry_after is not None:
-                # The server said when it expects to manage (503 database_unavailable): retrying
-                # sooner only adds load to its outage. Capped so that a far date cannot stall us.
-                delay = max(delay, min(retry_after, self.max_backoff))
+            delay = retry_delay(backoff, getattr(reason, "retry_after", None), self.max_backoff)
             logger.warning(
                 "Sending %d observations of %r failed (%s); retrying in %.2f s.",
                 len(batch), self.experiment_name, reason, delay,

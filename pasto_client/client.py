@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import logging
+import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -19,6 +22,8 @@ import requests
 from pasto_client.errors import PastoAPIError, PastoConnectionError
 
 API_PREFIX = "/api/v1"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +250,59 @@ class Client:
             json={"observations": [dict(item) for item in observations]},
         )
 
+    def send_statistics(
+        self,
+        name: str,
+        batch_id: str,
+        cells: Sequence[Mapping[str, Any]],
+        units: Sequence[Mapping[str, Any]] = (),
+        *,
+        attempts: int = 10,
+        initial_backoff: float = 0.1,
+        max_backoff: float = 10.0,
+    ) -> dict:
+        """``POST .../statistics`` (ingest): add one batch of pre-aggregated statistics, exactly once.
+
+        ``cells``: up to 10,000 ``{"round", "arm", "metric", "count", "sum", "sum_of_squares"}`` (one
+        per round, arm and metric); ``units``: up to 10,000 ``{"round", "arm", "units"}`` (distinct
+        units with data, one per round and arm). The server adds them to the rounds' statistics, as
+        observations of those rounds would be.
+
+        Network errors, 5xx and 429 are retried, at most ``attempts`` sends in all, with the same
+        exponential backoff (with jitter) as :class:`~pasto_client.ObservationBuffer`, and no sooner
+        than a ``Retry-After`` asks (capped at ``max_backoff``). Retrying is safe: a batch the server
+        applied before its answer was lost comes back as a duplicate. Returns ``{"batch_id",
+        "duplicate", "cells", "units", "late_cells"}``; ``duplicate`` is true when this id was applied
+        before with the same content (nothing was added). Other errors raise :class:`PastoAPIError` at
+        once: 422 (invalid cells, each listed in ``details``), 409 (the id was applied with other
+        content, or a round is older than the server's retention); so does the last retryable one.
+        """
+        if not (isinstance(attempts, int) and attempts >= 1):
+            raise ValueError(f"attempts must be a positive integer, got {attempts!r}.")
+        if not (0 < initial_backoff <= max_backoff):
+            raise ValueError("The backoffs must satisfy 0 < initial_backoff <= max_backoff.")
+        body = {"batch_id": batch_id, "cells": [dict(cell) for cell in cells],
+                "units": [dict(entry) for entry in units]}
+        path = self._experiment_path(name, "/statistics")
+        backoff = float(initial_backoff)
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.request("POST", path, json=body)
+            except PastoConnectionError as error:
+                reason: PastoConnectionError | PastoAPIError = error
+            except PastoAPIError as error:
+                if not error.retryable:
+                    raise
+                reason = error
+            if attempt == attempts:
+                raise reason
+            delay = retry_delay(backoff, getattr(reason, "retry_after", None), max_backoff)
+            logger.warning("Sending statistics batch %r of %r failed (%s); retrying in %.2f s.",
+                           batch_id, name, reason, delay)
+            time.sleep(delay)
+            backoff = min(max_backoff, backoff * 2)
+        raise AssertionError("unreachable: the loop returns or raises")
+
     # -- rounds and diagnostics --------------------------------------------------------------------
 
     def close_round(self, name: str, round_index: int | None = None) -> dict:
@@ -277,6 +335,16 @@ class Client:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,
         guardrails with intervals, sample-ratio mismatch, late observations."""
         return self.request("GET", self._experiment_path(name, "/diagnostics"))
+
+
+def retry_delay(backoff: float, retry_after: float | None, max_backoff: float) -> float:
+    """Seconds to wait before a retry: ``backoff`` with jitter (0.5x to 1.5x), and no less than the
+    server's ``Retry-After`` (503 ``database_unavailable``: retrying sooner only adds load to its
+    outage), capped at ``max_backoff`` so that a far date cannot stall the client."""
+    delay = backoff * (0.5 + random.random())
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, max_backoff))
+    return delay
 
 
 def _retry_after(response: requests.Response) -> float | None:

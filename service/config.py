@@ -35,6 +35,13 @@ DEFAULT_DATABASE_RETRY_AFTER = 5
 DEFAULT_AUTH_FAILURE_LIMIT = 20
 DEFAULT_METRICS_TOP_ARMS = 20
 
+#: Seconds the observation ids (and distinct units, statistics batch ids) of a round are kept after its
+#: update: resends within it are recognised, data for an older round is refused. 7 days covers any
+#: client's retries and a replay of a day's backlog; ``forever`` keeps every id (unbounded storage).
+DEFAULT_RETENTION_SECONDS = 7 * 86_400
+#: Seconds between the scheduler's retention runs (each deletes old ids in bounded chunks).
+DEFAULT_RETENTION_CHECK_SECONDS = 60.0
+
 
 class ConfigurationError(ValueError):
     """A setting (environment variable or ``create_app`` mapping) pasto cannot use.
@@ -66,6 +73,10 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     experiment, those of highest probability, and one aggregate for the others; default 20),
     ``PASTO_EXPOSURE_LOG`` (a ``.jsonl`` or ``.parquet`` path: log one exposure per assigned unit
     there, see service/exposures.py; default unset: no exposure log),
+    ``PASTO_RETENTION_SECONDS`` (how long after its update a round's observation ids, units and
+    statistics batch ids are kept; data for an older round is then refused; zero or more seconds, or
+    ``forever``; default 7 days, :data:`DEFAULT_RETENTION_SECONDS`), ``PASTO_RETENTION_CHECK_SECONDS``
+    (seconds between the scheduler's retention runs, default 60),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -86,10 +97,13 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
         "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
         "PASTO_METRICS_TOP_ARMS": DEFAULT_METRICS_TOP_ARMS,
+        "PASTO_RETENTION_SECONDS": DEFAULT_RETENTION_SECONDS,
+        "PASTO_RETENTION_CHECK_SECONDS": DEFAULT_RETENTION_CHECK_SECONDS,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
                 "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_EXPOSURE_LOG", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
-                "PASTO_METRICS_TOP_ARMS", *DATABASE_TIMEOUTS):
+                "PASTO_METRICS_TOP_ARMS", "PASTO_RETENTION_SECONDS", "PASTO_RETENTION_CHECK_SECONDS",
+                *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
     for flag in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_METRICS_ANONYMOUS"):
@@ -113,7 +127,21 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
                                                         config["PASTO_AUTH_FAILURE_LIMIT"], "invalid tokens")
     config["PASTO_METRICS_TOP_ARMS"] = _whole_seconds("PASTO_METRICS_TOP_ARMS", config["PASTO_METRICS_TOP_ARMS"],
                                                       "arms")
+    config["PASTO_RETENTION_SECONDS"] = _retention("PASTO_RETENTION_SECONDS", config["PASTO_RETENTION_SECONDS"])
+    config["PASTO_RETENTION_CHECK_SECONDS"] = _seconds("PASTO_RETENTION_CHECK_SECONDS",
+                                                       config["PASTO_RETENTION_CHECK_SECONDS"])
     return config
+
+
+def _retention(key: str, value: Any) -> float | None:
+    """``value`` as seconds of retention (zero or more), or None for ``forever``/None: keep every id."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "forever"):
+        return None
+    try:
+        return _seconds(key, value, zero_allowed=True)
+    except ConfigurationError:
+        raise ConfigurationError(f"{key} must be zero or a positive number of seconds, or 'forever', "
+                                 f"got {value!r}.") from None
 
 
 def _whole_seconds(key: str, value: Any, unit: str = "seconds") -> int:

@@ -72,6 +72,10 @@ class Experiment(Base):
     seed: Mapped[int] = mapped_column(sa.BigInteger)
     round_index: Mapped[int]
     applied_rounds: Mapped[int]
+    #: Rounds ``< pruned_rounds`` had their observation ids, units and statistics batch ids deleted
+    #: (retention, ``service.controller.retention``): data for them is refused, as it could no longer
+    #: be de-duplicated.
+    pruned_rounds: Mapped[int] = mapped_column(default=0, server_default="0")
     state: Mapped[dict[str, Any]]
     version: Mapped[int]
     created_at: Mapped[datetime]
@@ -192,6 +196,8 @@ class ObservationId(Base):
     """
 
     __tablename__ = "observation_ids"
+    #: Retention deletes the ids of old rounds in bounded chunks, found by round.
+    __table_args__ = (sa.Index("ix_observation_ids_round", "experiment_id", "round_index"),)
 
     experiment_id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     client_id: Mapped[str] = mapped_column(ByteOrderKey, primary_key=True)
@@ -208,6 +214,23 @@ class RoundUnit(Base):
     round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     unit: Mapped[str] = mapped_column(ByteOrderKey, primary_key=True)
     arm_index: Mapped[int]
+
+
+class StatisticsBatch(Base):
+    """A batch of pre-aggregated statistics applied once (``POST .../statistics``): its id, the SHA-256
+    of its content (a resend with the same id must carry the same content), and the rounds it covers,
+    so retention can delete it with them. No foreign key, as :class:`ObservationId`: ingestion holds
+    the experiment's row lock while it writes."""
+
+    __tablename__ = "statistics_batches"
+
+    experiment_id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    batch_id: Mapped[str] = mapped_column(ByteOrderKey, primary_key=True)
+    content_hash: Mapped[str] = mapped_column(sa.String(64))
+    first_round: Mapped[int]
+    last_round: Mapped[int]
+    cells: Mapped[int]
+    received_at: Mapped[datetime]
 
 
 class Token(Base):

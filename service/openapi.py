@@ -34,6 +34,7 @@ _ERRORS = {
     "403": "The token's role is too low for this operation.",
     "404": "No experiment with this name.",
     "409": "The experiment's state does not allow this (duplicate name, stopped, paused, round already closed, "
+           "a statistics batch id sent with other content, data for a round whose ids retention pruned, "
            "not archived).",
     "413": "The request body is larger than the server accepts.",
     "415": "The body is not JSON (Content-Type must be application/json).",
@@ -119,6 +120,13 @@ def _paths() -> dict[str, Any]:
             "Ingest up to 10,000 observations, all or nothing; ids make retries safe.", "ingest",
             {"202": _json(_ref("IngestResult"), "Stored; duplicates were counted before and are ignored.")},
             ("409",), body=_ref("ObservationBatch"))},
+        "/api/v1/experiments/{name}/statistics": {"post": _operation(
+            "Add a batch of pre-aggregated statistics (count, sum, sum of squares per round, arm and metric; "
+            "distinct units per round and arm), all or nothing, exactly once per batch_id.", "ingest",
+            {"202": _json(_ref("StatisticsResult"), "Applied: the cells were added to their rounds' statistics."),
+             "200": _json(_ref("StatisticsResult"), "A duplicate: this batch_id was applied with the same "
+                                                    "content before; nothing was written.")},
+            ("409",), body=_ref("StatisticsBatch"))},
         "/api/v1/experiments/{name}/rounds": {
             "get": {**_operation("One page of rounds, oldest first, from since (default 0); limit rounds, by "
                                  "default 200,000 / K (1 to 1,000); next_since is the next page's cursor.", "read",
@@ -153,7 +161,7 @@ def _paths() -> dict[str, Any]:
 def _document() -> dict[str, Any]:
     _, generated = models_json_schema(
         [(model, "validation") for model in (schemas.ExperimentCreate, schemas.AssignOne, schemas.AssignMany,
-                                             schemas.ObservationBatch)]
+                                             schemas.ObservationBatch, schemas.StatisticsBatch)]
         + [(model, "serialization") for model in responses.MODELS],
         ref_template=_REF,
     )

@@ -102,6 +102,14 @@ class IngestResult(_Response):
     duplicates: Annotated[int, Field(ge=0)]
 
 
+class StatisticsResult(_Response):
+    batch_id: str
+    duplicate: bool = Field(description="The batch id was applied before with the same content: nothing was written.")
+    cells: Annotated[int, Field(ge=0)] = Field(description="Cells added (0 for a duplicate).")
+    units: Annotated[int, Field(ge=0)] = Field(description="Units entries added (0 for a duplicate).")
+    late_cells: Annotated[int, Field(ge=0)] = Field(description="Cells for rounds whose update had run (late data).")
+
+
 class RoundClosed(_Response):
     closed_round: int | None
     applied: list[int]
@@ -230,8 +238,8 @@ class Health(_Response):
 
 
 #: Every response model, for the OpenAPI document (``service.openapi``).
-MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, AssignmentBatch, IngestResult, RoundClosed, RoundList,
-          Diagnostics, Health)
+MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, AssignmentBatch, IngestResult,
+          StatisticsResult, RoundClosed, RoundList, Diagnostics, Health)
 
 
 def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],

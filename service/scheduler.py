@@ -1,4 +1,5 @@
-"""The background job that closes rounds: APScheduler 3.x running :func:`run_scheduled_work`.
+"""The background jobs: APScheduler 3.x running :func:`run_scheduled_work` (closes rounds) and
+:func:`run_retention` (prunes old observation ids).
 
 ``pasto serve`` starts it beside the web server, ``pasto worker`` runs it alone. Several schedulers
 may run against one database: closing is a compare-and-set (see ``service.controller.rounds``). Each run
@@ -15,6 +16,7 @@ from datetime import datetime, timezone
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
+from .controller.retention import PruneResult, prune
 from .controller.rounds import RoundAdvance, close_due_rounds, record_heartbeat
 from .db import Database, get_db, is_unavailable_error
 from .models import utcnow
@@ -53,8 +55,26 @@ def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:
     return advances
 
 
+def run_retention(app: Flask) -> PruneResult | None:
+    """One retention run (``service.controller.retention.prune``) with ``PASTO_RETENTION_SECONDS``;
+    None while the database is unavailable (the next run tries again)."""
+    database = get_db(app)
+    try:
+        result = prune(database, utcnow(), app.config["PASTO_RETENTION_SECONDS"])
+    except Exception as error:
+        if not is_unavailable_error(error):
+            raise
+        database.status.failed(error)
+        return None
+    if result.advanced or any(result.deleted.values()):
+        log.info("Retention: pruned rounds below %s (experiment id: rounds); deleted %s%s", result.advanced,
+                 result.deleted, "" if result.finished else " (more left for the next run)")
+    return result
+
+
 def start_scheduler(app: Flask) -> BackgroundScheduler:
-    """Start a daemon BackgroundScheduler running :func:`run_scheduled_work` every interval."""
+    """Start a daemon BackgroundScheduler running :func:`run_scheduled_work` every
+    ``PASTO_SCHEDULER_INTERVAL`` and :func:`run_retention` every ``PASTO_RETENTION_CHECK_SECONDS``."""
     interval = float(app.config["PASTO_SCHEDULER_INTERVAL"])
     scheduler = BackgroundScheduler(timezone=timezone.utc, daemon=True)
     scheduler.add_job(
@@ -62,5 +82,10 @@ def start_scheduler(app: Flask) -> BackgroundScheduler:
         id="pasto-close-rounds", max_instances=1, coalesce=True, misfire_grace_time=None,
         next_run_time=datetime.now(timezone.utc),
     )
+    if app.config["PASTO_RETENTION_SECONDS"] is not None:
+        scheduler.add_job(
+            run_retention, "interval", seconds=float(app.config["PASTO_RETENTION_CHECK_SECONDS"]), args=[app],
+            id="pasto-retention", max_instances=1, coalesce=True, misfire_grace_time=None,
+        )
     scheduler.start()
     return scheduler

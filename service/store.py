@@ -32,7 +32,7 @@ from pasto.estimators import Statistics
 
 from .db import Database
 from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, LateStatistic, ObservationId,
-                     PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat)
+                     PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat, StatisticsBatch)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -348,13 +348,15 @@ def set_status(session: Session, experiment: sa.Row, status: str, now: datetime,
 
 # ------------------------------------------------------------------------------ ingestion
 def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row | None:
-    """``(status, applied_rounds)`` under a share lock on the experiment's row (None: deleted).
+    """``(status, applied_rounds, pruned_rounds)`` under a share lock on the experiment's row (None:
+    deleted).
 
-    Shares the row lock with other ingestion requests and excludes a concurrent round close or
-    delete, so "late" is decided against the rounds as they are when this transaction commits.
+    Shares the row lock with other ingestion requests and excludes a concurrent round close, delete or
+    retention's advance of ``pruned_rounds``, so "late" and "pruned" are decided against the rounds as
+    they are when this transaction commits.
     """
     return session.connection().execute(
-        sa.select(Experiment.status, Experiment.applied_rounds)
+        sa.select(Experiment.status, Experiment.applied_rounds, Experiment.pruned_rounds)
         .where(Experiment.id == experiment_id)
         .with_for_update(read=True)
     ).one_or_none()
@@ -428,6 +430,87 @@ def add_units_and_counts(connection: sa.Connection, experiment_id: int, observat
     for (_, arm), count in counts.items():
         arm_counts[arm] += count
     return arm_counts
+
+
+def statistics_batch_hash(session: Session, experiment_id: int, batch_id: str) -> str | None:
+    """The content hash of statistics batch ``batch_id`` if it was applied (and not pruned), else None."""
+    table = StatisticsBatch.__table__
+    return session.execute(
+        sa.select(table.c.content_hash).where(table.c.experiment_id == experiment_id, table.c.batch_id == batch_id)
+    ).scalar_one_or_none()
+
+
+def insert_statistics_batch(database: Database, session: Session, experiment_id: int, batch_id: str,
+                            content_hash: str, rounds: tuple[int, int], cells: int, now: datetime) -> bool:
+    """Record statistics batch ``batch_id``; False, writing nothing, when the id exists already (a
+    concurrent request with the same id committed first: PostgreSQL makes this insert wait for it)."""
+    table = StatisticsBatch.__table__
+    statement = database.insert(table).values(
+        experiment_id=experiment_id, batch_id=batch_id, content_hash=content_hash, first_round=rounds[0],
+        last_round=rounds[1], cells=cells, received_at=now,
+    ).on_conflict_do_nothing(index_elements=[table.c.experiment_id, table.c.batch_id]).returning(table.c.batch_id)
+    return session.execute(statement).first() is not None
+
+
+def add_arm_round_counts(connection: sa.Connection, experiment_id: int, rows: list[tuple[int, int, int, int, int]]
+                         ) -> None:
+    """Add ``(round_index, arm_index, observations, units, late_observations)`` rows (one per key, sorted
+    by key) to the per-round counts."""
+    add_rows(
+        connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
+        ("observations", "units", "late_observations"), [(experiment_id, *row) for row in rows],
+    )
+
+
+# ------------------------------------------------------------------------------ retention
+#: The per-round tables retention empties for old rounds, each with its round column.
+PRUNED_TABLES = ((ObservationId.__table__, "round_index"), (RoundUnit.__table__, "round_index"),
+                 (StatisticsBatch.__table__, "last_round"))
+
+
+def prunable_rounds(session: Session, experiment_id: int, applied_before: datetime) -> int:
+    """The number of leading rounds of the experiment whose update ran at or before ``applied_before``
+    (rounds are applied in order, so they are a prefix): the ``pruned_rounds`` retention may set."""
+    latest = session.execute(
+        sa.select(sa.func.max(_rounds.c.index))
+        .where(_rounds.c.experiment_id == experiment_id, _rounds.c.applied_at.is_not(None),
+               _rounds.c.applied_at <= applied_before)
+    ).scalar_one_or_none()
+    return 0 if latest is None else latest + 1
+
+
+def experiments_to_prune(database: Database) -> list[tuple[int, int]]:
+    """``(id, pruned_rounds)`` of every experiment, for retention."""
+    with database.read() as session:
+        return [tuple(row) for row in session.execute(
+            sa.select(_experiments.c.id, _experiments.c.pruned_rounds).order_by(_experiments.c.id))]
+
+
+def advance_pruned_rounds(session: Session, experiment_id: int, pruned_rounds: int) -> bool:
+    """Raise the experiment's ``pruned_rounds`` to ``pruned_rounds`` (never lower it); True if it rose.
+
+    The update takes the row's exclusive lock, so it waits for ingestion transactions in flight (they
+    hold it shared, :func:`lock_for_ingestion`) and every later one sees the new value: no id of a
+    round below it is deleted while an ingestion that could still accept data for that round runs.
+    Does not change ``version``: assignment does not depend on it."""
+    return session.execute(
+        sa.update(_experiments)
+        .where(_experiments.c.id == experiment_id, _experiments.c.pruned_rounds < pruned_rounds)
+        .values(pruned_rounds=pruned_rounds)
+    ).rowcount == 1
+
+
+def delete_pruned_rows(session: Session, table: sa.Table, round_column: str, experiment_id: int,
+                       pruned_rounds: int, limit: int) -> int:
+    """Delete at most ``limit`` rows of ``table`` for rounds below ``pruned_rounds``; the number deleted.
+
+    A bounded chunk per transaction (found through the index by round), so retention never holds long
+    locks or writes one huge transaction."""
+    key = list(table.primary_key.columns)
+    chunk = (sa.select(*key)
+             .where(table.c.experiment_id == experiment_id, table.c[round_column] < pruned_rounds)
+             .limit(limit))
+    return session.execute(sa.delete(table).where(sa.tuple_(*key).in_(chunk))).rowcount
 
 
 # ------------------------------------------------------------------------------ rounds

@@ -14,7 +14,8 @@ One request is one transaction (:func:`ingest`):
 
 Observations for a round whose update already ran are kept: they are added to that round's
 statistics and to ``late_statistics``, enter the pooled statistics of the next update, and are
-counted as late.
+counted as late. Observations for a round whose ids retention has pruned (``experiments.pruned_rounds``,
+``service.controller.retention``) are refused with a 409: their ids could no longer be de-duplicated.
 """
 
 from __future__ import annotations
@@ -41,8 +42,16 @@ class IngestResult:
     arm_counts: dict[int, int]
 
 
-def _stopped(name: str) -> ApiError:
+def stopped_error(name: str) -> ApiError:
     return ApiError(409, "conflict", f"Experiment {name!r} is stopped; it no longer accepts observations.")
+
+
+def pruned_error(round_index: int, pruned_rounds: int, what: str) -> ApiError:
+    """409 for data of a round whose observation ids were deleted by retention."""
+    return ApiError(409, "round_pruned",
+                    f"Round {round_index} is older than the retention window: the ids of rounds below "
+                    f"{pruned_rounds} were pruned, so {what} for it could no longer be de-duplicated and is refused.",
+                    {"round": round_index, "pruned_rounds": pruned_rounds})
 
 
 def open_experiment(name: str) -> Snapshot:
@@ -50,7 +59,7 @@ def open_experiment(name: str) -> Snapshot:
     body is looked at. The cached snapshot, not checked against the database (see ``ExperimentCache.get``)."""
     snapshot = get_cache().get(name, check=False)
     if snapshot.status == "stopped":  # maybe stale: checked again under the row lock
-        raise _stopped(name)
+        raise stopped_error(name)
     return snapshot
 
 
@@ -128,7 +137,10 @@ def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm
             get_cache().forget(snapshot.name)
             raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
-            raise _stopped(snapshot.name)
+            raise stopped_error(snapshot.name)
+        oldest = min(batch[position].round for position in first_of_id.values())
+        if oldest < row.pruned_rounds:
+            raise pruned_error(oldest, row.pruned_rounds, "an observation")
         inserted = store.insert_observation_ids(
             session, snapshot.id,
             [(client_id, batch[position].round, arms[position]) for client_id, position in sorted(first_of_id.items())],

@@ -20,6 +20,7 @@ from pasto.scenario import Scenario
 from pasto_client import Client, PastoAPIError, PastoConnectionError
 
 from .groundtruth import Solution, arm_names, experiment_objective
+from .supervise import StopRequested
 
 log = logging.getLogger("pasto.demo")
 
@@ -95,10 +96,16 @@ def report_round(client: Client, name: str, round_index: int, objective: Objecti
 
 
 def _print_round_line(line: str, overwrite: bool) -> None:
-    if overwrite:
-        print(f"\r{line}", end="", flush=True)
-    else:
-        print(line, flush=True)
+    try:
+        if overwrite:
+            print(f"\r{line}", end="", flush=True)
+        else:
+            print(line, flush=True)
+    except OSError as error:
+        # The terminal went away (EIO) and its SIGHUP has not arrived yet, or never will: stop as the
+        # SIGHUP would have, instead of dying with a traceback and leaving the server running.
+        sys.stdout = open(os.devnull, "w")
+        raise StopRequested("The terminal went away.") from error
 
 
 def end_overwritten_line() -> None:

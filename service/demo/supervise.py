@@ -25,8 +25,13 @@ log = logging.getLogger("pasto.demo")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
-class StopRequested(Exception):
-    """SIGTERM or SIGHUP arrived: leave the traffic loop and clean up like Ctrl-C."""
+class StopRequested(BaseException):
+    """SIGTERM or SIGHUP arrived: leave the traffic loop and clean up like Ctrl-C.
+
+    A BaseException, like KeyboardInterrupt: the signal handler raises it wherever the main thread
+    happens to be, and an ``except Exception`` there (a retry loop, a library) must not swallow the
+    one stop request (the handler ignores every later signal).
+    """
 
 
 def _raise_stop(*_: object) -> None:

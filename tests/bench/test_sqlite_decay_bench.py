@@ -30,3 +30,19 @@ def test_run_stores_every_observation_and_measures_every_slice(bench, tmp_path, 
     engine.dispose()
     assert stored == 2_000
     assert bool(rowid_free) == (options.get("rowid") is False)
+
+
+def test_prune_every_closes_rounds_and_prunes_their_ids(bench, tmp_path):
+    """--prune-every: every 500 observations the round is closed and the applied rounds' ids pruned; the
+    statistics keep every observation once."""
+    result = bench.run(observations=2_000, batch=100, n_arms=3, pragmas=[], folder=tmp_path, prune_every=500)
+    assert result["observations"] == result["accepted"] == 2_000
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'decay.sqlite'}")
+    with engine.connect() as connection:
+        ids = connection.exec_driver_sql("SELECT count(*) FROM observation_ids").scalar()
+        pruned = connection.exec_driver_sql("SELECT pruned_rounds FROM experiments").scalar()
+        per_round = connection.exec_driver_sql(
+            "SELECT round_index, sum(observations) FROM arm_round_counts GROUP BY round_index ORDER BY 1").all()
+    engine.dispose()
+    assert ids == 0 and pruned == 4
+    assert per_round == [(0, 500), (1, 500), (2, 500), (3, 500)]

@@ -108,3 +108,46 @@ def test_unusable_database_deadlines_are_refused(monkeypatch, tmp_path, key, val
     monkeypatch.setenv(key, value)
     with pytest.raises(ConfigurationError, match=key):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("text, seconds", [(None, 7 * 86_400), ("3600", 3600.0), ("0", 0.0), ("forever", None),
+                                           (" Forever ", None)])
+def test_retention_seconds(monkeypatch, tmp_path, text, seconds):
+    monkeypatch.delenv("PASTO_RETENTION_SECONDS", raising=False)
+    if text is not None:
+        monkeypatch.setenv("PASTO_RETENTION_SECONDS", text)
+    assert load_config(str(tmp_path))["PASTO_RETENTION_SECONDS"] == seconds
+
+
+@pytest.mark.parametrize("text", ["-1", "a week", "nan", "inf"])
+def test_unusable_retention_is_refused(monkeypatch, tmp_path, text):
+    monkeypatch.setenv("PASTO_RETENTION_SECONDS", text)
+    with pytest.raises(ConfigurationError) as info:
+        load_config(str(tmp_path))
+    assert str(info.value) == ("PASTO_RETENTION_SECONDS must be zero or a positive number of seconds, or 'forever', "
+                               f"got {text!r}.")
+
+
+def test_the_scheduler_prunes_with_the_configured_retention(sqlite_url, setup_a):
+    """run_retention (the scheduler's job) prunes a round applied longer ago than PASTO_RETENTION_SECONDS."""
+    import sqlalchemy as sa
+
+    from service.models import Experiment
+    from service.scheduler import run_retention
+
+    app = make_app(sqlite_url, PASTO_RETENTION_SECONDS=0)
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    client = app.test_client()
+    assert client.post("/api/v1/experiments", json=setup_a(), headers=headers).status_code == 201
+    observation = {"id": "o1", "unit": "u1", "round": 0, "values": {"x": 1.0}}
+    assert client.post("/api/v1/experiments/setup-a/observations", json={"observations": [observation]},
+                       headers=headers).status_code == 202
+    assert client.post("/api/v1/experiments/setup-a/rounds", headers=headers).status_code == 200
+    result = run_retention(app)
+    assert list(result.advanced.values()) == [1] and result.deleted["observation_ids"] == 1
+    with get_db(app).read() as session:
+        assert session.execute(sa.select(Experiment.pruned_rounds)).scalar_one() == 1
+    refused = client.post("/api/v1/experiments/setup-a/observations", json={"observations": [observation]},
+                          headers=headers)
+    assert refused.status_code == 409 and refused.get_json()["error"]["code"] == "round_pruned"
+    get_db(app).engine.dispose()

@@ -54,12 +54,15 @@ def test_wrong_method_is_a_json_405(api, created):
 
 
 @pytest.mark.parametrize("method, suffix", [
-    ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("GET", "/rounds"), ("POST", "/rounds"),
+    ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("POST", "/statistics"), ("GET", "/rounds"),
+    ("POST", "/rounds"),
     ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"), ("POST", "/archive"),
     ("DELETE", ""),
 ])
 def test_unknown_experiment_is_404(api, method, suffix):
-    bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]}}
+    bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]},
+              "/statistics": {"batch_id": "b", "cells": [{"round": 0, "arm": "a", "metric": "x", "count": 1, "sum": 1.0,
+                                                          "sum_of_squares": 1.0}]}}
     body = bodies.get(suffix)
     error = error_of(api(method, f"/api/v1/experiments/nope{suffix}", json=body), 404)
     assert "nope" in error["message"]
@@ -356,3 +359,116 @@ def test_one_more_problem_is_singular(api, created):
     error = error_of(api("POST", OBSERVATIONS, json={"observations": [
         observation(id="o0", values={"x": "60"}), observation(id="o1", values={"z": 1.0})]}), 422)
     assert error["message"].endswith("(1 more problem in details)"), error["message"]
+
+
+# ------------------------------------------------------------------------- statistics batches
+STATISTICS = "/api/v1/experiments/setup-a/statistics"
+
+
+def cell(**overrides):
+    item = {"round": 0, "arm": "a", "metric": "x", "count": 3, "sum": 6.0, "sum_of_squares": 14.0}
+    item.update(overrides)
+    return item
+
+
+def statistics_rows(app) -> tuple[int, int, int]:
+    from service.models import StatisticsBatch
+    return count_rows(app, StatisticsBatch), count_rows(app, RoundStatistic), count_rows(app, ArmRoundCount)
+
+
+@pytest.mark.parametrize("item, location", [
+    (cell(count=0), "cells[1].count"),
+    (cell(count=2.0), "cells[1].count"),
+    (cell(count=True), "cells[1].count"),
+    (cell(count=2**53 + 1), "cells[1].count"),
+    (cell(sum="6"), "cells[1].sum"),
+    (cell(sum_of_squares=-1.0), "cells[1].sum_of_squares"),
+    (cell(sum=6.0, sum_of_squares=11.9), "cells[1]"),  # 6**2 / 3 = 12 > 11.9: no real values
+    (cell(count=1, sum=-2.0, sum_of_squares=3.9), "cells[1]"),
+    (cell(count=1, sum=1e101, sum_of_squares=1e202), "cells[1]"),  # outside the webhook's value range
+    (cell(round=-1), "cells[1].round"),
+    (cell(round=1), "cells[1].round"),  # not started
+    (cell(arm="zz"), "cells[1].arm"),
+    (cell(metric="zz"), "cells[1].metric"),
+    (cell(metric="not a name"), "cells[1].metric"),
+    (cell(extra=1), "cells[1].extra"),
+    ({k: v for k, v in cell().items() if k != "sum"}, "cells[1].sum"),
+    (cell(metric="y", round=0), None),  # valid: the control case
+])
+def test_invalid_statistics_cell_rejects_the_whole_batch(api, app, created, item, location):
+    body = {"batch_id": "batch-1", "cells": [cell(), item], "units": [{"round": 0, "arm": "a", "units": 2}]}
+    response = api("POST", STATISTICS, role="ingest", json=body)
+    if location is None:
+        assert response.status_code == 202, response.get_json()
+        assert statistics_rows(app) == (1, 2, 1)
+        return
+    error = error_of(response, 422)
+    assert error["code"] == "invalid_request"
+    assert [detail["location"] for detail in error["details"]] == [location]
+    assert error["message"].startswith(location + ": ") and error["message"].endswith(".")
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e309"])
+def test_non_finite_statistics_are_422(api, app, created, literal):
+    for field in ("sum", "sum_of_squares"):
+        text = json.dumps({"batch_id": "b", "cells": [cell()]}).replace(f'"{field}": {cell()[field]}', f'"{field}": {literal}')
+        error = error_of(api("POST", STATISTICS, role="ingest", data=text, content_type="application/json"), 422)
+        assert error["details"][0]["location"] == f"cells[0].{field}"
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("body, location", [
+    ({"cells": [cell()]}, "batch_id"),
+    ({"batch_id": "", "cells": [cell()]}, "batch_id"),
+    ({"batch_id": "x" * 257, "cells": [cell()]}, "batch_id"),
+    ({"batch_id": "b", "cells": []}, "cells"),
+    ({"batch_id": "b"}, "cells"),
+    ({"batch_id": "b", "cells": [cell()], "units": [{"round": 0, "arm": "a", "units": -1}]}, "units[0].units"),
+    ({"batch_id": "b", "cells": [cell()], "units": [{"round": 0, "arm": "q", "units": 1}]}, "units[0].arm"),
+    ({"batch_id": "b", "cells": [cell()], "units": [{"round": 4, "arm": "a", "units": 1}]}, "units[0].round"),
+    ({"batch_id": "b", "cells": [cell()], "segments": []}, "segments"),
+])
+def test_invalid_statistics_envelope_is_422(api, app, created, body, location):
+    error = error_of(api("POST", STATISTICS, role="ingest", json=body), 422)
+    assert [detail["location"] for detail in error["details"]] == [location]
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+def test_a_second_entry_for_one_key_is_422(api, app, created):
+    body = {"batch_id": "b", "cells": [cell(), cell(metric="y"), cell(count=4, sum_of_squares=20.0)],
+            "units": [{"round": 0, "arm": "b", "units": 1}, {"round": 0, "arm": "b", "units": 2}]}
+    error = error_of(api("POST", STATISTICS, role="ingest", json=body), 422)
+    assert error["details"] == [
+        {"location": "cells[2]", "message": "Duplicate round, arm and metric (first at cells[0]); a batch holds one "
+                                            "cell per round, arm and metric."},
+        {"location": "units[1]", "message": "Duplicate round and arm (first at units[0]); a batch holds one units "
+                                            "entry per round and arm."},
+    ]
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+def test_every_problem_of_a_statistics_batch_is_listed_in_body_order(api, app, created):
+    """Type errors (pydantic) and unknown names (the experiment) in one answer, in body order."""
+    body = {"batch_id": "b", "cells": [cell(arm="q"), cell(count=0), cell(metric="z", sum_of_squares=1.0)],
+            "units": [{"round": 9, "arm": "a", "units": 1}]}
+    error = error_of(api("POST", STATISTICS, role="ingest", json=body), 422)
+    assert [detail["location"] for detail in error["details"]] == [
+        "cells[0].arm", "cells[1].count", "cells[2]", "cells[2].metric", "units[0].round"]
+    assert error["message"].endswith("(4 more problems in details)")
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+def test_statistics_need_the_ingest_role(api, app, created):
+    body = {"batch_id": "b", "cells": [cell()]}
+    assert error_of(api("POST", STATISTICS, role="read", json=body), 403)["code"] == "forbidden"
+    assert error_of(api("POST", STATISTICS, role=None, json=body), 401)["code"] == "unauthorized"
+    assert error_of(api("POST", "/api/v1/experiments/nope/statistics", role="ingest", json=body), 404)
+    assert statistics_rows(app) == (0, 0, 0)
+
+
+def test_stopped_experiment_refuses_statistics_with_409(api, app, created):
+    assert api("POST", "/api/v1/experiments/setup-a/stop").status_code == 200
+    error = error_of(api("POST", STATISTICS, role="ingest", json={"batch_id": "b", "cells": [cell()]}), 409)
+    assert "stopped" in error["message"]
+    assert statistics_rows(app) == (0, 0, 0)

@@ -24,10 +24,11 @@ def _tables(url: str) -> set[str]:
 
 
 LIFECYCLE_TABLES = {"deleted_experiments"}  # migration 0010
+SINCE_0006 = {"statistics_batches", *LIFECYCLE_TABLES}  # migrations 0007 and 0010
 
 
 def _check_experiment_lifecycle_round_trip(url: str) -> None:
-    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade drops the
+    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade (to 0007) drops the
     column in place (an archived experiment stays, stopped) without touching the rows that refer
     to the experiment (a rebuilt table's DROP would cascade into them on SQLite)."""
     engine = sa.create_engine(url)
@@ -42,7 +43,7 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
                 "INSERT INTO arms (experiment_id, position, name, params) VALUES (41, 0, 'a', '{}')"))
     finally:
         engine.dispose()
-    migrations.downgrade(url, "0006")
+    migrations.downgrade(url, "0007")
     engine = sa.create_engine(url)
     try:
         assert _tables(url) == EXPECTED_TABLES - LIFECYCLE_TABLES
@@ -72,7 +73,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", *LIFECYCLE_TABLES}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", *SINCE_0006}
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -94,14 +95,24 @@ def _check_round_trip(url: str) -> None:
             "experiment_id", "round_index", "arm_index", "metric_index"]
         _check_late_schema(inspector)
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
+        _check_retention_schema(inspector)
     finally:
         engine.dispose()
-    _check_experiment_lifecycle_round_trip(url)
+    _check_experiment_lifecycle_round_trip(url)  # down to 0007
+    migrations.downgrade(url, "0006")  # 0007 alone: the batch table, pruned_rounds and the index go
+    engine = sa.create_engine(url)
+    try:
+        inspector = sa.inspect(engine)
+        assert _tables(url) == EXPECTED_TABLES - SINCE_0006
+        assert "pruned_rounds" not in [column["name"] for column in inspector.get_columns("experiments")]
+        assert inspector.get_indexes("observation_ids") == []
+    finally:
+        engine.dispose()
     _check_token_lifecycle_round_trip(url)
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics", *LIFECYCLE_TABLES}
+        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics", *SINCE_0006}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -116,7 +127,7 @@ def _check_round_trip(url: str) -> None:
     try:
         inspector = sa.inspect(engine)
         assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics",
-                                                  *LIFECYCLE_TABLES}
+                                                  *SINCE_0006}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []
@@ -129,6 +140,17 @@ def _check_round_trip(url: str) -> None:
     assert _tables(url) == set()
     migrations.upgrade(url)
     assert _tables(url) == EXPECTED_TABLES
+
+
+def _check_retention_schema(inspector) -> None:
+    """Revision 0007: ``statistics_batches`` keyed by (experiment, batch id), ``experiments.pruned_rounds``
+    (NOT NULL, default 0) and the index of observation ids by round."""
+    assert inspector.get_pk_constraint("statistics_batches")["constrained_columns"] == ["experiment_id", "batch_id"]
+    (pruned,) = [column for column in inspector.get_columns("experiments") if column["name"] == "pruned_rounds"]
+    assert pruned["nullable"] is False and "0" in str(pruned["default"])
+    (index,) = inspector.get_indexes("observation_ids")
+    assert index["name"] == "ix_observation_ids_round"
+    assert index["column_names"] == ["experiment_id", "round_index"]
 
 
 def _check_fold_schema(inspector, dialect: str) -> None:
