@@ -121,15 +121,22 @@ class AlgorithmConfig:
         Fixed penalties lambda, or lambda_{t+1} = max(0, lambda_t + dual_step (c - y_t)) with y_t the
         estimated guardrail metrics of the exploitation mixture.
     dual_step : float
-    serving : {"exploration", "safe"}
-        What is served and deployed: the exploration mixture above and the ``deploy`` rule, or
-        :func:`pasto.serving.choose` (issue 14): every hard guardrail's lower confidence bound kept
-        by the served mixture, optimistic exploration without a floor, the deployed mixture only
-        when it confidently beats the best single arm. The estimate is the pooled statistics (the
-        discounted ones with ``discount`` < 1); the change detection of
-        :func:`pasto.serving.update` needs its own state and is not part of this option.
+    serving : {"safe", "exploration"}
+        What is served and deployed. ``safe`` (the default, issue 14): :func:`pasto.serving.choose`
+        on per-arm pooled statistics since the last detected change, whatever the estimator: every
+        hard guardrail's lower confidence bound kept by the served mixture, optimistic exploration
+        without a floor, the deployed mixture only when it confidently beats the best single arm.
+        The EG step and the solve are skipped (the plug-in optimum replaces the weights); the
+        estimator (``estimator``, ``discount``) still takes in every round, and a discount < 1 makes
+        the bounds use the discounted statistics. ``exploration``: the exploration mixture of steps
+        1-6 and the ``deploy`` rule (the ``paper`` preset).
     serving_level : float
         One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
+    change_level : float
+        With ``serving = "safe"``: family-wise false-alarm probability of each change test
+        (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
+    change_every : int
+        Rounds per change-test block.
     """
 
     estimator: str = "pooled"
@@ -149,8 +156,10 @@ class AlgorithmConfig:
     solve_objective: str = "expected"
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
-    serving: str = "exploration"
+    serving: str = "safe"
     serving_level: float = 0.95
+    change_level: float = 1e-4
+    change_every: int = 25
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -174,19 +183,16 @@ class AlgorithmConfig:
             "directed_z",
             "dual_step",
             "serving_level",
+            "change_level",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
             object.__setattr__(self, name, float(value))
-        if self.serving == "safe" and self.estimator != "pooled":
-            # Safe serving gives arms exactly zero traffic, which inverse-propensity estimates
-            # cannot take; its bounds come from the pooled statistics anyway.
-            raise ValueError(
-                f"Algorithm option serving='safe' needs estimator='pooled', got estimator={self.estimator!r}."
-            )
         if not 0.5 < self.serving_level < 1.0:
             raise ValueError(f"Algorithm option 'serving_level' must be in (0.5, 1), got {self.serving_level}.")
+        if not 0.0 <= self.change_level < 1.0:
+            raise ValueError(f"Algorithm option 'change_level' must be in [0, 1), got {self.change_level}.")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
         for name in ("step_size", "exploration_scale", "dual_step", "directed_z"):
@@ -195,7 +201,7 @@ class AlgorithmConfig:
         for name in ("exploration_floor", "directed_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"Algorithm option {name!r} must be in [0, 1], got {getattr(self, name)}.")
-        for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0)):
+        for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0), ("change_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"Algorithm option {name!r} must be an integer >= {minimum}, got {value!r}.")
@@ -234,9 +240,12 @@ class AlgorithmConfig:
 # Every preset is a set of overrides of the field defaults above, which are the ``default`` preset
 # (one source of truth: ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
 PRESETS: dict[str, dict[str, Any]] = {
-    # Estimate-then-solve: pooled means, the expected objective under the estimate's uncertainty
-    # re-solved every few rounds (AdaGrad EG steps in between), exploration max(0.05, 1/sqrt(t))
-    # plus a 20% share directed at plausible arms, deploy the exploitation mixture.
+    # Safe serving (pasto.serving, issue 14): per-arm pooled statistics since the last detected
+    # change, hard guardrails kept on their 95% lower bounds by the served traffic, optimistic
+    # exploration without a floor, deploy what beats the best single arm with confidence.
+    # (The exploration options below it describe ``serving="exploration"``: estimate-then-solve
+    # with the expected objective re-solved every few rounds, exploration max(0.05, 1/sqrt(t)) plus
+    # a 20% share directed at plausible arms, deploy the exploitation mixture.)
     "default": {},
     # Algorithm 1 with the paper's simulation settings (section 6): IPS history average with
     # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), no directed exploration, no solve,
@@ -253,6 +262,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         solve_every=0,
         solve_steps=0,
         solve_objective="plug_in",
+        serving="exploration",
     ),
 }
 
@@ -285,6 +295,14 @@ class ControllerState:
         Control-variate baseline for the round being served.
     discounted : Statistics or None
         Discounted pooled statistics (``pooled`` with discount < 1).
+    change_origin : Statistics or None
+        ``serving = "safe"``: the pooled statistics, shape (..., M, K), when each run's last change
+        was detected (its evidence is the pooled statistics minus these); None before any change.
+    block_origin : Statistics or None
+        ``serving = "safe"``: the pooled statistics, shape (..., M, K), at the start of the current
+        change-test block; None during the first block.
+    changes : ndarray of int, shape (...), or None
+        ``serving = "safe"``: changes detected so far per run.
     """
 
     round_index: int
@@ -298,6 +316,9 @@ class ControllerState:
     history: History | None = None
     baseline: np.ndarray | None = None
     discounted: Statistics | None = None
+    change_origin: Statistics | None = None
+    block_origin: Statistics | None = None
+    changes: np.ndarray | None = None
 
     @property
     def n_arms(self) -> int:
@@ -333,12 +354,16 @@ class ControllerState:
             }
         if self.baseline is not None:
             data["baseline"] = self.baseline.tolist()
-        if self.discounted is not None:
-            data["discounted"] = {
-                "counts": self.discounted.counts.tolist(),
-                "sums": self.discounted.sums.tolist(),
-                "sums_of_squares": self.discounted.sums_of_squares.tolist(),
-            }
+        for name in ("discounted", "change_origin", "block_origin"):
+            statistics = getattr(self, name)
+            if statistics is not None:
+                data[name] = {
+                    "counts": statistics.counts.tolist(),
+                    "sums": statistics.sums.tolist(),
+                    "sums_of_squares": statistics.sums_of_squares.tolist(),
+                }
+        if self.changes is not None:
+            data["changes"] = np.asarray(self.changes).tolist()
         return data
 
     @classmethod
@@ -356,7 +381,8 @@ class ControllerState:
         missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"The controller state is missing the key(s) {missing}.")
-        unknown = sorted(set(data) - set(required) - {"history", "baseline", "discounted"})
+        optional = {"history", "baseline", "discounted", "change_origin", "block_origin", "changes"}
+        unknown = sorted(set(data) - set(required) - optional)
         if unknown:
             raise ValueError(f"The controller state has unknown key(s) {unknown}.")
 
@@ -367,10 +393,12 @@ class ControllerState:
         if data.get("history") is not None:
             h = data["history"]
             history = History(array(h["sums"]), array(h["sums_of_squares"]), array(h["weights"]))
-        discounted = None
-        if data.get("discounted") is not None:
-            d = data["discounted"]
-            discounted = Statistics(array(d["counts"]), array(d["sums"]), array(d["sums_of_squares"]))
+        def statistics(name: str) -> Statistics | None:
+            if data.get(name) is None:
+                return None
+            d = data[name]
+            return Statistics(array(d["counts"]), array(d["sums"]), array(d["sums_of_squares"]))
+
         return cls(
             round_index=int(data["round_index"]),
             probabilities=array(data["probabilities"]),
@@ -382,7 +410,10 @@ class ControllerState:
             guardrail_weights=array(data["guardrail_weights"]),
             history=history,
             baseline=None if data.get("baseline") is None else array(data["baseline"]),
-            discounted=discounted,
+            discounted=statistics("discounted"),
+            change_origin=statistics("change_origin"),
+            block_origin=statistics("block_origin"),
+            changes=None if data.get("changes") is None else np.asarray(data["changes"], dtype=int),
         )
 
 
@@ -469,6 +500,7 @@ def initial_state(
         history=accumulators.history,
         baseline=accumulators.baseline,
         discounted=accumulators.discounted,
+        changes=np.zeros(batch_shape, dtype=int) if config.serving == "safe" else None,
     )
 
 
@@ -628,6 +660,8 @@ def _advance(
     The steps, in order: estimate, gradient step, solve, guardrail weights, exploration, deploy.
     """
     t = state.round_index + 1
+    if config.serving == "safe":
+        return _safe_advance(config, objective, state, round_statistics, pooled_statistics, propensities)
     dual = config.guardrail_weights == "dual_ascent"
     accumulators, current = _estimate_step(
         config, state, round_statistics, pooled_statistics, propensities
@@ -646,10 +680,6 @@ def _advance(
         )
     probabilities = _exploration_step(config, objective, current, thresholds, penalties, exploitation, t)
     probability_sum, stage_probability_sum, deployed = _deploy_step(config, state, exploitation, t)
-    if config.serving == "safe":
-        probabilities, deployed, log_weights = _safe_serving_step(
-            config, objective, state, accumulators, round_statistics, pooled_statistics, log_weights, t
-        )
     return ControllerState(
         round_index=t,
         probabilities=probabilities,
@@ -665,31 +695,96 @@ def _advance(
     )
 
 
-def _safe_serving_step(
+def _statistics_difference(total: Statistics, origin: Statistics | None) -> Statistics:
+    """``total - origin`` (counts and sums since ``origin``; None counts as no observations)."""
+    if origin is None:
+        return total
+    counts = np.maximum(total.counts - origin.counts, 0.0)
+    # A cell without new observations is exactly empty (not a rounding residue of two big sums).
+    empty = counts == 0
+    return Statistics(
+        counts,
+        np.where(empty, 0.0, total.sums - origin.sums),
+        np.where(empty, 0.0, np.maximum(total.sums_of_squares - origin.sums_of_squares, 0.0)),
+    )
+
+
+def _statistics_where(condition: np.ndarray, chosen: Statistics, other: Statistics | None) -> Statistics:
+    """Per run (``condition``, shape (...)): ``chosen`` where True, else ``other`` (None = zeros)."""
+    mask = np.asarray(condition)[..., None, None]
+    if other is None:
+        other = Statistics.zeros(*chosen.shape[-2:], chosen.shape[:-2])
+    return Statistics(
+        np.where(mask, chosen.counts, other.counts),
+        np.where(mask, chosen.sums, other.sums),
+        np.where(mask, chosen.sums_of_squares, other.sums_of_squares),
+    )
+
+
+def _safe_advance(
     config: AlgorithmConfig,
     objective: Objective,
     state: ControllerState,
-    accumulators: Accumulators,
     round_statistics: Statistics,
     pooled_statistics: Statistics,
-    log_weights: np.ndarray,
-    t: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Step 7 (``serving = "safe"``): served and deployed mixtures from :func:`pasto.serving.choose`.
+    propensities: np.ndarray,
+) -> ControllerState:
+    """Close round t with ``serving = "safe"``: :func:`pasto.serving.choose` on the evidence since
+    the last detected change, the same detection as :func:`pasto.serving.update`.
 
-    Until its bounds are defined (two arms with data, one of them twice), a run is served the
-    uniform mixture and keeps its deployed one.
+    The evidence is the pooled statistics minus ``change_origin`` (late observations included);
+    the block under test is the pooled statistics minus ``block_origin``. Every ``change_every``
+    rounds the block is tested against the rest of the evidence; a run where it differs drops all
+    its evidence (``change_origin`` = the pooled statistics now, and its discounted statistics are
+    zeroed) and is served uniformly until its bounds are defined again. Until then a run keeps its
+    deployed mixture. The EG step and the solve of the exploration path are skipped (the plug-in
+    optimum of :func:`pasto.serving.choose` replaces the weights, warm-started from the last one).
     """
     from pasto import serving
 
-    statistics = pooled_statistics if accumulators.discounted is None else accumulators.discounted
+    t = state.round_index + 1
+    accumulators = _estimator(config).absorb(state.accumulators, round_statistics, pooled_statistics, propensities)
+    probability_sum, stage_probability_sum, _ = _deploy_step(config, state, _exploitation(state.log_weights), t)
+    change_origin, block_origin = state.change_origin, state.block_origin
+    changes = state.changes if state.changes is not None else np.zeros(state.batch_shape, dtype=int)
+    evidence = _statistics_difference(pooled_statistics, change_origin)
+    if config.change_level > 0 and t % config.change_every == 0:
+        block = _statistics_difference(pooled_statistics, block_origin)
+        changed = serving.change_detected(evidence, block, config.change_level)
+        if changed.any():
+            change_origin = _statistics_where(changed, pooled_statistics, change_origin)
+            evidence = _statistics_difference(pooled_statistics, change_origin)
+            if accumulators.discounted is not None:
+                kept = _statistics_where(~changed, accumulators.discounted, None)
+                accumulators = dataclasses.replace(accumulators, discounted=kept)
+            changes = changes + changed
+        block_origin = pooled_statistics
+    statistics = evidence if accumulators.discounted is None else accumulators.discounted
     batch = max(1, int(np.prod(state.batch_shape)))
     observations = float(round_statistics.counts[..., 0, :].sum()) / batch
-    rule = serving.ServingConfig(level=config.serving_level, change_level=0.0)
-    served, safe_deployed, plug_in_log_weights = serving.choose(
-        rule, objective, statistics, t, log_weights, observations, state.deployed
+    rule = serving.ServingConfig(
+        level=config.serving_level, change_level=config.change_level, change_every=config.change_every
     )
-    return served, safe_deployed, np.maximum(plug_in_log_weights, plug_in_log_weights.max(axis=-1, keepdims=True) - 700.0)
+    probabilities, deployed, log_weights = serving.choose(
+        rule, objective, statistics, t, state.log_weights, observations, state.deployed
+    )
+    log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
+    return ControllerState(
+        round_index=t,
+        probabilities=probabilities,
+        deployed=deployed,
+        log_weights=log_weights,
+        probability_sum=probability_sum,
+        stage_probability_sum=stage_probability_sum,
+        gradient_square_sum=state.gradient_square_sum,
+        guardrail_weights=_starting_guardrail_weights(objective, state),
+        history=accumulators.history,
+        baseline=accumulators.baseline,
+        discounted=accumulators.discounted,
+        change_origin=change_origin,
+        block_origin=block_origin,
+        changes=changes,
+    )
 
 
 def _estimate_step(

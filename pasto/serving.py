@@ -21,17 +21,21 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    upper bound could enter the optimal support get traffic, and that traffic shrinks as the bounds
    narrow. No fixed exploration floor. When no mixture is feasible even with the baseline (no
    baseline, or the fixed shares forbid it), the mixture with the largest worst relative slack is
-   served. Without hard guardrails (soft penalties only, or none): the plug-in optimum of f(V p)
-   (mirror ascent) plus a share directed at the *plausible* arms, those whose optimistic gradient
-   (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the optimum's level; each gets
-   1 / (n sqrt(t)) of the traffic (n observations per round), so the exploration vanishes as soon
-   as no arm outside the support can still improve the objective.
+   served. Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of
+   E f(mu p) (mirror ascent), reached from the starting mixture p0 (the baseline arm, else uniform)
+   only as far as the evidence defends (conservative bandits: p0 + a (optimum - p0) with the largest
+   a in {0, 0.1, ..., 1} whose expected objective beats p0's by ``deploy_level`` Student-t standard
+   errors on the pooled degrees of freedom), plus a share directed at the *plausible* arms, those
+   whose optimistic gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the
+   optimum's level; each gets 1 / (n sqrt(t)) of the traffic (n observations per round), so the
+   exploration vanishes as soon as no arm outside the support can still improve the objective.
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
-   optimism, no fixed shares) is deployed when its estimated objective beats the best single arm's
-   (the arm with the best lower bound among the arms that meet the hard constraints) by more than
-   ``z_deploy`` standard errors of the difference (delta method); otherwise that single arm.
+   optimism, no fixed shares) is deployed when its posterior expected objective beats the best
+   single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
+   among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
+   standard errors of the difference (delta method); otherwise that single arm.
 6. **Change.** Every ``change_every`` rounds the observations of the latest block are compared with
    the earlier ones since the last reset, per arm and metric (two-sample z test at family-wise level
    ``change_level`` over the K M pairs). A detected change drops every observation so far (the
@@ -52,7 +56,8 @@ from typing import Any
 
 import numpy as np
 from scipy.optimize import linprog
-from scipy.special import ndtri
+from scipy import stats
+from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
@@ -65,6 +70,7 @@ __all__ = [
     "constrained_optimum",
     "has_hard_guardrails",
     "arm_posterior",
+    "change_detected",
     "choose",
     "hard_constraints",
     "initial_state",
@@ -95,7 +101,8 @@ class ServingConfig:
     holdout : float
         Fixed share of the baseline arm, in [0, 1) (0: none; needs a baseline arm).
     deploy_level : float
-        One-sided confidence with which the deployed mixture must beat the best single arm.
+        One-sided confidence with which the deployed mixture must beat the best single arm, and
+        with which the served mixture (soft guardrails) must beat the starting mixture.
     change_level : float
         Family-wise false-alarm probability of each change test, in [0, 1) (0 disables detection).
     change_every : int
@@ -469,8 +476,18 @@ def _soft_gradient(objective: Objective, x: np.ndarray, thresholds: np.ndarray) 
     return gradient
 
 
-def _change_detected(config: ServingConfig, statistics: Statistics, block: Statistics) -> np.ndarray:
-    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...)."""
+def change_detected(statistics: Statistics, block: Statistics, level: float) -> np.ndarray:
+    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...).
+
+    Parameters
+    ----------
+    statistics : Statistics, shape (..., M, K)
+        The evidence since the last detected change, the latest block included.
+    block : Statistics, shape (..., M, K)
+        The latest block's observations.
+    level : float
+        Family-wise false-alarm probability over the M K two-sample z tests, in (0, 1).
+    """
     n_block = block.counts
     n_rest = statistics.counts - n_block
     usable = (n_block >= 2) & (n_rest >= 2)
@@ -493,7 +510,7 @@ def _change_detected(config: ServingConfig, statistics: Statistics, block: Stati
         )
     z = np.where(usable & np.isfinite(z), z, 0.0)
     tests = max(1, int(np.prod(statistics.shape[-2:])))
-    critical = float(ndtri(1.0 - config.change_level / (2.0 * tests)))
+    critical = float(ndtri(1.0 - level / (2.0 * tests)))
     return np.max(z, axis=(-2, -1)) > critical
 
 
@@ -540,7 +557,7 @@ def _advance(config, objective, state, round_statistics):
     block = state.block + round_statistics
     resets = state.resets
     if config.change_level > 0 and t % config.change_every == 0:
-        changed = _change_detected(config, statistics, block)
+        changed = change_detected(statistics, block, config.change_level)
         if changed.any():
             # Start afresh: the block that raised the alarm is the most extreme stretch of the
             # data, so keeping it would bias the new estimate (a false alarm on setup A kept a
@@ -675,7 +692,12 @@ def choose(
         share = np.minimum(0.5, plausible.sum(axis=-1) / (per_round * math.sqrt(t)))
         directed = np.divide(plausible, plausible.sum(axis=-1, keepdims=True),
                              out=np.zeros_like(plug_in), where=plausible.any(axis=-1, keepdims=True))
-        served = (1.0 - share[:, None]) * plug_in + share[:, None] * directed
+        # The standard errors rest on estimated noise variances: Student's t with the pooled degrees
+        # of freedom (few observations per arm would otherwise look more certain than they are).
+        degrees = np.maximum(statistics.counts - 1.0, 0.0).sum(axis=-1).min(axis=-1).reshape(flat)
+        z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
+        anchored = _conservative(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_student)
+        served = (1.0 - share[:, None]) * anchored + share[:, None] * directed
         served = fixed + (1.0 - fixed.sum()) * served
 
     chosen = _defensible(
@@ -730,29 +752,91 @@ def _plausible_arms(objective, means, errors, thresholds, mixture, z):
     return gradient + z * spread >= level - 1e-12 * np.abs(level)
 
 
+def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """E f(X) without the hard guardrails for X ~ N(x, diag(variance)); x, variance (..., M), thresholds (..., G).
+
+    The primary part is linear; soft guardrail j contributes -lambda_j E min(0, Y_j - c_j)^2 with
+    E min(0, Y - c)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s), d = E Y - c, s = sd Y.
+    """
+    soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
+    value = x @ objective.primary_weights
+    if soft.any():
+        rows = objective.guardrail_rows[soft]
+        d = x[..., rows] - thresholds[..., soft]
+        sd = np.sqrt(np.maximum(variance[..., rows], 0.0))
+        uncertain = sd > 1e-300
+        ratio = np.where(uncertain, d / np.where(uncertain, sd, 1.0), 0.0)
+        tail = (d**2 + sd**2) * ndtr(-ratio) - d * sd * np.exp(-0.5 * ratio**2) / math.sqrt(2.0 * math.pi)
+        shortfall = np.where(uncertain, tail, np.minimum(0.0, d) ** 2)
+        value = value - np.sum(objective.penalties[soft] * shortfall, axis=-1)
+    return value
+
+
+# Steps from the starting mixture towards the plug-in optimum tried by _conservative.
+_CONSERVATIVE_STEPS = np.linspace(0.0, 1.0, 11)
+
+
+def _conservative(objective, means, errors, thresholds, target, z):
+    """Serve ``target`` only as far from the starting mixture as the evidence defends; (R, K).
+
+    Conservative bandits (Wu et al., ICML 2016): the starting mixture p0 (the baseline arm when
+    the objective names one, else uniform) is what a team runs before pasto learns anything. The
+    served mixture is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose posterior
+    expected objective beats p0's by ``z`` standard errors of the difference (delta method), or
+    a = 0. With little data the traffic stays at p0 instead of following a plug-in optimum that the
+    noise moves around; a good plug-in optimum is served as soon as it is confidently better, and a
+    start as bad as the uniform mixture on setup B is left within a few rounds.
+    """
+    runs, n_metrics, n_arms = means.shape
+    baseline = _baseline_index(objective)
+    start = np.full(n_arms, 1.0 / n_arms) if baseline is None else np.eye(n_arms)[baseline]
+    start = np.broadcast_to(start, target.shape)
+    variance = errors**2
+    x0 = np.einsum("rmk,rk->rm", means, start)
+    value0 = _expected_soft_value(objective, x0, np.einsum("rmk,rk->rm", variance, start**2), thresholds)
+    gradient0 = _soft_gradient(objective, x0, thresholds)
+    chosen = np.zeros(runs)
+    for a in _CONSERVATIVE_STEPS[1:]:
+        mixture = start + a * (target - start)
+        x = np.einsum("rmk,rk->rm", means, mixture)
+        value = _expected_soft_value(objective, x, np.einsum("rmk,rk->rm", variance, mixture**2), thresholds)
+        gradient = _soft_gradient(objective, x, thresholds)
+        coefficient = gradient[:, :, None] * mixture[:, None, :] - gradient0[:, :, None] * start[:, None, :]
+        error = np.sqrt(np.sum(coefficient**2 * variance, axis=(-2, -1)))
+        chosen = np.where(value - value0 > np.asarray(z) * error, a, chosen)
+    return start + chosen[:, None] * (target - start)
+
+
 def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy):
-    """The plug-in mixture when it confidently beats the best defensible single arm, else that arm; (R, K)."""
+    """The plug-in mixture when it confidently beats the best single arm, else that arm; (R, K).
+
+    The best single arm is the one a best-arm bandit settles on: the highest posterior expected
+    objective E f(mu e_k) among the arms that meet the hard constraints on their lower bounds (its
+    posterior mean is already shrunk towards the other arms', so an arm with little data does not
+    win on luck). The mixture must beat it in posterior expected objective by ``z_deploy``
+    standard errors of the difference (delta method).
+    """
+    del z_safe
     runs, n_metrics, n_arms = means.shape
     eye = np.eye(n_arms)
     per_arm_x = np.swapaxes(means, -1, -2)  # (R, K, M)
-    arm_values = _soft_value(objective, per_arm_x, thresholds[:, None, :])
-    arm_gradients = _soft_gradient(objective, per_arm_x, thresholds[:, None, :])  # (R, K, M)
-    arm_errors = np.sqrt(np.einsum("rkm,rmk->rk", arm_gradients**2, errors**2))
+    per_arm_variance = np.swapaxes(errors**2, -1, -2)
+    arm_values = _expected_soft_value(objective, per_arm_x, per_arm_variance, thresholds[:, None, :])
     allowed = np.ones((runs, n_arms), dtype=bool)
     for run, rows in enumerate(constraints):
         if rows.count:
             # A single arm meets row h when A[h, k] >= c[h].
             allowed[run] = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
-    lower_values = np.where(allowed, arm_values - z_safe * arm_errors, -np.inf)
-    best = np.argmax(lower_values, axis=-1)
+    best = np.argmax(np.where(allowed, arm_values, -np.inf), axis=-1)
     none_allowed = ~allowed.any(axis=-1)
     single = eye[best]
 
     x = np.einsum("rmk,rk->rm", means, mixture)
-    mixture_value = _soft_value(objective, x, thresholds)
+    mixture_variance = np.einsum("rmk,rk->rm", errors**2, mixture**2)
+    mixture_value = _expected_soft_value(objective, x, mixture_variance, thresholds)
     gradient_x = _soft_gradient(objective, x, thresholds)
     best_x = per_arm_x[np.arange(runs), best]
-    best_value = _soft_value(objective, best_x, thresholds)
+    best_value = arm_values[np.arange(runs), best]
     best_gradient = _soft_gradient(objective, best_x, thresholds)
     # Var of f(V p) - f(V e_b) by the delta method: entry (m, k) enters with coefficient
     # df/dx_m (p) p_k - df/dx_m (e_b) [k == b].

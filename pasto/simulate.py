@@ -403,6 +403,7 @@ def simulate(
     rule_values = {rule: np.empty((rounds, runs)) for rule in deploy_rules}
     regret = np.zeros(runs)
     checkpoint_regret = {}
+    checkpoint_regret_error = {}
     checkpoints = set(scenario.checkpoints)
     for round_number in range(1, rounds + 1):
         regime = 0 if round_number < drift_round else 1
@@ -429,6 +430,10 @@ def simulate(
             )
         if round_number in checkpoints:
             checkpoint_regret[round_number] = float(np.nanmean(regret))
+            finite = regret[np.isfinite(regret)]
+            checkpoint_regret_error[round_number] = (
+                float(np.std(finite, ddof=1) / np.sqrt(finite.size)) if finite.size > 1 else None
+            )
         if progress is not None:
             progress("rounds", round_number, rounds)
 
@@ -450,7 +455,10 @@ def simulate(
                     "round": checkpoint,
                     "objective": _summary(values[index]),
                     "relative_gain": gains,
-                    "cumulative_regret": {"mean": float(checkpoint_regret[checkpoint])},
+                    "cumulative_regret": {
+                        "mean": float(checkpoint_regret[checkpoint]),
+                        "standard_error": checkpoint_regret_error[checkpoint],
+                    },
                 }
             )
         return rows, gains_by_round

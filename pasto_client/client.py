@@ -331,6 +331,18 @@ class Client:
             cursor = page.get("next_since")  # absent from servers before pagination: one page was all
         return rounds
 
+    def events(self, name: str, since: int | None = None) -> list[dict]:
+        """``GET .../events``: what happened to the experiment (created, paused, resumed, stopped,
+        controller_started), each with its round, oldest first, from event id ``since`` (default 0);
+        every page, followed by its ``next_since`` cursor."""
+        events: list[dict] = []
+        cursor: int | None = since or 0
+        while cursor is not None:
+            page = self.request("GET", self._experiment_path(name, "/events") + f"?since={cursor}")
+            events.extend(page["events"])
+            cursor = page["next_since"]
+        return events
+
     def diagnostics(self, name: str) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,
         guardrails with intervals, sample-ratio mismatch, late observations."""

@@ -124,6 +124,31 @@ class Round(Base):
     summary: Mapped[dict[str, Any] | None]
 
 
+#: What an :class:`ExperimentEvent` records. Nothing can change an experiment's configuration after
+#: its creation today, so there is no "configuration changed" kind: status changes are the changes
+#: an experiment can go through, and a controller start is the scheduler process (``pasto serve`` or
+#: ``pasto worker``) starting, recorded once per start for every experiment it then serves.
+EVENT_KINDS = ("created", "paused", "resumed", "stopped", "controller_started")
+
+
+class ExperimentEvent(Base):
+    """Something that happened to an experiment, with the round it happened in (for the time axis).
+
+    ``id`` orders the events and is the cursor of the events endpoint's pages; ``details`` holds what
+    a kind has to add (the scheduler's name for ``controller_started``), or None.
+    """
+
+    __tablename__ = "experiment_events"
+    __table_args__ = (sa.Index("ix_experiment_events_experiment_id_id", "experiment_id", "id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(sa.ForeignKey("experiments.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(sa.String(32))
+    round_index: Mapped[int]
+    at: Mapped[datetime]
+    details: Mapped[dict[str, Any] | None]
+
+
 class RoundStatistic(Base):
     """Sufficient statistics of one metric for one arm in one round."""
 

@@ -60,6 +60,16 @@ _LIMIT_PARAMETER = {
     "schema": {"type": "integer", "minimum": 1},
 }
 
+_EVENT_SINCE_PARAMETER = {
+    "name": "since", "in": "query", "required": False, "description": "First event id to return (default 0).",
+    "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+}
+_EVENT_LIMIT_PARAMETER = {
+    "name": "limit", "in": "query", "required": False, "description": "At most this many events (default and most 1,000).",
+    "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+}
+
+
 def _operation(summary: str, role: str | None, responses: dict[str, Any], errors: tuple[str, ...] = (),
                body: dict[str, Any] | None = None, body_required: bool = True,
                path_name: bool = True) -> dict[str, Any]:
@@ -139,6 +149,11 @@ def _paths() -> dict[str, Any]:
                       "properties": {"round": {"type": "integer", "minimum": 0}}},
                 body_required=False),
         },
+        "/api/v1/experiments/{name}/events": {"get": {
+            **_operation("One page of the experiment's events (created, paused, resumed, stopped, controller "
+                         "started), oldest first, each with its round; next_since is the next page's cursor.",
+                         "read", {"200": _json(_ref("ExperimentEventList"), "The events.")}, ("422",)),
+            "parameters": [_NAME_PARAMETER, _EVENT_SINCE_PARAMETER, _EVENT_LIMIT_PARAMETER]}},
         "/api/v1/experiments/{name}/diagnostics": {"get": _operation(
             "Objective, best mixture and single arm, regret, guardrails, sample-ratio mismatch, late data.",
             "read", {"200": _json(_ref("Diagnostics"), "Diagnostics on the current estimate.")})},

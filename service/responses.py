@@ -170,6 +170,21 @@ class RoundList(_Response):
         description="The `since` of the next page, or null when this page ends with the current round.")
 
 
+class ExperimentEvent(_Response):
+    id: int = Field(description="Orders the events of every experiment; the `since` of a page.")
+    kind: Literal["created", "paused", "resumed", "stopped", "controller_started"] = Field(
+        description="What happened; controller_started: a scheduler process (pasto serve or pasto worker) started.")
+    round: int = Field(description="The round being served when it happened.")
+    at: Timestamp
+    details: dict[str, Any] | None = Field(
+        description="What the kind adds (controller_started: the scheduler's host:pid), or null.")
+
+
+class ExperimentEventList(_Response):
+    events: list[ExperimentEvent]
+    next_since: int | None = Field(description="The `since` of the next page, or null after the last event.")
+
+
 class MixtureValues(_Response):
     probabilities: Finite
     deployed: Finite
@@ -239,7 +254,7 @@ class Health(_Response):
 
 #: Every response model, for the OpenAPI document (``service.openapi``).
 MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, AssignmentBatch, IngestResult,
-          StatisticsResult, RoundClosed, RoundList, Diagnostics, Health)
+          StatisticsResult, RoundClosed, RoundList, Diagnostics, Health, ExperimentEventList)
 
 
 def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],

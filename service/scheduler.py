@@ -3,7 +3,9 @@
 
 ``pasto serve`` starts it beside the web server, ``pasto worker`` runs it alone. Several schedulers
 may run against one database: closing is a compare-and-set (see ``service.controller.rounds``). Each run
-writes a heartbeat row, so ``/healthz`` in any web worker can tell whether a scheduler is alive.
+writes a heartbeat row, so ``/healthz`` in any web worker can tell whether a scheduler is alive. The
+first run of a started scheduler that reaches the database records the start (a ``controller_started``
+event per experiment not stopped, in the round it is serving), so restarts show on the dashboard.
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
 from .controller.retention import PruneResult, prune
-from .controller.rounds import RoundAdvance, close_due_rounds, record_heartbeat
+from .controller.rounds import RoundAdvance, close_due_rounds, record_controller_start, record_heartbeat
 from .db import Database, get_db, is_unavailable_error
 from .models import utcnow
 
@@ -33,15 +36,29 @@ def heartbeat(database: Database, name: str, now: datetime) -> None:
     record_heartbeat(database, name, now)
 
 
-def run_scheduled_work(app: Flask, name: str) -> list[RoundAdvance]:
-    """One scheduler tick: record the heartbeat, then close due rounds.
+@dataclass
+class ControllerStart:
+    """A scheduler process's start, not yet recorded until ``recorded`` (its ticks run one at a time)."""
 
-    While the database is unavailable a tick does nothing (the next one tries again) and the outage
-    is logged once, not once per tick."""
+    at: datetime
+    recorded: bool = False
+
+
+def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = None) -> list[RoundAdvance]:
+    """One scheduler tick: record the heartbeat and, the first time, the scheduler's ``start``; then
+    close due rounds.
+
+    The start is recorded before any close, so each experiment's event names the round it was serving
+    when the controller came back (rounds that ended while it was down close right after). While the
+    database is unavailable a tick does nothing (the next one tries again, the start included) and
+    the outage is logged once, not once per tick."""
     database = get_db(app)
     now = utcnow()
     try:
         heartbeat(database, name, now)
+        if start is not None and not start.recorded:
+            record_controller_start(database, name, start.at)
+            start.recorded = True
         advances = close_due_rounds(database, now)
     except Exception as error:
         if not is_unavailable_error(error):
@@ -74,11 +91,12 @@ def run_retention(app: Flask) -> PruneResult | None:
 
 def start_scheduler(app: Flask) -> BackgroundScheduler:
     """Start a daemon BackgroundScheduler running :func:`run_scheduled_work` every
-    ``PASTO_SCHEDULER_INTERVAL`` and :func:`run_retention` every ``PASTO_RETENTION_CHECK_SECONDS``."""
+    ``PASTO_SCHEDULER_INTERVAL`` (its first run, at once, records this start) and :func:`run_retention`
+    every ``PASTO_RETENTION_CHECK_SECONDS``."""
     interval = float(app.config["PASTO_SCHEDULER_INTERVAL"])
     scheduler = BackgroundScheduler(timezone=timezone.utc, daemon=True)
     scheduler.add_job(
-        run_scheduled_work, "interval", seconds=interval, args=[app, scheduler_name()],
+        run_scheduled_work, "interval", seconds=interval, args=[app, scheduler_name(), ControllerStart(utcnow())],
         id="pasto-close-rounds", max_instances=1, coalesce=True, misfire_grace_time=None,
         next_run_time=datetime.now(timezone.utc),
     )

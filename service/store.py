@@ -31,8 +31,9 @@ from sqlalchemy.orm import Session
 from pasto.estimators import Statistics
 
 from .db import Database
-from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, LateStatistic, ObservationId,
-                     PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat, StatisticsBatch)
+from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
+                     ObservationId, PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat,
+                     StatisticsBatch)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -193,6 +194,7 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
         session.add(Round(experiment_id=experiment.id, index=0, started_at=now,
                           ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities))
         session.flush()
+        add_event(session, experiment.id, "created", 0, now)
     except sa.exc.IntegrityError:
         # Two concurrent creations with the same name: the unique constraint decides.
         raise ExperimentExists(name) from None
@@ -783,3 +785,37 @@ def write_heartbeat(database: Database, name: str, now: datetime) -> None:
 
 def last_heartbeat(session: Session) -> datetime | None:
     return session.execute(sa.select(sa.func.max(SchedulerHeartbeat.beat_at))).scalar_one_or_none()
+
+
+# ------------------------------------------------------------------------------ events
+def add_event(session: Session, experiment_id: int, kind: str, round_index: int, now: datetime,
+              details: dict[str, Any] | None = None) -> None:
+    """Record that ``kind`` happened to the experiment in round ``round_index`` (in the caller's
+    transaction, so the event commits with the change it records)."""
+    session.execute(sa.insert(ExperimentEvent).values(
+        experiment_id=experiment_id, kind=kind, round_index=round_index, at=now, details=details))
+
+
+def add_controller_start(database: Database, scheduler: str, now: datetime) -> int:
+    """Record a ``controller_started`` event, in its current round, for every experiment not stopped
+    (the ones a scheduler serves or resumes); returns how many were recorded. One statement, so the
+    rounds are those of one moment."""
+    events = ExperimentEvent.__table__
+    with database.write() as session:
+        return session.execute(events.insert().from_select(
+            ["experiment_id", "kind", "round_index", "at", "details"],
+            sa.select(_experiments.c.id, sa.literal("controller_started"), _experiments.c.round_index,
+                      sa.literal(now, ExperimentEvent.__table__.c.at.type),
+                      sa.literal({"scheduler": scheduler}, ExperimentEvent.__table__.c.details.type))
+            .where(_experiments.c.status != "stopped")
+            .order_by(_experiments.c.id))).rowcount
+
+
+def experiment_events(session: Session, experiment_id: int, since: int, limit: int) -> list[sa.Row]:
+    """At most ``limit`` events ``(id, kind, round_index, at, details)`` of the experiment with
+    ``id >= since``, oldest first."""
+    return list(session.execute(
+        sa.select(ExperimentEvent.id, ExperimentEvent.kind, ExperimentEvent.round_index, ExperimentEvent.at,
+                  ExperimentEvent.details)
+        .where(ExperimentEvent.experiment_id == experiment_id, ExperimentEvent.id >= since)
+        .order_by(ExperimentEvent.id).limit(limit)))

@@ -4,6 +4,13 @@ PostgreSQL: ``PASTO_TEST_POSTGRES_URL`` (a server URL such as
 ``postgresql+psycopg://user@127.0.0.1:5432/postgres``) is used when set; otherwise, when Debian's
 ``postgresql`` package is installed, a private cluster (``tests/pgcluster.py``) is created in a temporary
 folder, listening on loopback only, and removed at the end of the session. Each test gets a fresh database.
+
+Timing, in every suite: no test asserts how fast something ran (bench/ measures that, as ratios). A
+``timeout=`` on an HTTP request, a subprocess or a thread join, and the deadline of a polling loop, are
+hang guards: far above what the step takes on a loaded 2-core machine, reached only by a failing run.
+A sleep is a lower bound (waiting longer changes nothing) or is replaced by waiting for the event
+itself. The few real tolerances (a bound a correct but slow run could cross) say so in a comment
+next to the bound, with the reason for the figure.
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
         yield f"{base}/{name}"
     finally:
         with admin.connect() as connection:
+            # Hang guard, not a tolerance: terminated backends exit within milliseconds; DROP DATABASE is retried
+            # until then.
             deadline = time.monotonic() + 10
             while True:
                 connection.execute(sa.text(

@@ -106,8 +106,18 @@ def show(name: str) -> Snapshot:
     return get_cache().get(name)
 
 
+def events(name: str, since: int, limit: int) -> list:
+    """At most ``limit`` events ``(id, kind, round_index, at, details)`` of experiment ``name`` from
+    event id ``since`` on, oldest first; 404 if there is no such experiment."""
+    snapshot = get_cache().get(name)
+    with get_db().read() as session:
+        return store.experiment_events(session, snapshot.id, since, limit)
+
+
 # Allowed status transitions: target -> statuses it may be reached from (same status: no-op).
 _TRANSITIONS = {"paused": {"running"}, "running": {"paused"}, "stopped": {"running", "paused"}}
+# The event each target status records (running is only reached by resuming).
+_EVENT_KINDS = {"paused": "paused", "running": "resumed", "stopped": "stopped"}
 
 
 def set_status(name: str, target: str) -> Snapshot:
@@ -125,6 +135,7 @@ def set_status(name: str, target: str) -> Snapshot:
             # A round does not run while paused: it gets a full round_seconds after resuming.
             ends_at = now + timedelta(seconds=experiment.config["round_seconds"]) if target == "running" else None
             store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
+            store.add_event(session, experiment.id, _EVENT_KINDS[target], experiment.round_index, now)
     return get_cache().get(name, fresh=True)
 
 
@@ -136,7 +147,10 @@ def archive(name: str) -> Snapshot:
         if experiment is None:
             raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
         if experiment.archived_at is None:
-            store.archive_experiment(session, experiment, utcnow())
+            now = utcnow()
+            store.archive_experiment(session, experiment, now)
+            if experiment.status != "stopped":  # archiving stopped it: the time axis shows that as any stop
+                store.add_event(session, experiment.id, _EVENT_KINDS["stopped"], experiment.round_index, now)
     return get_cache().get(name, fresh=True)
 
 

@@ -139,6 +139,12 @@ def record_heartbeat(database: Database, scheduler: str, now: datetime) -> None:
     store.write_heartbeat(database, scheduler, now)
 
 
+def record_controller_start(database: Database, scheduler: str, now: datetime) -> int:
+    """The scheduler ``scheduler`` started at ``now``: a ``controller_started`` event in its current
+    round for every experiment not stopped; returns how many were recorded."""
+    return store.add_controller_start(database, scheduler, now)
+
+
 def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
              expected_round_index: int | None = None) -> RoundAdvance | None:
     started = time.perf_counter()

@@ -23,6 +23,8 @@ from .groundtruth import arm_names, experiment_objective, simulate_session, true
 log = logging.getLogger("pasto.demo")
 
 TICK_SECONDS = 0.05  # sessions are sent in small batches this often
+#: How long an interrupted demo keeps sending the observations it has queued before it stops.
+STOP_FLUSH_SECONDS = 10.0
 
 
 @dataclass
@@ -48,25 +50,39 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
         first_round = assigner.round_index
         shown_round = first_round
         next_tick = time.monotonic()
-        while True:
-            # Reported before the stop test, so that the round whose close ends the demo is shown.
-            current_round = assigner.round_index
-            if current_round != shown_round:
-                shown_round = current_round
-                console.report_round(client, name, shown_round, objective, means, names, overwrite,
-                                     single_value)
-            if args.rounds is not None and shown_round >= first_round + args.rounds:
-                break
-            carry += per_tick
-            batch, carry = int(carry), carry - int(carry)
-            for _ in range(batch):
-                unit = f"user-{int(rng.integers(10**9))}"
-                assignment = assigner.assign(unit)
-                values = simulate_session(scenario, means, arm_index[assignment.arm], rng)
-                buffer.add(unit, assignment.round, values, arm=assignment.arm)
-            stats.sessions += batch
-            next_tick += TICK_SECONDS
-            time.sleep(max(0.0, next_tick - time.monotonic()))
+        try:
+            while True:
+                # Reported before the stop test, so that the round whose close ends the demo is shown.
+                current_round = assigner.round_index
+                if current_round != shown_round:
+                    shown_round = current_round
+                    console.report_round(client, name, shown_round, objective, means, names, overwrite,
+                                         single_value)
+                if args.rounds is not None and shown_round >= first_round + args.rounds:
+                    break
+                carry += per_tick
+                batch, carry = int(carry), carry - int(carry)
+                for _ in range(batch):
+                    unit = f"user-{int(rng.integers(10**9))}"
+                    assignment = assigner.assign(unit)
+                    values = simulate_session(scenario, means, arm_index[assignment.arm], rng)
+                    buffer.add(unit, assignment.round, values, arm=assignment.arm)
+                stats.sessions += batch
+                next_tick += TICK_SECONDS
+                time.sleep(max(0.0, next_tick - time.monotonic()))
+        except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM, SIGHUP): send what is queued for at most STOP_FLUSH_SECONDS.
+            # On a loaded machine the queue can hold a backlog of minutes (up to 200,000 sessions), and
+            # flushing all of it could make a stop outlast the minute a process manager (or the demo
+            # tests) waits before killing the demo, which then leaves its server running.
+            try:
+                buffer.close(timeout=STOP_FLUSH_SECONDS)
+            except TimeoutError as error:
+                unsent = len(error.unsent)
+                stats.sessions -= unsent
+                log.warning("Stopped with %d observations unsent after %s s; their sessions are not counted.",
+                            unsent, STOP_FLUSH_SECONDS)
+            raise
         if overwrite and shown_round != first_round:
             console.end_overwritten_line()
         log.info("Flushing %d pending observations.", buffer.pending)

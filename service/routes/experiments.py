@@ -1,4 +1,5 @@
-"""``/api/v1/experiments``: create, list, show, pause, resume, stop, archive, delete."""
+"""``/api/v1/experiments``: create, list, show, pause, resume, stop, archive, delete, and the events of an
+experiment."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from flask import Blueprint
 from ..auth import require_role
 from ..cache import Snapshot
 from ..controller import experiments
-from ..params import query_flag
-from ..responses import ArmView, Experiment, ExperimentDeleted, ExperimentList, RoundTimes, respond
+from ..params import query_flag, query_integer
+from ..responses import (ArmView, Experiment, ExperimentDeleted, ExperimentEvent, ExperimentEventList, ExperimentList,
+                         RoundTimes, respond)
 from ..schemas import ExperimentCreate, json_body, parse
 
 bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
+
+#: Events per page: without ``?limit=``, and at most.
+EVENTS_PAGE = 1000
+#: Largest event id a request may name (ids are 32-bit integers on PostgreSQL).
+MAX_EVENT_ID = 2**31 - 1
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -96,3 +103,16 @@ def archive(name: str):
 @require_role("admin")
 def delete(name: str):
     return respond(ExperimentDeleted(name=name, deleted_rows=experiments.delete(name)))
+
+
+@bp.get("/<name>/events")
+@require_role("read")
+def events(name: str):
+    """Events oldest first, one page from event id ``?since=`` (0) of ``?limit=`` (1,000) events;
+    ``next_since`` is the cursor of the next page (null after the last event)."""
+    since = query_integer("since", 0, 0, MAX_EVENT_ID)
+    limit = query_integer("limit", EVENTS_PAGE, 1, EVENTS_PAGE)
+    rows = experiments.events(name, since, limit + 1)  # one more tells whether another page follows
+    page = [ExperimentEvent(id=row.id, kind=row.kind, round=row.round_index, at=iso(row.at), details=row.details)
+            for row in rows[:limit]]
+    return respond(ExperimentEventList(events=page, next_since=rows[limit].id if len(rows) > limit else None))

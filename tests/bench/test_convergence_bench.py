@@ -71,12 +71,12 @@ def test_a_tiny_serving_pass_reports_served_and_deployed_figures_and_the_targets
     docs.write_text("# Benchmarks\n\n## Convergence\n\nold table\n")
     monkeypatch.setattr(bench, "DOCS", docs)
     monkeypatch.setattr(bench, "SERVING_ROWS", (
-        ("demo", "demo", None, 25, ("safe", "thompson")),
-        ("A drift", "setup-a-drift", None, 1030, ("safe",)),
+        ("demo", "demo", None, 25, ("default", "thompson")),
+        ("A drift", "setup-a-drift", None, 1030, ("default",)),
     ))
     assert bench.main(["--serving", "--runs", "2", "--workers", "1"]) == 0
     text = docs.read_text()
     assert "### Safe serving (issue 14)" in text and "old table" in text
-    assert "| demo | safe | 25 |" in text and "| demo | thompson | 25 |" in text
+    assert "| demo | default | 25 |" in text and "| demo | thompson | 25 |" in text
     assert "| demo: served holds every hard guardrail in >= 97% of (run, round) pairs after round 20 |" not in text
     assert "| drift: no run ends on a guardrail-breaking single arm |" in text

@@ -76,6 +76,7 @@ class LiveServer:
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
+        # Hang guard, not a tolerance: `pasto serve` answers in 1-3 s on a loaded machine.
         deadline = time.monotonic() + 30
         while True:
             if self.process.poll() is not None:

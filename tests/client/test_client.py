@@ -73,6 +73,10 @@ def test_every_route_round_trips(server, admin, create_experiment, true_means):
     assert admin.resume(name)["status"] == "running"
     assert admin.stop(name)["status"] == "stopped"
     assert admin.get_experiment(name)["status"] == "stopped"
+    events = admin.events(name)
+    assert [(event["kind"], event["round"]) for event in events] == [
+        ("created", 0), ("paused", 2), ("resumed", 2), ("stopped", 2)]
+    assert [event["kind"] for event in admin.events(name, since=events[2]["id"])] == ["resumed", "stopped"]
     health = admin.health()
     assert health["status"] == "ok" and health["database"]["reachable"] is True
     assert admin.openapi()["openapi"].startswith("3.1")
@@ -115,6 +119,7 @@ def test_server_errors_become_pasto_api_errors(server, admin, create_experiment)
 
 
 def test_unreachable_server_raises_connection_error():
+    # Not a bound: the connection is refused at once; the timeout only ends a hang.
     with Client(f"http://127.0.0.1:{closed_port()}", "token", timeout=2) as client:
         with pytest.raises(PastoConnectionError):
             client.list_experiments()

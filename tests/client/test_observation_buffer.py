@@ -21,6 +21,7 @@ def counted(client: Client, name: str, round_index: int = 0) -> int:
 
 
 def wait_until(predicate, timeout: float = 15.0) -> bool:
+    # Hang guard, not a tolerance: 15 s by default for sends that take milliseconds.
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -186,6 +187,7 @@ def test_unreachable_server_overflow_and_close_timeout():
         buffer.add("one-too-many", 0, {"m": 1.0})
     assert wait_until(lambda: buffer.retries >= 2)
     with pytest.raises(TimeoutError) as timed_out:
+        # Nothing listens, so no wait is long enough: any timeout raises; 0.3 s only keeps the test short.
         buffer.close(timeout=0.3)
     assert sorted(o["id"] for o in timed_out.value.unsent) == sorted(ids)
     assert buffer.accepted == 0
@@ -200,6 +202,7 @@ def test_on_overflow_receives_the_observation():
     returned_id = buffer.add("overflowing", 0, {"m": 2.0}, arm="a")
     assert [(o["unit"], o["id"], o["arm"]) for o in overflowed] == [("overflowing", returned_id, "a")]
     with pytest.raises(TimeoutError):
+        # Nothing listens, so no wait is long enough: any timeout raises; 0.2 s only keeps the test short.
         buffer.close(timeout=0.2)
 
 

@@ -29,6 +29,7 @@ def start_demo(instance: Path, port: int, output: Path) -> subprocess.Popen:
 
 
 def printed_sign_in_url(demo: subprocess.Popen, output: Path, seconds: float = 120) -> str:
+    # Hang guard, not a tolerance: the demo starts in 5-36 s; 120 s only ends a failing run.
     deadline = time.monotonic() + seconds
     while "Press Ctrl-C to stop." not in output.read_text():
         if demo.poll() is not None or time.monotonic() > deadline:
@@ -43,6 +44,7 @@ def printed_sign_in_url(demo: subprocess.Popen, output: Path, seconds: float = 1
 def wait_until(page, expression: str, seconds: float = 60) -> None:
     """Poll ``expression`` with page.evaluate until it is true (page.wait_for_function evaluates a
     string, which the dashboard's Content-Security-Policy forbids)."""
+    # Hang guard, not a tolerance: the page shows data within a few of the demo's 2 s rounds.
     deadline = time.monotonic() + seconds
     while not page.evaluate(expression):
         if time.monotonic() > deadline:

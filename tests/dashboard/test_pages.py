@@ -244,6 +244,8 @@ def test_experiment_page_refreshes_without_reloading(live_server, browser, anony
     page.wait_for_selector(f'#experiment[data-rounds="{before}"]')
     page.evaluate("window.__sameDocument = true")
     play_round(name)
+    # Tolerance: a poll every 0.5 s (PASTO_DASHBOARD_POLL_SECONDS) redraws within a second; 15 s allows a
+    # loaded machine 30 polls.
     page.wait_for_selector(f'#experiment[data-rounds="{before + 1}"]', timeout=15_000)
     assert page.evaluate("window.__sameDocument === true")
     assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
@@ -388,10 +390,75 @@ def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, brow
     first_not_final = next(entry["index"] for entry in before
                            if entry["applied_at"] is None or entry["best_mixture"] is None)
     play_round(name)
+    # Tolerance: as above, 15 s for a redraw that a 0.5 s poll makes within a second.
     page.wait_for_selector(f'#experiment[data-rounds="{len(before) + 1}"]', timeout=15_000)
     after = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]
     assert asked[1:] and all(since >= first_not_final > 0 for since in asked[1:]), asked
     # What the page drew is the whole history as the server has it now.
     assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in after]
+    assert console.problems == []
+    context.close()
+
+
+MARKER_RGB = (0x6A, 0x3D, 0x9A)  # MARKER_COLOUR of experiment.js
+
+
+def test_pauses_and_resumes_are_marked_at_their_rounds(live_server, browser, anonymous_loopback, play_round,
+                                                       screenshot_dir):
+    """Pausing and resuming in round 2 and again in round 4 draws a labelled vertical marker at rounds 2
+    and 4 of every round-axis chart; hovering one says what happened; the note under the range lists them."""
+    from tests.dashboard.conftest import ARMS, METRICS
+
+    name = "paused-twice"
+    live_server.api("POST", "/experiments", json={
+        "name": name, "arms": ARMS, "metrics": METRICS,
+        "objective": {"primary": "clicks", "guardrails": [{"metric": "dwell", "threshold": 0.5, "penalty": 5.0}]},
+        "round_seconds": 3600, "seed": 5,
+    })
+    for pause_round in (2, 4):
+        while live_server.api("GET", f"/experiments/{name}", role="read").json()["round"]["index"] < pause_round:
+            play_round(name)
+        live_server.api("POST", f"/experiments/{name}/pause")
+        live_server.api("POST", f"/experiments/{name}/resume")
+    play_round(name)  # round 5 is served: the markers sit inside the axis, not on its end
+    recorded = live_server.api("GET", f"/experiments/{name}/events", role="read").json()["events"]
+    assert [(event["kind"], event["round"]) for event in recorded] == [
+        ("created", 0), ("paused", 2), ("resumed", 2), ("paused", 4), ("resumed", 4)]
+
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector('#experiment[data-rounds="6"]')
+    for chart in ("chart-mixture", "chart-objective", "chart-regret", "chart-observations", "chart-guardrail-0"):
+        markers = page.evaluate("(id) => Chart.getChart(id).options.plugins.eventMarkers.markers", chart)
+        assert [(marker["round"], marker["label"]) for marker in markers] == [
+            (2, "paused, resumed"), (4, "paused, resumed")], chart
+        # The line is drawn: the canvas column at round 2 holds the marker's colour.
+        column = page.evaluate("""(id) => {
+            const chart = Chart.getChart(id);
+            const ratio = chart.currentDevicePixelRatio;
+            const x = Math.round(chart.scales.x.getPixelForValue(2) * ratio);
+            const top = Math.round(chart.chartArea.top * ratio), bottom = Math.round(chart.chartArea.bottom * ratio);
+            const data = chart.ctx.getImageData(x - 1, top, 3, bottom - top).data;
+            const pixels = [];
+            for (let i = 0; i < data.length; i += 4) pixels.push([data[i], data[i + 1], data[i + 2], data[i + 3]]);
+            return pixels;
+        }""", chart)
+        marked = [pixel for pixel in column if pixel[3] > 200
+                  and all(abs(value - target) <= 40 for value, target in zip(pixel, MARKER_RGB))]
+        assert len(marked) > 10, chart
+    # Hovering the marker names what happened and when.
+    page.locator("#chart-objective").scroll_into_view_if_needed()
+    box = page.locator("#chart-objective").bounding_box()
+    x = page.evaluate("Chart.getChart('chart-objective').scales.x.getPixelForValue(4)")
+    y = page.evaluate("(Chart.getChart('chart-objective').chartArea.top + Chart.getChart('chart-objective').chartArea.bottom) / 2")
+    page.mouse.move(box["x"] + x, box["y"] + y)
+    page.wait_for_function("document.getElementById('chart-objective').title !== ''")
+    title = page.locator("#chart-objective").get_attribute("title")
+    assert title.startswith("Round 4: paused at ") and "; resumed at " in title and title.endswith(" UTC"), title
+    footer = page.evaluate("Chart.getChart('chart-objective').tooltip.footer")
+    assert footer == [title], footer  # the chart's own tooltip for round 4 ends with the same words
+    assert page.locator("#event-note").inner_text() == (
+        "Marked on the charts: round 2 paused, resumed; round 4 paused, resumed.")
+    page.screenshot(path=str(screenshot_dir / "experiment-events.png"), full_page=True)
     assert console.problems == []
     context.close()

@@ -55,6 +55,7 @@ def doc_server(tmp_path: Path) -> Iterator[DocServer]:
                                    stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
+        # Hang guard, not a tolerance: `pasto serve` answers in 1-3 s on a loaded machine.
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, log_path.read_text()

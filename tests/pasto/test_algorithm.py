@@ -127,7 +127,7 @@ def test_field_defaults_are_the_default_preset():
         "stage_length": 10, "exploration": "sqrt", "exploration_scale": 1.0, "exploration_floor": 0.05,
         "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
         "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "exploration", "serving_level": 0.95,
+        "serving": "safe", "serving_level": 0.95, "change_level": 1e-4, "change_every": 25,
     }
 
 
@@ -141,7 +141,7 @@ def test_paper_preset_overrides_only_what_algorithm_1_changes():
         "stage_length": 10, "exploration": "paper", "exploration_scale": 0.1, "exploration_floor": 0.0,
         "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
         "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "exploration", "serving_level": 0.95,
+        "serving": "exploration", "serving_level": 0.95, "change_level": 1e-4, "change_every": 25,
     }
 
 
@@ -213,7 +213,9 @@ def test_default_preset_learns_setup_a_mixture():
 
 
 def test_dual_ascent_raises_weight_of_violated_guardrail_without_objective_at_start():
-    config = AlgorithmConfig.from_preset("default", guardrail_weights="dual_ascent", dual_step=2.0)
+    # Dual ascent moves the penalties of the exploration path (safe serving keeps the objective's).
+    config = AlgorithmConfig.from_preset("default", serving="exploration", guardrail_weights="dual_ascent",
+                                         dual_step=2.0)
     state = initial_state(config, 2, 2)  # as the service and simulator call it
     assert state.guardrail_weights.shape == (0,)
     means = np.array([[2.0, 0.0], [-2.0, -1.0]])  # no mixture meets y >= 0
@@ -229,7 +231,8 @@ def _stats_from_means(means: np.ndarray, count: float) -> Statistics:
 
 
 def test_directed_exploration_favours_plausible_arms_only():
-    config = AlgorithmConfig.from_preset("default", exploration="constant", exploration_scale=0.1)
+    config = AlgorithmConfig.from_preset("default", serving="exploration", exploration="constant",
+                                         exploration_scale=0.1)
     # Arm 2 is far worse on every metric and well measured; arm 3 is unmeasured.
     means = np.array([[2.0, 0.0, -5.0, 0.0], [-2.0, 2.0, -5.0, 0.0]])
     pooled = _stats_from_means(means, 1000.0)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pasto.algorithm import AlgorithmConfig, exploration_rate, initial_state, update
 from pasto.estimators import Statistics, pooled_estimate
 from pasto.objectives import Objective
+from pasto.simulate import sample_arms
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -26,9 +27,10 @@ configs = st.one_of(
     st.just(AlgorithmConfig.from_preset("paper")),
     st.just(AlgorithmConfig.from_preset("default")),
     st.builds(
-        lambda estimator, schedule, exploration, deploy, solve_every, discount, directed, dual, hedge: (
+        lambda estimator, schedule, exploration, deploy, solve_every, discount, directed, dual, hedge, serving: (
             AlgorithmConfig.from_preset(
                 "default",
+                serving=serving,
                 estimator=estimator,
                 step_schedule=schedule,
                 step_size=1.0,
@@ -54,8 +56,15 @@ configs = st.one_of(
         st.sampled_from([0.0, 0.3]),
         st.sampled_from(["fixed", "dual_ascent"]),
         st.sampled_from(["plug_in", "expected"]),
+        st.sampled_from(["exploration", "safe"]),
     ),
 )
+
+
+def _draw(rng, probabilities, queries):
+    """Arms (batch..., queries) drawn from the served ``probabilities`` (batch..., K)."""
+    flat = probabilities.reshape(-1, probabilities.shape[-1])
+    return sample_arms(rng, flat, queries).reshape(probabilities.shape[:-1] + (queries,))
 
 
 def _run(config, objective, n_arms, rounds, seed, scale=1.0, batch=(), queries=3, check=None):
@@ -65,9 +74,7 @@ def _run(config, objective, n_arms, rounds, seed, scale=1.0, batch=(), queries=3
     state = initial_state(config, n_arms, m, batch, objective=objective)
     pooled = Statistics.zeros(m, n_arms, batch)
     for _ in range(rounds):
-        cumulative = np.cumsum(state.probabilities, axis=-1)
-        u = rng.random(batch + (queries,))
-        arms = np.minimum((u[..., None] >= cumulative[..., None, :]).sum(-1), n_arms - 1)
+        arms = _draw(rng, state.probabilities, queries)
         values = np.take_along_axis(
             np.swapaxes(means, -1, -2), arms[..., None], axis=-2
         ) + scale * rng.standard_normal(batch + (queries, m))
@@ -86,7 +93,8 @@ def _assert_valid(config, n_arms):
             assert np.all(np.isfinite(p))
             assert np.all(np.abs(p.sum(axis=-1) - 1.0) <= 1e-12)
             assert np.all(p >= 0)
-        assert np.all(state.probabilities >= eps / n_arms * (1 - 1e-12))
+        if config.serving == "exploration":  # safe serving has no exploration floor
+            assert np.all(state.probabilities >= eps / n_arms * (1 - 1e-12))
         assert np.all(np.isfinite(state.log_weights))
 
     return check
@@ -129,7 +137,7 @@ def test_batched_update_equals_per_run_updates(config, n_arms, seed):
     singles = [initial_state(config, n_arms, 2, objective=objective) for _ in range(batch)]
     pooled = Statistics.zeros(2, n_arms, (batch,))
     for _ in range(4):
-        arms = rng.integers(0, n_arms, size=(batch, 3))
+        arms = _draw(rng, state.probabilities, 3)
         values = rng.normal(size=(batch, 3, 2))
         round_stats = Statistics.from_observations(arms, values, n_arms)
         pooled = pooled + round_stats

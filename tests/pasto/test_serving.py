@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pasto import serving
 from pasto.estimators import Statistics
@@ -184,13 +186,15 @@ def test_holdout_and_min_share_are_kept_in_every_round():
 # --------------------------------------------------------------------------- the algorithm's hook
 
 
-def test_the_algorithm_serves_safely_when_asked_and_the_paper_preset_never_does():
+@pytest.mark.parametrize("estimator", ["pooled", "ips", "control_variate"])
+def test_the_default_serves_safely_with_any_estimator_and_the_paper_preset_never_does(estimator):
     from pasto import algorithm
 
     assert algorithm.AlgorithmConfig.from_preset("paper").serving == "exploration"
-    with pytest.raises(ValueError, match="serving='safe' needs estimator='pooled'"):
-        algorithm.AlgorithmConfig.from_preset("paper", serving="safe")
-    config = algorithm.AlgorithmConfig.from_preset("default", serving="safe")
+    assert algorithm.AlgorithmConfig().serving == "safe"
+    # Safe serving's bounds come from its own pooled statistics, so a configuration that overrides
+    # the estimator keeps working (the estimator still takes in every round, for its reports).
+    config = algorithm.AlgorithmConfig.from_preset("default", estimator=estimator)
     assert algorithm.AlgorithmConfig.from_dict(config.to_dict()) == config
     objective = hard_objective()
     means = np.array([[2.0, 0.0, 0.2], [0.0, 1.0, 0.6]])
@@ -236,3 +240,85 @@ def test_the_shipped_safe_serving_scenarios_load_with_their_hard_guardrails_and_
     drift = load_scenario("setup-a-drift")
     assert drift.drift.at_round == 1000
     np.testing.assert_array_equal(np.array(drift.drift.means.fixed), np.array(drift.means.fixed)[:, ::-1])
+
+
+# --------------------------------------------------------------------------- change detection in the service path
+
+
+def _drift_means():
+    """Setup A's objective (soft guardrail) and its means before and after the shipped drift (arms swapped)."""
+    scenario = load_scenario("setup-a-drift")
+    return scenario.objective(), np.array(scenario.means.fixed), np.array(scenario.drift.means.fixed)
+
+
+def test_the_default_preset_runs_the_same_change_detection_as_the_standalone_controller():
+    """pasto.algorithm.update (what the service runs) and pasto.serving.update on the same data:
+    the same rounds raise the same alarms, and the served and deployed mixtures agree (the
+    algorithm's evidence is pooled minus the statistics at the change, whose rounding differs from
+    a fresh sum: an arm with one or two observations can amplify it for a round)."""
+    from pasto import algorithm
+
+    objective, before, after = _drift_means()
+    runs, rng = 4, np.random.default_rng(1)
+    config = algorithm.AlgorithmConfig()
+    service_state = algorithm.initial_state(config, 2, 2, (runs,), objective)
+    standalone = serving.initial_state(serving.ServingConfig(), 2, 2, (runs,), objective)
+    pooled = Statistics.zeros(2, 2, (runs,))
+    agree, alarms = [], []
+    for round_number in range(1, 401):
+        means = before if round_number < 200 else after
+        arms = sample_arms(rng, service_state.probabilities, 1)
+        values = np.moveaxis(means[:, arms], 0, -1) + np.sqrt(5.0) * rng.standard_normal((runs, 1, 2))
+        statistics = round_statistics(arms, values, 2)
+        pooled = pooled + statistics
+        service_state = algorithm.update(config, objective, service_state, statistics, pooled)
+        standalone = serving.update(serving.ServingConfig(), objective, standalone, statistics)
+        np.testing.assert_array_equal(service_state.changes, standalone.resets)
+        alarms.append(service_state.changes.copy())
+        agree.append(np.allclose(service_state.probabilities, standalone.probabilities, atol=1e-6)
+                     and np.allclose(service_state.deployed, standalone.deployed, atol=1e-6))
+    assert np.all(alarms[198] == 0) and np.all(alarms[-1] >= 1)  # no false alarm, then every run detects
+    assert np.mean(agree) >= 0.97
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 3), st.integers(0, 2**32 - 1), st.integers(1, 40), st.booleans())
+def test_the_change_detector_state_round_trips_through_to_dict(n_arms, n_metrics, seed, rounds, changed):
+    """A ControllerState with change-detector slots (set or not) survives to_dict / JSON / from_dict
+    exactly, and the update continues from the copy as from the original."""
+    import json
+
+    from pasto import algorithm
+
+    names = [f"m{i}" for i in range(n_metrics)]
+    objective = Objective.from_spec(names, {"primary": names[0], "guardrails": [
+        {"metric": name, "threshold": 0.0, "penalty": 5.0} for name in names[1:]]})
+    config = algorithm.AlgorithmConfig(change_every=3)
+    rng = np.random.default_rng(seed)
+    batch = (2,)
+    state = algorithm.initial_state(config, n_arms, n_metrics, batch, objective)
+    pooled = Statistics.zeros(n_metrics, n_arms, batch)
+    means = rng.uniform(-1, 1, size=(n_metrics, n_arms))
+    for round_number in range(rounds):
+        shift = 5.0 if changed and round_number >= rounds // 2 else 0.0
+        arms = sample_arms(rng, state.probabilities, 4)
+        values = np.moveaxis(means[:, arms], 0, -1) + shift + 0.1 * rng.standard_normal(batch + (4, n_metrics))
+        statistics = round_statistics(arms, values, n_arms)
+        pooled = pooled + statistics
+        state = algorithm.update(config, objective, state, statistics, pooled)
+    copy = algorithm.ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert json.dumps(copy.to_dict()) == json.dumps(state.to_dict())
+    for name in ("change_origin", "block_origin"):
+        original, restored = getattr(state, name), getattr(copy, name)
+        assert (original is None) == (restored is None)
+        if original is not None:
+            for part in ("counts", "sums", "sums_of_squares"):
+                np.testing.assert_array_equal(getattr(original, part), getattr(restored, part))
+    np.testing.assert_array_equal(copy.changes, state.changes)
+    for _ in range(3):
+        arms = sample_arms(rng, state.probabilities, 4)
+        statistics = round_statistics(arms, np.moveaxis(means[:, arms], 0, -1), n_arms)
+        pooled = pooled + statistics
+        state = algorithm.update(config, objective, state, statistics, pooled)
+        copy = algorithm.ControllerState.from_dict(algorithm.update(config, objective, copy, statistics, pooled).to_dict())
+        assert state.to_dict() == copy.to_dict()

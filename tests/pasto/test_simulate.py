@@ -302,11 +302,13 @@ def test_paper_preset_on_setup_a_equals_algorithm_1_written_out_with_the_same_dr
 
 def test_deploy_rules_score_the_same_runs_as_separate_simulations():
     scenario = small(runs=12, rounds=60, checkpoints=[20, 60])
-    shared = simulate(scenario, make_policy("default"), deploy_rules=("average", "stage", "last")).summary
+    # The deploy rules are those of the exploration path (safe serving deploys what it can defend).
+    exploration = {"serving": "exploration"}
+    shared = simulate(scenario, make_policy("default", exploration), deploy_rules=("average", "stage", "last")).summary
     for rule in ("average", "stage", "last"):
-        alone = simulate(scenario, make_policy("default", {"deploy": rule})).summary
+        alone = simulate(scenario, make_policy("default", {**exploration, "deploy": rule})).summary
         assert shared["deploy_rules"][rule] == alone["checkpoints"]
-    assert shared["deploy_rules"]["last"] == shared["checkpoints"]  # the default deploys the last mixture
+    assert shared["deploy_rules"]["last"] == shared["checkpoints"]  # the exploration path deploys the last mixture
     with pytest.raises(ValueError, match="deploy_rules applies to the PASTO presets"):
         simulate(scenario, make_policy("scgd"), deploy_rules=("average",))
     with pytest.raises(ValueError, match="Unknown deploy rule 'best'"):

@@ -34,6 +34,18 @@ PYTHON = sys.executable
 START_SECONDS = 60.0
 
 
+def all_threads_stopped(group: int) -> bool:
+    """Whether every thread of every process in process group ``group`` is stopped (state ``T`` in
+    ``/proc/<pid>/task/<tid>/stat``), or the group has no process left."""
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # the thread or process ended meanwhile
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group and fields[0] not in ("T", "t", "Z", "X"):
+                return False
+    return True
+
+
 @dataclass
 class ServiceProcess:
     """One service process (and its children) in a process group of its own."""
@@ -74,6 +86,8 @@ class ServiceProcess:
 
     def wait_healthy(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``GET /healthz`` answers 200 (schema current, database reachable)."""
+        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine (interpreter,
+        # imports, schema check).
         deadline = time.monotonic() + deadline_seconds
         while True:
             if not self.running():
@@ -88,6 +102,7 @@ class ServiceProcess:
 
     def wait_scheduling(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``pasto worker`` has logged that its scheduler runs."""
+        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine.
         deadline = time.monotonic() + deadline_seconds
         while "pasto worker: closing due rounds" not in self.log():
             if not self.running():
@@ -110,8 +125,17 @@ class ServiceProcess:
         self.process.wait(timeout=30)
 
     def freeze(self) -> None:
-        """SIGSTOP the group: every thread stops where it is (open transactions stay open)."""
+        """SIGSTOP the group: every thread stops where it is (open transactions stay open). Returns once
+        the kernel reports every thread of the group stopped: SIGSTOP is delivered asynchronously, and a
+        thread still running after kill() returned could commit what the test means to catch open."""
         self.signal_group(signal.SIGSTOP)
+        if self.process is None:
+            return
+        # A hang guard only: stopping takes microseconds; 10 s covers a 2-core machine under load.
+        deadline = time.monotonic() + 10
+        while not all_threads_stopped(self.process.pid):
+            assert time.monotonic() < deadline, f"{self.label} did not stop within 10 s of SIGSTOP"
+            time.sleep(0.001)
 
     def thaw(self) -> None:
         self.signal_group(signal.SIGCONT)

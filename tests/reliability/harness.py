@@ -412,6 +412,8 @@ def assert_replay_matches(engine: sa.Engine, name: str = NAME) -> ControllerStat
 
 def wait_until(condition, seconds: float, message: str, interval: float = 0.02):
     """Poll ``condition()`` until it returns something truthy (returned), at most ``seconds``."""
+    # Hang guard, not a tolerance: callers give `seconds` (20-120) far above what the awaited step takes under
+    # load; only a failing run reaches it.
     deadline = time.monotonic() + seconds
     while True:
         result = condition()

@@ -155,11 +155,14 @@ def assert_every_worker_serves_the_new_round(base_url: str, engine: sa.Engine, a
     """Wait for `pasto worker` to close a round, then probe until each gunicorn worker has answered:
     every answer is in that round or a later one, and in one round every worker assigns alike."""
     before = current_round(engine)
+    # Hang guard, not a tolerance: with 0.2 s scheduler ticks and short rounds a close comes within seconds; 20 s
+    # covers a 2-core machine running two suites.
     deadline = time.monotonic() + 20
     while (opened := current_round(engine)) == before:
         assert time.monotonic() < deadline, "pasto worker closed no round in 20 s"
         time.sleep(0.05)
     # Longer than PASTO_VERSION_CHECK_SECONDS (0.05): every worker's cached version is now re-checked.
+    # A lower bound, 3x the check interval: a slower machine only waits longer, which changes nothing.
     time.sleep(0.15)
     answers: dict[str, dict] = {}
     with ThreadPoolExecutor(8) as pool:

@@ -88,13 +88,14 @@ def freeze_inside_write_transaction(server, lock: SQLiteWriteLock, inside, until
     returns True with the server frozen inside its transaction, or thaws it and keeps polling. Returns
     False (server running) once ``until`` is done, e.g. the request finished before it could be caught.
     """
+    # Hang guard, not a tolerance: the write lock is taken within a second of the stream starting; `seconds` (60)
+    # only ends a failing run.
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if until.done():
             return False
         if lock.held():
-            server.freeze()
-            time.sleep(0.02)  # SIGSTOP is asynchronous: let every thread stop
+            server.freeze()  # returns once every thread has stopped
             if lock.held() and inside():
                 return True
             server.thaw()

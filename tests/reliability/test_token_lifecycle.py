@@ -3,23 +3,24 @@ a gunicorn with 4 workers serves; a revoked token refused by every worker within
 tokens from one address throttled (429 with Retry-After) and logged once, across the 4 workers.
 
 Which worker answered each request is read from gunicorn's access log (``%(p)s``, the worker's pid);
-every request goes over a new connection, so the workers take turns.
+every request goes over a new connection, several at a time, so every worker gets some.
 """
 
 from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import requests
+import sqlalchemy as sa
 
-from service.auth import TOKEN_CACHE_SECONDS
+from service.auth import TOKEN_CACHE_SECONDS, hash_token
+from service.models import Token, utcnow
 from tests.reliability.conftest import PYTHON
 from tests.service.conftest import ADMIN_TOKEN
-
-#: A rotated token's grace period in the rotation test: long enough for a CLI process to exit on a loaded machine.
-GRACE_SECONDS = 10
 
 WORKERS = 4
 LIST_URL = "/api/v1/experiments"
@@ -47,17 +48,25 @@ def access_log_entries(server) -> list[tuple[int, str, int]]:
 
 
 def request_until_every_worker_answered(server, token: str, expected_status: int, minimum: int = 40) -> None:
-    """Send requests over new connections until each of the workers has answered one with
-    ``expected_status`` (and at least ``minimum`` were sent); every answer must have that status."""
+    """Send requests, 8 at a time and each over a new connection, until each of the workers has
+    answered one with ``expected_status`` (and at least ``minimum`` were sent); every answer must have
+    that status. A sync worker answers one request at a time, so concurrent requests spread over the
+    workers, where requests sent one at a time could all be taken by the same worker (seen in CI)."""
     seen_before = len(access_log_entries(server))
-    for sent in range(1, 2000):
-        response = requests.get(f"{server.url}{LIST_URL}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
-        assert response.status_code == expected_status, (sent, response.status_code, response.text)
-        if sent >= minimum and sent % 20 == 0:
-            time.sleep(0.2)  # gunicorn writes the access log after the response
-            entries = access_log_entries(server)[seen_before:]
-            if len({pid for pid, path, status in entries if path == LIST_URL and status == expected_status}) == WORKERS:
-                return
+
+    def ask(_) -> requests.Response:
+        return requests.get(f"{server.url}{LIST_URL}", headers={"Authorization": f"Bearer {token}"}, timeout=30)
+
+    with ThreadPoolExecutor(8) as pool:
+        for batch in range(1, 250):  # up to 2,000 requests
+            for response in pool.map(ask, range(8)):
+                assert response.status_code == expected_status, (batch, response.status_code, response.text)
+            if batch * 8 >= minimum:
+                # Not a bound: a line not written yet is seen at the next check, 8 requests later.
+                time.sleep(0.05)  # gunicorn writes the access log after the response
+                entries = access_log_entries(server)[seen_before:]
+                if len({pid for pid, path, status in entries if path == LIST_URL and status == expected_status}) == WORKERS:
+                    return
     raise AssertionError(f"not every one of the {WORKERS} workers answered {expected_status}")
 
 
@@ -73,28 +82,44 @@ def test_a_revoked_token_is_refused_by_every_worker_within_one_second(database_u
 
     revoked = pasto_tokens(database_url, "revoke", token_id)  # committed when the command has returned
     assert f"revoked token {token_id}" in revoked.stdout
+    # A lower bound: every cached copy was made before the revoke committed, so all have expired after
+    # TOKEN_CACHE_SECONDS; a loaded machine only sleeps longer (the test's 'within one second' is this).
     time.sleep(TOKEN_CACHE_SECONDS)
     request_until_every_worker_answered(server, token, 401)
     assert pasto_tokens(database_url, "list").stdout.splitlines()[1].split()[-1] == "revoked"
 
 
 def test_rotation_and_expiry_on_a_running_server(database_url, service_processes):
+    """The old token works beside the new one during its grace period and is refused by every worker
+    once the grace has ended. The grace is an hour, so the "still works" requests run inside it however
+    loaded the machine is (a 10 s grace was overrun by a 13.5 s CLI run in a loaded suite); the test
+    checks that the rotation set its end an hour after the rotation, then brings that end forward in
+    the database, which is what waiting the hour would do, and needs no wall-clock tolerance."""
     server = service_processes.gunicorn(database_url, workers=WORKERS)
     old = pasto_tokens(database_url, "create", "--role", "ingest", "--name", "recommender",
-                       "--expires-in", "1h").stdout.strip()
-    # The grace period starts when the rotation commits, before the CLI process has even exited; on a
-    # loaded 2-core machine that exit alone took over 2 s (a 2 s grace failed here), so the grace is
-    # GRACE_SECONDS and the test checks that its "still works" requests really ran inside it.
-    rotated_at = time.monotonic()
-    rotated = pasto_tokens(database_url, "rotate", "recommender", "--grace", f"{GRACE_SECONDS}s")
-    returned_at = time.monotonic()  # the grace period ends at most GRACE_SECONDS after this
+                       "--expires-in", "2h").stdout.strip()
+    before = utcnow()
+    rotated = pasto_tokens(database_url, "rotate", "recommender", "--grace", "1h")
+    after = utcnow()
     new = rotated.stdout.strip()
     assert new and new != old and "expires at" in rotated.stderr
     for token in (old, new):  # the old one works during its grace period
         assert requests.get(f"{server.url}{LIST_URL}", headers={"Authorization": f"Bearer {token}"},
                             timeout=30).status_code == 200
-    assert time.monotonic() - rotated_at < GRACE_SECONDS
-    time.sleep(max(0.0, GRACE_SECONDS - (time.monotonic() - returned_at)) + TOKEN_CACHE_SECONDS)
+    engine = sa.create_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            grace_end = connection.execute(sa.select(Token.expires_at).where(Token.token_hash == hash_token(old))
+                                           ).scalar_one()
+            # Datetimes are stored to the microsecond on PostgreSQL and SQLite alike.
+            assert before + timedelta(hours=1) <= grace_end <= after + timedelta(hours=1), (before, grace_end, after)
+            connection.execute(sa.update(Token).where(Token.token_hash == hash_token(old))
+                               .values(expires_at=utcnow() - timedelta(seconds=1)))
+    finally:
+        engine.dispose()
+    # A lower bound: the workers' cached copies were made before the grace ended; a loaded machine
+    # only sleeps longer.
+    time.sleep(TOKEN_CACHE_SECONDS)
     request_until_every_worker_answered(server, old, 401, minimum=20)
     request_until_every_worker_answered(server, new, 200, minimum=20)
     rows = pasto_tokens(database_url, "list").stdout.splitlines()[1:]

@@ -33,6 +33,7 @@ ROUTES = [
     ("GET", "/api/v1/experiments/setup-a/rounds", "read", None),
     ("POST", "/api/v1/experiments/setup-a/rounds", "admin", None),
     ("GET", "/api/v1/experiments/setup-a/diagnostics", "read", None),
+    ("GET", "/api/v1/experiments/setup-a/events", "read", None),
     ("POST", "/api/v1/experiments/setup-a/pause", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/resume", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/stop", "admin", None),

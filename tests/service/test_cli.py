@@ -21,6 +21,7 @@ PASTO = [sys.executable, "-m", "pasto.cli"]
 
 
 def wait_for(url: str, process: subprocess.Popen, deadline_seconds: float = 60) -> requests.Response:
+    # Hang guard, not a tolerance: a server answers in 1-3 s on a loaded machine; 60 s only ends a failing run.
     deadline = time.monotonic() + deadline_seconds
     while True:
         assert process.poll() is None, process.communicate()
@@ -79,6 +80,7 @@ def test_migrate_create_token_serve_and_work(tmp_path, monkeypatch, capsys):
 
         worker = subprocess.Popen([*PASTO, "worker"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
+        # Hang guard, not a tolerance: the worker closes two 1 s rounds in ~2 s; 60 s only ends a failing run.
         deadline = time.monotonic() + 60
         while requests.get(f"{base}/api/v1/experiments/cli", headers={"Authorization": f"Bearer {token}"},
                            timeout=10).json()["round"]["index"] < 2:
@@ -209,6 +211,8 @@ def test_serve_watching_stdin_stops_cleanly(tmp_path, how):
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(f"http://127.0.0.1:{port}/healthz", server)
+        # A negative check watches for a while: a server that took its open stdin for an end of file stops
+        # within milliseconds, so 1 s catches it even under load; a longer watch would only slow the test.
         time.sleep(1.0)
         assert server.poll() is None, "the server stopped while its stdin was still open"
         if how == "stdin closed":
@@ -245,6 +249,7 @@ def test_repeated_sigterm_during_shutdown_still_exits_0(tmp_path, command):
                                    stdin=subprocess.DEVNULL)
     ready = "pasto worker: closing due rounds" if command == "worker" else "pasto: serving on"
     try:
+        # Hang guard, not a tolerance: the process logs that it is ready within seconds.
         deadline = time.monotonic() + 60
         while ready not in log_path.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()

@@ -76,6 +76,8 @@ def start_demo_and_find_its_server(tmp_path: Path, port: int) -> tuple[subproces
     with open(output, "w") as sink:
         demo = subprocess.Popen(demo_command(tmp_path, port, rounds=1000, sessions_per_second=50),
                                 stdout=sink, stderr=subprocess.STDOUT)
+    # Hang guard, not a tolerance: the demo starts in 5-36 s (36 s on a fresh clone); 120 s only ends a failing
+    # run.
     deadline = time.monotonic() + 120
     while "Press Ctrl-C to stop." not in output.read_text():
         if demo.poll() is not None or time.monotonic() > deadline:
@@ -90,6 +92,7 @@ def start_demo_and_find_its_server(tmp_path: Path, port: int) -> tuple[subproces
 
 def wait_for_child(pid: int, seconds: float) -> int:
     """The wait status of child ``pid``; killed (and the test failed) if it outlives ``seconds``."""
+    # Hang guard, not a tolerance: callers allow 60 s for an exit that takes about a second.
     deadline = time.monotonic() + seconds
     while True:
         finished, status = os.waitpid(pid, os.WNOHANG)
@@ -282,6 +285,8 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
                               stderr=subprocess.STDOUT, text=True)
     try:
         with Client(f"http://127.0.0.1:{port}", tokens["read"], timeout=10) as reader:
+            # Hang guard, not a tolerance: WINDOW_ROUNDS rounds of the demo take about a minute; rounds missed by
+            # a slow poll are not required (any WINDOW_ROUNDS rounds do), so load only makes the window later.
             deadline = time.monotonic() + 180
             by_round: dict[int, tuple[dict, list[float]]] = {}
             while time.monotonic() < deadline and second.poll() is None and len(by_round) < WINDOW_ROUNDS:
@@ -398,6 +403,7 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
             os._exit(127)
     shown = b""
     try:
+        # Hang guard, not a tolerance: the first round line shows within seconds of the start.
         deadline = time.monotonic() + 120
         while b"round    1:" not in shown:
             assert time.monotonic() < deadline, shown.decode(errors="replace")
@@ -415,3 +421,4 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, stderr_path.read_text()
     assert "Traceback" not in stderr_path.read_text()
     assert port_is_closed(port)
+

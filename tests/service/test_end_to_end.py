@@ -109,6 +109,8 @@ def test_scheduled_one_second_rounds_reach_the_optimum(sqlite_url, serve, admin_
         create_setup_a(base_url, admin_token, round_seconds=1)
         traffic = Traffic(base_url, admin_token, seed=2)
         last_round = -1
+        # Hang guard, not a tolerance: 20 one-second rounds take ~21 s; 90 s lets a loaded machine run the rounds
+        # 4x slower.
         deadline = time.monotonic() + 90
         while last_round < 20:
             assert time.monotonic() < deadline, f"the scheduler stopped advancing rounds at {last_round}"

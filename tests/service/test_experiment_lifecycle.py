@@ -66,6 +66,8 @@ def test_archive_stops_hides_and_keeps_assigning_the_deployed_mixture(lifecycle,
     body = archived.get_json()
     assert body["status"] == "stopped" and body["archived_at"] is not None
     assert api("POST", f"{API}/put-away/archive").get_json()["archived_at"] == body["archived_at"]  # idempotent
+    kinds = [event["kind"] for event in api("GET", f"{API}/put-away/events", role="read").get_json()["events"]]
+    assert kinds == ["created", "stopped"]  # the stop archiving made, once
     assert api("GET", f"{API}/kept", role="read").get_json()["archived_at"] is None
 
     listed = api("GET", API, role="read").get_json()["experiments"]
@@ -108,6 +110,7 @@ def test_delete_removes_every_row_in_one_go_and_only_once_archived(lifecycle, se
     refused = api("DELETE", f"{API}/gone")
     assert refused.status_code == 409 and "archive it" in refused.get_json()["error"]["message"]
     assert api("POST", f"{API}/gone/archive").status_code == 200
+    before = row_counts(app, gone)  # archiving records a stop among the experiment's events
     assert api("DELETE", f"{API}/gone", role="read").status_code == 403
     deleted = api("DELETE", f"{API}/gone")
     assert deleted.status_code == 200, deleted.get_json()

@@ -115,6 +115,7 @@ def test_pasto_serve_writes_the_queue_when_it_stops(tmp_path, setup_a, admin_tok
     url = f"http://127.0.0.1:{port}/api/v1/experiments"
     headers = {"Authorization": f"Bearer {admin_token}"}
     try:
+        # Hang guard, not a tolerance: the server answers within seconds.
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, (tmp_path / "server.log").read_text()

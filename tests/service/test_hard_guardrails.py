@@ -51,7 +51,8 @@ def test_unknown_baseline_is_422(api, setup_a):
 
 
 @pytest.mark.parametrize("algorithm, fragment", [
-    ({"serving": "safe", "estimator": "ips"}, "estimator='pooled'"),
+    ({"change_level": 1.0}, "change_level"),
+    ({"change_every": 0}, "change_every"),
     ({"serving": "safe", "serving_level": 1.5}, "serving_level"),
     ({"serving": "greedy"}, "serving"),
 ])
@@ -61,6 +62,20 @@ def test_invalid_serving_options_are_422(api, setup_a, algorithm, fragment):
     detail = response.get_json()["error"]["details"][0]
     assert detail["location"] == "algorithm"
     assert fragment in detail["message"]
+
+
+@pytest.mark.parametrize("estimator", ["ips", "control_variate"])
+def test_a_configuration_overriding_the_estimator_serves_safely_by_default(api, setup_a, estimator):
+    """Safe serving is the default and takes its bounds from its own pooled statistics, so an
+    experiment that overrides the estimator is created and its rounds close."""
+    response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, estimator=estimator))
+    assert response.status_code == 201, response.get_json()
+    assert response.get_json()["algorithm"]["serving"] == "safe"
+    assert response.get_json()["algorithm"]["estimator"] == estimator
+    for _ in range(3):
+        assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    probabilities = api("GET", "/api/v1/experiments/setup-a").get_json()["probabilities"]
+    assert sum(probabilities) == pytest.approx(1.0)
 
 
 def test_hard_guardrail_type_errors_name_the_field(api, setup_a):

@@ -133,6 +133,7 @@ def test_concurrent_writers_with_resent_ids_count_each_observation_once(backend_
     for thread in threads:
         thread.start()
     for thread in threads:
+        # Hang guard, not a tolerance: the concurrent batches take a few seconds under load.
         thread.join(timeout=120)
     assert errors == []
     assert sum(accepted) == 800

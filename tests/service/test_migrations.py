@@ -13,6 +13,10 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
+#: Tables of revisions after 0006 (0007 statistics batches, 0010 deleted experiments, 0011 experiment events): gone whenever the
+#: round trip below downgrades to 0005 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "deleted_experiments", "experiment_events"}  # 0007, 0010, 0011
+TABLES_AFTER_0007 = TABLES_AFTER_0006 - {"statistics_batches"}
 
 
 def _tables(url: str) -> set[str]:
@@ -23,8 +27,6 @@ def _tables(url: str) -> set[str]:
         engine.dispose()
 
 
-LIFECYCLE_TABLES = {"deleted_experiments"}  # migration 0010
-SINCE_0006 = {"statistics_batches", *LIFECYCLE_TABLES}  # migrations 0007 and 0010
 
 
 def _check_experiment_lifecycle_round_trip(url: str) -> None:
@@ -46,7 +48,7 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0007")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - LIFECYCLE_TABLES
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0007
         assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
         with engine.begin() as connection:
             assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
@@ -73,7 +75,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", *SINCE_0006}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures"}
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -103,7 +105,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - SINCE_0006
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006
         assert "pruned_rounds" not in [column["name"] for column in inspector.get_columns("experiments")]
         assert inspector.get_indexes("observation_ids") == []
     finally:
@@ -112,7 +114,7 @@ def _check_round_trip(url: str) -> None:
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "late_statistics", *SINCE_0006}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "late_statistics"}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -126,8 +128,8 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - {"auth_failures", "pooled_statistics", "late_statistics",
-                                                  *SINCE_0006}
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "pooled_statistics",
+                                                                      "late_statistics"}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
         assert inspector.get_indexes("round_statistics") == []
@@ -283,5 +285,30 @@ def test_the_stored_algorithm_loses_its_preset_key(backend, request):
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
         migrations.downgrade(url, BEFORE_WITHOUT_PRESET)
         assert algorithms() == {name: {"metrics": ["x"], "algorithm": resolved} for name in ("old", "new")}
+    finally:
+        engine.dispose()
+
+
+def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url):
+    """0011: every experiment present at the upgrade gets a ``created`` event in round 0 at its
+    ``created_at``; the downgrade drops the table."""
+    migrations.upgrade(sqlite_url, "0006")
+    engine = sa.create_engine(sqlite_url)
+    try:
+        with engine.begin() as connection:
+            for name in ("first", "second"):
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, version, "
+                    "created_at, updated_at) VALUES (:name, '{}', 'running', 1, 4, 4, '{}', 1, "
+                    "'2026-01-02 03:04:05', '2026-01-02 03:04:05')"), {"name": name})
+        migrations.upgrade(sqlite_url, "0011")
+        with engine.connect() as connection:
+            rows = connection.execute(sa.text(
+                "SELECT e.name, v.kind, v.round_index, v.at, v.details FROM experiment_events v "
+                "JOIN experiments e ON e.id = v.experiment_id ORDER BY v.id")).all()
+        assert [tuple(row) for row in rows] == [("first", "created", 0, "2026-01-02 03:04:05", None),
+                                                ("second", "created", 0, "2026-01-02 03:04:05", None)]
+        migrations.downgrade(sqlite_url, "0006")
+        assert "experiment_events" not in _tables(sqlite_url)
     finally:
         engine.dispose()

@@ -65,6 +65,7 @@ def test_two_threads_closing_the_same_round_apply_one_update(backend_api, setup_
     for thread in threads:
         thread.start()
     for thread in threads:
+        # Hang guard, not a tolerance: the racing closes take milliseconds.
         thread.join(timeout=60)
     assert sorted(result is None for result in results) == [False, True]
     assert len(calls) == 1

@@ -86,6 +86,14 @@ def test_plain_insert_returns_every_row_or_refuses_as_a_whole(database):
     assert insert_ids(database, [*new, "zz"], expect_new=False) == new
 
 
+def waiting_for_a_lock(engine: sa.Engine) -> bool:
+    """Whether a backend of this database (other than the asking one) waits for a heavyweight lock."""
+    with engine.connect() as connection:
+        return connection.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND wait_event_type = 'Lock'")).scalar_one() > 0
+
+
 @pytest.mark.postgres
 @pytest.mark.parametrize("first_commits", [True, False])
 def test_plain_insert_waits_for_a_concurrent_writer_of_the_same_id(postgres_url, first_commits):
@@ -111,7 +119,14 @@ def test_plain_insert_waits_for_a_concurrent_writer_of_the_same_id(postgres_url,
 
         second = threading.Thread(target=second_writer)
         second.start()
-        time.sleep(0.5)
+        # Wait until PostgreSQL reports the second insert waiting for the first transaction's lock (a
+        # fixed sleep let the first commit before the second had even started on a loaded machine,
+        # which tested no wait at all). 30 s is a hang guard: it takes milliseconds.
+        deadline = time.monotonic() + 30
+        while not waiting_for_a_lock(engine):
+            assert second.is_alive() and time.monotonic() < deadline, \
+                "the second insert never waited for the uncommitted row"
+            time.sleep(0.01)
         assert second.is_alive()  # blocked on the uncommitted "shared"
         if first_commits:
             first_transaction.commit()

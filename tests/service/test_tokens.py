@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import pytest
 
+from service import auth
 from service.auth import TOKEN_CACHE_SECONDS, admin_token_weakness, create_token, revoke_tokens, rotate_token
 from service.cli import _duration
 from service.db import get_db
@@ -23,16 +25,43 @@ def status(client, token: str) -> int:
     return client.get(LIST, headers={"Authorization": f"Bearer {token}"}).status_code
 
 
-def test_an_expiring_token_is_refused_from_its_expiry_on(app):
+class Clock:
+    """The two clocks ``service.auth`` reads (wall clock for expiry, monotonic for its cache), moved by
+    the test: an expiry 0.5 s away is then 0.5 s away however slow the machine is (with real clocks,
+    a request delayed past it on a loaded machine failed the "still valid" check)."""
+
+    def __init__(self) -> None:
+        self.wall = datetime(2026, 1, 1, tzinfo=timezone.utc)
+        self.elapsed = 0.0
+
+    def utcnow(self) -> datetime:
+        return self.wall + timedelta(seconds=self.elapsed)
+
+    def monotonic(self) -> float:
+        return self.elapsed
+
+    def advance(self, seconds: float) -> None:
+        self.elapsed += seconds
+
+
+def test_an_expiring_token_is_refused_from_its_expiry_on(app, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(auth, "utcnow", clock.utcnow)
+    monkeypatch.setattr(auth, "time", SimpleNamespace(monotonic=clock.monotonic))
     with get_db(app).write() as session:
         token = create_token(session, "read", "short-lived", expires_in=0.5)
     client = app.test_client()
+    assert status(client, token) == 200  # cached now, for less than the default second: until the expiry
+    clock.advance(0.499)
     assert status(client, token) == 200
-    time.sleep(0.6)  # past the expiry: the cache never outlives it
+    clock.advance(0.001)  # at the expiry: the cache never outlives it
     assert status(client, token) == 401
 
 
-def test_revocation_bites_within_the_token_cache_time_and_rotation_keeps_role_and_name(app):
+def test_revocation_bites_within_the_token_cache_time_and_rotation_keeps_role_and_name(app, monkeypatch):
+    clock = Clock()  # the cache's second passes at once, and exactly
+    monkeypatch.setattr(auth, "utcnow", clock.utcnow)
+    monkeypatch.setattr(auth, "time", SimpleNamespace(monotonic=clock.monotonic))
     with get_db(app).write() as session:
         token = create_token(session, "ingest", "recommender")
         other = create_token(session, "read", "dashboard")
@@ -41,7 +70,7 @@ def test_revocation_bites_within_the_token_cache_time_and_rotation_keeps_role_an
     with get_db(app).write() as session:
         new, old = rotate_token(session, "recommender")
     assert old.revoked_at is not None
-    time.sleep(TOKEN_CACHE_SECONDS)
+    clock.advance(TOKEN_CACHE_SECONDS)
     assert status(client, token) == 401 and status(client, new) == 200 and status(client, other) == 200
     assert client.post("/api/v1/experiments/x/assign", json={"unit": "u"},
                        headers={"Authorization": f"Bearer {new}"}).status_code == 404  # ingest role kept
@@ -50,7 +79,7 @@ def test_revocation_bites_within_the_token_cache_time_and_rotation_keeps_role_an
         assert revoked.name == "dashboard"
     with get_db(app).write() as session, pytest.raises(LookupError, match="No usable token"):
         revoke_tokens(session, "dashboard")  # already revoked
-    time.sleep(TOKEN_CACHE_SECONDS)
+    clock.advance(TOKEN_CACHE_SECONDS)
     assert status(client, other) == 401
 
 

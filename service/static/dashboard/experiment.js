@@ -3,8 +3,8 @@ import {
   OTHER_COLOUR, PALETTE, apiGet, badge, element, formatInteger, formatNumber, formatPercent, poll, withAlpha,
 } from "./pasto.js";
 import {
-  armEstimates, armSamples, cumulativeRegret, deployedBars, guardrailSeries, guardrailSummary, guardrailVerdict, hasData, mixtureSeries,
-  objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
+  armEstimates, armSamples, cumulativeRegret, deployedBars, eventMarkers, guardrailSeries, guardrailSummary, guardrailVerdict, hasData,
+  mixtureSeries, objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
 } from "./model.js";
 
 const name = document.getElementById("experiment").dataset.name;
@@ -57,10 +57,75 @@ const LINE_LEGEND = {
 
 const charts = {};
 
-// Creates the chart on first use; afterwards swaps its data in place, so polling does not flicker.
+// The markers every round-axis chart draws (eventMarkers of model.js), set by render().
+let markers = [];
+const MARKER_COLOUR = "#6a3d9a";
+
+// Pauses, resumes, stops and controller restarts as labelled vertical lines at the round they happened
+// in. Hovering near one names what happened, and when, in the canvas's tooltip (its title).
+const eventMarkerPlugin = {
+  id: "eventMarkers",
+  afterDatasetsDraw(chart, _args, options) {
+    const { ctx, chartArea, scales: { x } } = chart;
+    ctx.save();
+    ctx.strokeStyle = MARKER_COLOUR;
+    ctx.fillStyle = MARKER_COLOUR;
+    ctx.lineWidth = 1.5;
+    ctx.setLineDash([4, 3]);
+    ctx.font = `11px ${Chart.defaults.font.family}`;
+    ctx.textBaseline = "top";
+    // Right edge of the last label on each text row: a label that would overlap one goes a row lower.
+    const rowEnds = [];
+    for (const marker of options.markers ?? []) {
+      const position = x.getPixelForValue(marker.round);
+      if (position < chartArea.left - 1 || position > chartArea.right + 1) continue;
+      ctx.beginPath();
+      ctx.moveTo(position, chartArea.top);
+      ctx.lineTo(position, chartArea.bottom);
+      ctx.stroke();
+      // The label goes to the line's left when it would run past the chart's right edge.
+      const width = ctx.measureText(marker.label).width;
+      const left = position + 3 + width > chartArea.right ? position - 3 - width : position + 3;
+      let row = rowEnds.findIndex((end) => left > end + 4);
+      if (row < 0) row = rowEnds.length;
+      rowEnds[row] = left + width;
+      ctx.fillText(marker.label, left, chartArea.top + 2 + 13 * row);
+    }
+    ctx.restore();
+  },
+  afterEvent(chart, args, options) {
+    const { event } = args;
+    if (event.type !== "mousemove" && event.type !== "mouseout") return;
+    const x = chart.scales.x;
+    const near = event.type === "mousemove"
+      ? (options.markers ?? []).find((marker) => Math.abs(x.getPixelForValue(marker.round) - event.x) <= 5)
+      : undefined;
+    const title = near ? near.description : "";
+    if (chart.canvas.title !== title) chart.canvas.title = title;
+  },
+};
+
+function markerFooter(items) {
+  const round = items.length ? items[0].parsed.x : null;
+  return markers.find((marker) => marker.round === round)?.description ?? "";
+}
+
+// Creates the chart on first use; afterwards swaps its data and options in place, so polling does not
+// flicker and the round axis follows new rounds. Round-axis charts (a linear x) get the event markers.
 function drawChart(id, config) {
+  if (config.options?.scales?.x?.type === "linear") {
+    config.plugins = [eventMarkerPlugin];
+    const tooltip = config.options.plugins?.tooltip ?? {};
+    config.options.plugins = {
+      ...config.options.plugins,
+      eventMarkers: { markers },
+      // The tooltip of a round with events ends with what happened in it.
+      tooltip: { ...tooltip, callbacks: { ...tooltip.callbacks, footer: markerFooter } },
+    };
+  }
   if (charts[id]) {
     charts[id].data = config.data;
+    charts[id].options = config.options;
     charts[id].update("none");
   } else {
     charts[id] = new Chart(document.getElementById(id), config);
@@ -390,10 +455,18 @@ function shownRounds(rounds) {
   return shown;
 }
 
+function drawEventNote(shownMarkers) {
+  document.getElementById("event-note").textContent = shownMarkers.length
+    ? `Marked on the charts: ${shownMarkers.map((marker) => `round ${formatInteger(marker.round)} ${marker.label}`).join("; ")}.`
+    : "";
+}
+
 function render() {
   if (!latest) return;
-  const { experiment, rounds, diagnostics } = latest;
+  const { experiment, rounds, diagnostics, events } = latest;
   const shown = shownRounds(rounds);
+  markers = eventMarkers(events, shown);
+  drawEventNote(markers);
   const colourOf = drawMixture(experiment, shown);
   drawDeployed(experiment, colourOf);
   drawObjective(shown);
@@ -423,15 +496,31 @@ async function roundsFrom(since) {
   return rounds;
 }
 
+// The experiment's events (pauses, restarts, ...), fetched incrementally: events never change, so a
+// poll asks only for those after the last one it has, following next_since to the end.
+let events = [];
+
+async function eventsAfter(known) {
+  const fresh = [];
+  let cursor = known.length ? known[known.length - 1].id + 1 : 0;
+  while (cursor !== null && cursor !== undefined) {
+    const page = await apiGet(`${path}/events?since=${cursor}`);
+    fresh.push(...page.events);
+    cursor = page.next_since;
+  }
+  return known.concat(fresh);
+}
+
 async function refresh() {
-  const [experiment, diagnostics] = await Promise.all([apiGet(path), apiGet(`${path}/diagnostics`)]);
+  const [experiment, diagnostics, allEvents] = await Promise.all([apiGet(path), apiGet(`${path}/diagnostics`), eventsAfter(events)]);
+  events = allEvents;
   let since = history.rounds.findIndex((entry) => entry.applied_at === null || entry.best_mixture === null);
   if (since < 0) since = history.rounds.length;
   if (diagnostics.late_observations !== history.late) since = 0;
   const fresh = await roundsFrom(since);
   const rounds = history.rounds.slice(0, since).concat(fresh);
   history = { rounds, late: diagnostics.late_observations };
-  latest = { experiment, rounds, diagnostics };
+  latest = { experiment, rounds, diagnostics, events };
   render();
 }
 

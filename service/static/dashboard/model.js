@@ -174,3 +174,29 @@ export function armSamples(experiment, rounds) {
   for (const round of rounds) round.counts.forEach((count, arm) => { samples[arm] += count; });
   return samples;
 }
+
+// What each event kind is called on the charts (GET .../events; "created" is where the axis starts,
+// so it is not marked).
+const EVENT_NAMES = {
+  paused: "paused", resumed: "resumed", stopped: "stopped", controller_started: "controller restarted",
+};
+
+// Markers for the round axis: one per round with events, in round order, for the rounds shown.
+// Each: { round, label: "paused, resumed", description: "Round 4: paused at 10:02:11 UTC; ..." }.
+export function eventMarkers(events, rounds) {
+  if (!rounds.length) return [];
+  const first = rounds[0].index;
+  const last = rounds[rounds.length - 1].index;
+  const byRound = new Map();
+  for (const event of events) {
+    const name = EVENT_NAMES[event.kind];
+    if (!name || event.round < first || event.round > last) continue;
+    if (!byRound.has(event.round)) byRound.set(event.round, []);
+    byRound.get(event.round).push({ name, at: event.at });
+  }
+  return [...byRound.entries()].sort(([a], [b]) => a - b).map(([round, happened]) => ({
+    round,
+    label: [...new Set(happened.map((entry) => entry.name))].join(", "),
+    description: `Round ${round}: ${happened.map((entry) => `${entry.name} at ${entry.at.replace("T", " ").replace(/\.\d+/, "").replace("Z", " UTC")}`).join("; ")}`,
+  }));
+}
