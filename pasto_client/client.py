@@ -156,6 +156,7 @@ class Client:
         settle_seconds: float = 0.0,
         algorithm: Mapping[str, Any] | None = None,
         seed: int | None = None,
+        source: Mapping[str, Any] | None = None,
     ) -> dict:
         """``POST /api/v1/experiments`` (admin): create an experiment and return it.
 
@@ -177,6 +178,9 @@ class Client:
             ``{"preset": "paper" | "default", **overrides}``.
         seed : int, optional
             Hash seed; the server draws one otherwise.
+        source : dict, optional
+            A warehouse-native metric source (docs/scaling.md): the scheduler queries it at each
+            round's close and update. Secrets by environment-variable name only.
         """
         body: dict[str, Any] = {
             "name": name,
@@ -190,6 +194,8 @@ class Client:
             body["algorithm"] = dict(algorithm)
         if seed is not None:
             body["seed"] = seed
+        if source is not None:
+            body["source"] = dict(source)
         return self.request("POST", f"{API_PREFIX}/experiments", json=body)
 
     def list_experiments(self, archived: bool = False) -> list[dict]:

@@ -208,6 +208,64 @@ class ArmRoundCount(Base):
     late_observations: Mapped[int] = mapped_column(sa.BigInteger)
 
 
+class SourceCell(Base):
+    """What the experiment's metric source last returned for one (round, arm, metric): the part of
+    :class:`RoundStatistic` that came from the source (``service.controller.sources``).
+
+    A re-run of a round's query replaces these rows and adds the difference to the round's
+    :class:`RoundStatistic` row (and to :class:`LateStatistic` once the round's update has run), so a
+    value is counted once however often the round is restated. Unsegmented."""
+
+    __tablename__ = "source_cells"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class SourceUnits(Base):
+    """What the metric source last returned per (round, arm): distinct units with an event, and the
+    values it counted (sum of the metric counts); the part of :class:`ArmRoundCount` from the source."""
+
+    __tablename__ = "source_units"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    units: Mapped[int] = mapped_column(sa.BigInteger)
+    observations: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class SourceStatus(Base):
+    """The state of an experiment's metric source.
+
+    ``error`` is the sentence of the failure of the latest attempt (None once one succeeds),
+    ``error_since`` when the current run of failures began, ``errors_total`` every failed attempt
+    ever (the Prometheus counter ``pasto_source_errors_total``). ``fetch_started_at`` is when the
+    query of the newest applied result began: a result from a query that began earlier (another
+    scheduler's, slower) is not applied over it."""
+
+    __tablename__ = "source_status"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    error: Mapped[str | None] = mapped_column(sa.Text)
+    error_since: Mapped[datetime | None]
+    last_error_at: Mapped[datetime | None]
+    errors_total: Mapped[int] = mapped_column(sa.BigInteger)
+    fetch_started_at: Mapped[datetime | None]
+    fetched_at: Mapped[datetime | None]
+
+
 #: Text keys of the per-observation tables: byte order on PostgreSQL (SQLite always compares bytes).
 ByteOrderKey = sa.String(256).with_variant(sa.String(256, collation="C"), "postgresql")
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from flask import Flask, Response, current_app, g, has_app_context, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
@@ -271,6 +271,14 @@ class ControllerCollector:
                              "Unix time of the latest change to the experiment's state.", "experiment")
         heartbeat = _gauge("pasto_scheduler_heartbeat_age_seconds",
                            "Seconds since the newest scheduler heartbeat (absent before the first one).")
+        # Stored in the database (source_status), so every worker reports every scheduler's failures.
+        source_errors = CounterMetricFamily(
+            "pasto_source_errors",
+            "Failed attempts to get a round's statistics from the experiment's metric source "
+            "(the round stays open until one succeeds).", labels=["experiment"])
+        source_failing = _gauge("pasto_source_failing",
+                                "1 while the experiment's metric source is failing (its latest attempt failed).",
+                                "experiment")
 
         now = utcnow()
         data = reports.controller_metrics(get_db(self.app))
@@ -327,10 +335,13 @@ class ControllerCollector:
 
         if last_beat is not None:
             heartbeat.add_metric([], max(0.0, (now - last_beat).total_seconds()))
+        for row in data.get("sources", ()):
+            source_errors.add_metric([row.name], float(row.errors_total))
+            source_failing.add_metric([row.name], float(row.error is not None))
 
         yield from (status, round_index, applied, arm_count, probability, other_probability, deployed,
                     other_deployed, objective, regret, margin, holds, holds_by_mixture,
-                    srm, srm_ok, observations, late, lag, last_update, heartbeat)
+                    srm, srm_ok, observations, late, lag, last_update, heartbeat, source_errors, source_failing)
 
 
 def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experiment: str,

@@ -39,6 +39,7 @@ _ERRORS = {
     "413": "The request body is larger than the server accepts.",
     "415": "The body is not JSON (Content-Type must be application/json).",
     "422": "The body is JSON but invalid; the message and details name the offending item.",
+    "502": "The experiment's metric source failed (code source_failed, with the source's sentence); nothing changed.",
 }
 
 _NAME_PARAMETER = {
@@ -95,7 +96,9 @@ def _paths() -> dict[str, Any]:
     return {
         "/healthz": {"get": _operation(
             "Database reachable, scheduler alive, schema version.", None,
-            {"200": _json(_ref("Health"), "Healthy."), "503": _json(_ref("Health"), "Database or schema not ready.")},
+            {"200": _json(_ref("Health"), "Healthy (status ok), or degraded: a running experiment's metric source "
+                                          "is failing (listed in sources)."),
+             "503": _json(_ref("Health"), "Database or schema not ready.")},
             path_name=False)},
         "/metrics": {"get": _operation(
             "Prometheus metrics (text exposition format).", "metrics",
@@ -144,7 +147,7 @@ def _paths() -> dict[str, Any]:
                     "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER]},
             "post": _operation(
                 "Close the current round now and run the update (optionally only if it is round {round}).",
-                "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409",),
+                "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409", "502"),
                 body={"type": "object", "additionalProperties": False,
                       "properties": {"round": {"type": "integer", "minimum": 0}}},
                 body_required=False),

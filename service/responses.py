@@ -73,6 +73,8 @@ class Experiment(_Response):
     updated_at: Timestamp
     archived_at: OptionalTimestamp = Field(
         None, description="When the experiment was archived (null: not archived). An archived experiment is stopped.")
+    source: dict[str, Any] | None = Field(
+        default=None, description="The metric source the experiment was created with (docs/scaling.md), or null.")
 
 
 class ExperimentList(_Response):
@@ -164,10 +166,22 @@ class RoundView(_Response):
                                   "(null for rounds stored before this was recorded).")
 
 
+class SourceErrorView(_Response):
+    """The experiment's metric source is failing: its rounds do not close until it answers again."""
+
+    message: str = Field(description="The source's sentence (the engine's own message kept in it).")
+    since: Timestamp = Field(description="The first failed attempt of this run of failures.")
+    last_failed_at: Timestamp
+    failures: int = Field(description="Failed attempts of the experiment's source, ever "
+                                      "(pasto_source_errors_total).")
+
+
 class RoundList(_Response):
     rounds: list[RoundView]
     next_since: int | None = Field(
         description="The `since` of the next page, or null when this page ends with the current round.")
+    source_error: SourceErrorView | None = Field(
+        default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
 
 
 class ExperimentEvent(_Response):
@@ -226,6 +240,8 @@ class Diagnostics(_Response):
     late_observations: int
     units: list[int]
     estimate: EstimateView
+    source_error: SourceErrorView | None = Field(
+        default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
 
 
 class HealthDatabase(_Response):
@@ -243,11 +259,21 @@ class HealthSchema(_Response):
     head: str
 
 
+class HealthSource(_Response):
+    experiment: str
+    message: str
+    since: Timestamp
+
+
 class Health(_Response):
-    status: Literal["ok", "unavailable"]
+    status: Literal["ok", "degraded", "unavailable"] = Field(
+        description="ok; degraded (HTTP 200: the service serves, but a running experiment's metric source "
+                    "is failing, see `sources`); unavailable (HTTP 503).")
     database: HealthDatabase
     scheduler: HealthScheduler
     schema_: HealthSchema = Field(alias="schema")
+    sources: list[HealthSource] = Field(
+        default_factory=list, description="Running experiments whose metric source is failing.")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 

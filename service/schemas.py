@@ -120,6 +120,10 @@ class ExperimentCreate(_Strict):
     settle_seconds: Annotated[Seconds, Field(ge=0)] = 0.0
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    #: A metric source (``service.sources.spec``): checked by ``parse_source`` at creation.
+    source: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = Field(
+        default=None, description="Warehouse-native metric source (docs/scaling.md): the scheduler queries it at "
+                                  "each round's update. Secrets by environment-variable name only.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentCreate:

@@ -33,6 +33,7 @@ from pasto.estimators import Statistics
 from .db import Database
 from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
                      ObservationId, PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat,
+                     SourceCell, SourceStatus, SourceUnits,
                      StatisticsBatch)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
@@ -785,6 +786,110 @@ def write_heartbeat(database: Database, name: str, now: datetime) -> None:
 
 def last_heartbeat(session: Session) -> datetime | None:
     return session.execute(sa.select(sa.func.max(SchedulerHeartbeat.beat_at))).scalar_one_or_none()
+
+
+# ------------------------------------------------------------------------------ metric sources
+def read_experiment(session: Session, experiment_id: int) -> sa.Row | None:
+    """``(name, status, config, round_index, applied_rounds)`` of the experiment without a lock (None: no
+    such experiment). Not its state, which is large at K = 10,000 and read on every scheduler tick."""
+    e = _experiments.c
+    return session.execute(sa.select(e.name, e.status, e.config, e.round_index, e.applied_rounds)
+                           .where(e.id == experiment_id)).one_or_none()
+
+
+def source_round(session: Session, experiment_id: int, round_index: int) -> tuple[dict, dict]:
+    """What the source last returned for a round: ``{(arm, metric): (count, sum, sum_of_squares)}`` and
+    ``{arm: (units, observations)}``."""
+    cells = {(row.arm_index, row.metric_index): (row.count, row.sum, row.sum_of_squares) for row in session.execute(
+        sa.select(SourceCell.arm_index, SourceCell.metric_index, SourceCell.count, SourceCell.sum,
+                  SourceCell.sum_of_squares)
+        .where(SourceCell.experiment_id == experiment_id, SourceCell.round_index == round_index))}
+    units = {row.arm_index: (row.units, row.observations) for row in session.execute(
+        sa.select(SourceUnits.arm_index, SourceUnits.units, SourceUnits.observations)
+        .where(SourceUnits.experiment_id == experiment_id, SourceUnits.round_index == round_index))}
+    return cells, units
+
+
+def replace_source_round(session: Session, experiment_id: int, round_index: int,
+                         cells: list[tuple[int, int, int, float, float]], units: list[tuple[int, int, int]]) -> None:
+    """Replace the source's rows of a round: ``cells`` ``(arm, metric, count, sum, sum_of_squares)`` and
+    ``units`` ``(arm, units, observations)``."""
+    session.execute(sa.delete(SourceCell).where(SourceCell.experiment_id == experiment_id,
+                                                SourceCell.round_index == round_index))
+    session.execute(sa.delete(SourceUnits).where(SourceUnits.experiment_id == experiment_id,
+                                                 SourceUnits.round_index == round_index))
+    if cells:
+        session.execute(sa.insert(SourceCell), [
+            {"experiment_id": experiment_id, "round_index": round_index, "arm_index": arm, "metric_index": metric,
+             "count": count, "sum": total, "sum_of_squares": squares}
+            for arm, metric, count, total, squares in cells])
+    if units:
+        session.execute(sa.insert(SourceUnits), [
+            {"experiment_id": experiment_id, "round_index": round_index, "arm_index": arm, "units": unit_count,
+             "observations": observations}
+            for arm, unit_count, observations in units])
+
+
+def add_source_counts(connection: sa.Connection, experiment_id: int,
+                      rows: list[tuple[int, int, int, int, int]]) -> None:
+    """Add ``(round_index, arm_index, observations, units, late_observations)`` differences to
+    ``arm_round_counts`` (rows sorted by key)."""
+    add_rows(connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
+             ("observations", "units", "late_observations"), [(experiment_id, *row) for row in rows])
+
+
+def source_fetch_started_at(session: Session, experiment_id: int) -> datetime | None:
+    """When the query of the source's newest applied result began (None: never)."""
+    return session.execute(sa.select(SourceStatus.fetch_started_at)
+                           .where(SourceStatus.experiment_id == experiment_id)).scalar_one_or_none()
+
+
+def source_error(session: Session, experiment_id: int) -> sa.Row | None:
+    """``(error, error_since, last_error_at, errors_total)`` of the experiment's source (None: it never
+    ran or failed)."""
+    return session.execute(
+        sa.select(SourceStatus.error, SourceStatus.error_since, SourceStatus.last_error_at,
+                  SourceStatus.errors_total).where(SourceStatus.experiment_id == experiment_id)
+    ).one_or_none()
+
+
+def record_source_success(database: Database, session: Session, experiment_id: int, started_at: datetime,
+                          now: datetime) -> None:
+    """The source's results of a query begun at ``started_at`` were applied: its error is cleared."""
+    insert = database.insert(SourceStatus)
+    session.execute(
+        insert.values(experiment_id=experiment_id, error=None, error_since=None, last_error_at=None, errors_total=0,
+                      fetch_started_at=started_at, fetched_at=now)
+        .on_conflict_do_update(index_elements=["experiment_id"], set_={
+            "error": None, "error_since": None, "fetch_started_at": started_at, "fetched_at": now})
+    )
+
+
+def record_source_failure(database: Database, experiment_id: int, message: str, now: datetime) -> None:
+    """A source query failed with ``message``: kept as the experiment's source error (since the first
+    failure of the current run), and counted."""
+    table = SourceStatus.__table__
+    insert = database.insert(SourceStatus)
+    with database.write() as session:
+        session.execute(
+            insert.values(experiment_id=experiment_id, error=message, error_since=now, last_error_at=now,
+                          errors_total=1, fetch_started_at=None, fetched_at=None)
+            .on_conflict_do_update(index_elements=["experiment_id"], set_={
+                "error": message, "last_error_at": now,
+                "error_since": sa.func.coalesce(table.c.error_since, now),
+                "errors_total": table.c.errors_total + 1})
+        )
+
+
+def source_statuses(session: Session) -> list[sa.Row]:
+    """``(experiment_id, name, status, error, error_since, last_error_at, errors_total)`` of every
+    experiment whose source has ever run or failed."""
+    return session.execute(
+        sa.select(SourceStatus.experiment_id, Experiment.name, Experiment.status, SourceStatus.error,
+                  SourceStatus.error_since, SourceStatus.last_error_at, SourceStatus.errors_total)
+        .join(Experiment, Experiment.id == SourceStatus.experiment_id)
+        .order_by(SourceStatus.experiment_id)
+    ).all()
 
 
 # ------------------------------------------------------------------------------ events

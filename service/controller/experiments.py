@@ -29,6 +29,30 @@ from ..db import get_db
 from ..errors import ApiError, invalid
 from ..models import utcnow
 from ..schemas import ExperimentCreate
+from ..sources import SourceError, parse_source
+
+
+def check_source(declaration: dict[str, Any], metrics: list[str]) -> dict[str, Any]:
+    """The metric source declaration as stored (unchanged), or a 422 with the problem's sentence.
+
+    A table mapping must map exactly the experiment's metrics: a metric it leaves out would get no
+    values from the source, and a name that is no metric is most likely a typo.
+    """
+    try:
+        source = parse_source(declaration)
+    except SourceError as error:
+        raise invalid("source", str(error)) from None
+    if source.mapping is not None:
+        mapped = [metric for metric, _ in source.mapping.events.metrics]
+        unknown = [metric for metric in mapped if metric not in metrics]
+        if unknown:
+            raise invalid("source", f"The metric source maps {unknown}, which are not metrics of the experiment "
+                                    f"{metrics}.")
+        missing = [metric for metric in metrics if metric not in mapped]
+        if missing:
+            raise invalid("source", f"The metric source's mapping.events.metrics does not map the experiment's "
+                                    f"metrics {missing}; map each metric to its column.")
+    return declaration
 
 
 def build_objective(metrics: list[str], spec: dict[str, Any], arm_names: list[str]) -> Objective:
@@ -76,6 +100,8 @@ def create(body: ExperimentCreate) -> Snapshot:
         "round_seconds": body.round_seconds,
         "settle_seconds": body.settle_seconds,
     }
+    if body.source is not None:
+        config["source"] = check_source(body.source, body.metrics)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         with get_db().write() as session:

@@ -80,6 +80,7 @@ class Diagnostics:
     units: np.ndarray  # (K,)
     late_observations: int
     srm: dict[str, Any]
+    source_error: dict[str, Any] | None = None  # see source_error_view
 
 
 def diagnostics(name: str) -> Diagnostics:
@@ -92,11 +93,12 @@ def diagnostics(name: str) -> Diagnostics:
         summaries = store.round_summaries(session, snapshot.id)
         units, late, srm = running_traffic(get_db(), session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
+        source_error = source_error_view(store.source_error(session, snapshot.id))
     state = ControllerState.from_dict(snapshot.state)
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
-                       units=units, late_observations=late, srm=srm)
+                       units=units, late_observations=late, srm=srm, source_error=source_error)
 
 
 def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
@@ -124,6 +126,20 @@ def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray
     return units, late, srm
 
 
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat().replace("+00:00", "Z")
+
+
+def source_error_view(row) -> dict[str, Any] | None:
+    """The failing metric source of an experiment as the API shows it (None: no source, or its latest
+    attempt succeeded): ``message`` (the source's sentence), ``since`` (first failure of this run),
+    ``last_failed_at`` and ``failures`` (every failed attempt of the experiment)."""
+    if row is None or row.error is None:
+        return None
+    return {"message": row.error, "since": _iso(row.error_since), "last_failed_at": _iso(row.last_error_at),
+            "failures": int(row.errors_total)}
+
+
 # ------------------------------------------------------------------------------ round history
 @dataclass(frozen=True)
 class RoundHistory:
@@ -133,6 +149,7 @@ class RoundHistory:
     units: np.ndarray  # (rounds, K) distinct units
     late: np.ndarray  # (rounds,)
     means: np.ndarray  # (rounds, M, K), nan where no data
+    source_error: dict[str, Any] | None = None  # see source_error_view
 
 
 def arm_count(name: str) -> int:
@@ -146,6 +163,7 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
     with get_db().read() as session:
         round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
+        source_error = source_error_view(store.source_error(session, snapshot.id))
     n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
     metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
     metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
@@ -166,7 +184,8 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     with np.errstate(invalid="ignore", divide="ignore"):
         means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
     return RoundHistory(snapshot=snapshot, rounds=list(round_rows),
-                        counts=observation_counts, units=unit_counts, late=late_counts, means=means)
+                        counts=observation_counts, units=unit_counts, late=late_counts, means=means,
+                        source_error=source_error)
 
 
 # ------------------------------------------------------------------------------ monitoring, health
@@ -312,6 +331,7 @@ def controller_metrics(database: Database) -> dict[str, Any]:
             cache.traffic.pop(gone, None)
         totals = store.round_totals(session, list(keys))
         last_beat = store.last_heartbeat(session)
+        sources = store.source_statuses(session)
         experiments, rounds, regret_sums, arm_names, traffic, stored = [], [], {}, {}, {}, {}
         round_units: dict[int, dict[int, float]] = {}
         observations: dict[int, int] = {}
@@ -342,7 +362,7 @@ def controller_metrics(database: Database) -> dict[str, Any]:
             running.update(session, row.id, round_units.get(row.id, {}), current)
             traffic[row.id] = (running.units, late.get(row.id, 0), running.srm)
     return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
-            "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat}
+            "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat, "sources": sources}
 
 
 _cache_lock = threading.Lock()
@@ -361,14 +381,22 @@ class HealthReport:
     head: str
     alive: bool
     last_heartbeat: datetime | None
+    #: ``(experiment, source error view)`` of every running experiment whose metric source is failing.
+    failing_sources: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
-def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None]:
-    """(schema revision, newest scheduler heartbeat or None)."""
+def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None, tuple]:
+    """(schema revision, newest scheduler heartbeat or None, failing metric sources)."""
     import migrations
 
     current = migrations.current_revision(database.engine)
-    return current, last_heartbeat(database) if current == head else None
+    if current != head:
+        return current, None, ()
+    with database.read() as session:
+        beat = store.last_heartbeat(session)
+        failing = tuple((row.name, source_error_view(row)) for row in store.source_statuses(session)
+                        if row.error is not None and row.status == "running")
+    return current, beat, failing
 
 
 class _HealthCheck:
@@ -405,7 +433,7 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
     with _checks_lock:
         checks = current_app.extensions.setdefault("pasto.healthz", _HealthCheck())
     try:
-        current, beat = checks.check(database, head, timeout)
+        current, beat, failing = checks.check(database, head, timeout)
     except FutureTimeout:
         return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
                             current=None, head=head, alive=False, last_heartbeat=None)
@@ -415,4 +443,5 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
                             last_heartbeat=None)
     alive = beat is not None and utcnow() - beat <= alive_within
-    return HealthReport(reachable=True, error=None, current=current, head=head, alive=alive, last_heartbeat=beat)
+    return HealthReport(reachable=True, error=None, current=current, head=head, alive=alive, last_heartbeat=beat,
+                        failing_sources=failing)

@@ -54,6 +54,7 @@ from ..errors import ApiError
 from ..models import utcnow
 from .experiments import algorithm_and_objective
 from .reports import round_summary
+from .sources import SourceFailed, SourceResults, apply_results, due_work, fetch_due_rounds
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,11 @@ def close_current_round(name: str, expected_round_index: int | None) -> tuple[Ro
     if snapshot.status != "running":
         raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
                                         "round can be closed.")
-    advance = close_round(get_db(), snapshot.id, expected)
+    try:
+        advance = close_round(get_db(), snapshot.id, expected)
+    except SourceFailed as error:
+        raise ApiError(502, "source_failed", f"Round {expected} of {name!r} cannot close: {error} "
+                                             "The round stays open and is served as before.") from None
     if advance is None:
         raise ApiError(409, "conflict", f"Round {expected} of {name!r} is not the current round "
                                         "(it was already closed, or has not started).")
@@ -108,7 +113,8 @@ def close_round(database: Database, experiment_id: int, expected_round_index: in
     """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
 
     Returns None, changing nothing, when the round is no longer the current one (someone else
-    closed it) or the experiment is not running.
+    closed it) or the experiment is not running. :class:`~service.controller.sources.SourceFailed`
+    (nothing changed) when the experiment's metric source fails.
     """
     return _advance(database, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index)
 
@@ -125,6 +131,8 @@ def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = N
     for experiment_id in store.due_experiment_ids(database, now):
         try:
             advance = _advance(database, experiment_id, now, manual=False)
+        except SourceFailed:  # stored and logged; the round stays open and the next tick tries again
+            continue
         except Exception:  # one broken experiment must not stop the others from advancing
             log.exception("Closing the round of experiment %s failed", experiment_id)
             continue
@@ -149,9 +157,13 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
              expected_round_index: int | None = None) -> RoundAdvance | None:
     started = time.perf_counter()
     summaries: list[_PendingSummary] = []
+    # A metric source is queried before the write transaction: a slow warehouse holds no lock.
+    source_results = fetch_due_rounds(database, experiment_id, now, manual=manual,
+                                      expected_round_index=expected_round_index)
     try:
         with database.write() as session:
-            result = _advance_in(database, session, experiment_id, now, manual, expected_round_index, summaries)
+            result = _advance_in(database, session, experiment_id, now, manual, expected_round_index, summaries,
+                                 source_results)
             if result is None:
                 return None
     except _LostRace:
@@ -169,7 +181,8 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
 
 
 def _advance_in(database: Database, session, experiment_id: int, now: datetime, manual: bool,
-                expected_round_index: int | None, summaries: list[_PendingSummary]) -> RoundAdvance | None:
+                expected_round_index: int | None, summaries: list[_PendingSummary],
+                source_results: SourceResults | None = None) -> RoundAdvance | None:
     # Exclusive row lock: ingestion takes it shared, so no observation lands while this transaction
     # adds statistics into the totals (store.fold_statistics relies on it) or decides which rounds are late.
     experiment = store.lock_experiment(session, experiment_id)
@@ -182,15 +195,14 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
     current_index = experiment.round_index
     rounds = store.rounds_from(session, experiment_id, experiment.applied_rounds)
     current = rounds[current_index]
-    closing = manual or current.ends_at <= now
-    last_closed = current_index if closing else current_index - 1
-    due = [
-        index for index in range(experiment.applied_rounds, last_closed + 1)
-        if manual or rounds[index].ends_at + settle <= now
-    ]
-    # Updates run in round order: stop at the first one that is not due.
-    due = [index for position, index in enumerate(due) if index == experiment.applied_rounds + position]
+    work = due_work(current_index, experiment.applied_rounds, {index: row.ends_at for index, row in rounds.items()},
+                    settle, now, manual)
+    closing, due = work.closing, list(work.due)
     if not closing and not due:
+        return None
+    # A source experiment advances only with its source's results of this tick, applied first.
+    if config.get("source") is not None and not apply_results(database, session, experiment, work,
+                                                               source_results, now):
         return None
 
     state = ControllerState.from_dict(experiment.state)

@@ -8,7 +8,7 @@ from ..auth import require_role
 from ..controller import reports
 from ..controller.reports import json_safe
 from ..responses import (BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, MixtureValues, Regret,
-                         SampleRatioMismatch, respond)
+                         SampleRatioMismatch, SourceErrorView, respond)
 
 bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 
@@ -37,4 +37,5 @@ def diagnostics(name: str):
             means={metric: report.estimate.means[m].tolist() for m, metric in enumerate(metrics)},
             standard_errors={metric: report.estimate.standard_errors[m].tolist() for m, metric in enumerate(metrics)},
         ),
+        source_error=None if diagnostics.source_error is None else SourceErrorView(**diagnostics.source_error),
     ))

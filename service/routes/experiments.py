@@ -52,6 +52,7 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
         archived_at=iso(snapshot.archived_at),
+        source=config.get("source"),
     )
 
 

@@ -8,7 +8,7 @@ from flask import Blueprint, current_app, jsonify
 
 from ..controller import reports
 from ..openapi import openapi_document
-from ..responses import Health, HealthDatabase, HealthScheduler, HealthSchema, respond
+from ..responses import Health, HealthDatabase, HealthScheduler, HealthSchema, HealthSource, respond
 
 bp = Blueprint("health", __name__)
 
@@ -31,12 +31,17 @@ def healthz():
         response.headers["Retry-After"] = str(current_app.config["PASTO_DATABASE_RETRY_AFTER"])
         return response
     schema_ok = health.current == health.head
+    # A failing metric source degrades, it does not fail, the service: it serves every experiment
+    # (a 503 would make a load balancer take a healthy server out).
+    status = ("degraded" if health.failing_sources else "ok") if schema_ok else "unavailable"
     return respond(Health(
-        status="ok" if schema_ok else "unavailable",
+        status=status,
         database=HealthDatabase(reachable=True),
         scheduler=HealthScheduler(alive=health.alive, last_heartbeat=None if health.last_heartbeat is None else
                                   health.last_heartbeat.isoformat().replace("+00:00", "Z")),
-        schema=HealthSchema(current=health.current, head=health.head)), 200 if schema_ok else 503)
+        schema=HealthSchema(current=health.current, head=health.head),
+        sources=[HealthSource(experiment=name, message=view["message"], since=view["since"])
+                 for name, view in health.failing_sources]), 200 if schema_ok else 503)
 
 
 @bp.get("/api/v1/openapi.json")

@@ -8,7 +8,7 @@ from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import BestSingle, Guardrail, RoundClosed, RoundList, RoundView, respond
+from ..responses import BestSingle, Guardrail, RoundClosed, RoundList, RoundView, SourceErrorView, respond
 from ..schemas import json_body
 from .experiments import iso, round_times
 
@@ -89,7 +89,9 @@ def list_rounds(name: str):
         ))
     last = since + limit - 1
     next_since = last + 1 if last < history.snapshot.round_index else None
-    return respond(RoundList(rounds=entries, next_since=next_since))
+    return respond(RoundList(rounds=entries, next_since=next_since,
+                             source_error=None if history.source_error is None else
+                             SourceErrorView(**history.source_error)))
 
 
 def _guardrails(stored: list[dict] | None) -> list[Guardrail] | None:

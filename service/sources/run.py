@@ -112,7 +112,7 @@ def _run_sqlalchemy(source: MetricSource, metrics: Sequence[str],
     url = source.resolved_url()
     try:
         engine = sa.create_engine(url)
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as error:
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError, ValueError) as error:
         raise SourceError(
             f"pasto cannot open the metric source's URL {source.describe_url()} ({_first_line(error)}); "
             "is the engine's SQLAlchemy dialect installed?") from None

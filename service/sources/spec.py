@@ -20,6 +20,11 @@ Files
     the name is registered as a temporary view over the files (a glob reads a folder of them) before
     each query, so rows that landed since the previous query are read.
 
+Late rows
+    ``late_rounds`` (default 1): each round update also re-runs the query of that many rounds before
+    it, whose updates already ran; rows that landed there since are counted as late (as late
+    observations of the webhook are).
+
 Forms
     ``mapping`` (exposure and event tables, see :class:`TableMapping`), from which pasto generates one
     GROUP BY query, or ``sql``: a query of the team's own with the bound parameters ``:experiment``,
@@ -47,6 +52,9 @@ __all__ = [
     "parse_source",
     "SQL_PARAMETERS",
 ]
+
+#: Most applied rounds one update re-queries for late rows (each is one query on the engine).
+MAX_LATE_ROUNDS = 24
 
 #: The bound parameters a raw SQL template may use.
 SQL_PARAMETERS = ("experiment", "round_index", "starts_at", "ends_at")
@@ -127,6 +135,7 @@ class MetricSource:
     files: tuple[FileTable, ...]
     mapping: TableMapping | None
     sql: str | None
+    late_rounds: int = 1
 
     def resolved_url(self) -> str:
         """The URL with its secret filled in from the environment.
@@ -149,7 +158,10 @@ class MetricSource:
                 raise SourceError(
                     f"The environment variable {self.password_env} (the metric source's password) "
                     "is not set.")
-            url = sa.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+            try:
+                url = sa.engine.make_url(url).set(password=password).render_as_string(hide_password=False)
+            except (sa.exc.ArgumentError, ValueError):
+                raise SourceError(f"The metric source's URL {self.describe_url()} is not an SQLAlchemy URL.") from None
         return url
 
     def describe_url(self) -> str:
@@ -253,7 +265,7 @@ def parse_source(spec: Any) -> MetricSource:
     ----------
     spec : mapping
         The declaration (JSON object): ``engine``, ``url`` or ``url_env``, ``password_env``,
-        ``files``, and exactly one of ``mapping`` or ``sql``.
+        ``files``, ``late_rounds``, and exactly one of ``mapping`` or ``sql``.
 
     Returns
     -------
@@ -265,8 +277,8 @@ def parse_source(spec: Any) -> MetricSource:
         When the declaration is incomplete, names an unknown engine, or holds a password.
     """
     spec = _object(spec, "declaration")
-    _unknown_keys(spec, ("engine", "url", "url_env", "password_env", "files", "mapping", "sql"),
-                  "declaration")
+    _unknown_keys(spec, ("engine", "url", "url_env", "password_env", "files", "mapping", "sql",
+                         "late_rounds"), "declaration")
     engine = spec.get("engine", "sqlalchemy")
     if engine not in _ENGINES:
         raise SourceError(f"The metric source's engine is {engine!r}; pasto runs {' and '.join(_ENGINES)}.")
@@ -278,7 +290,7 @@ def parse_source(spec: Any) -> MetricSource:
     if engine == "sqlalchemy" and url is not None:
         try:
             parsed = sa.engine.make_url(url)
-        except sa.exc.ArgumentError as error:
+        except (sa.exc.ArgumentError, ValueError) as error:  # ValueError: a port that is not a number
             raise SourceError(f"The metric source's URL {url!r} is not an SQLAlchemy URL ({error}).") from None
         if parsed.password is not None:
             raise SourceError(
@@ -302,4 +314,8 @@ def parse_source(spec: Any) -> MetricSource:
     if files and engine == "sqlalchemy" and url is not None and not url.startswith("duckdb"):
         raise SourceError("The metric source's \"files\" are read by DuckDB and Spark only; this URL is "
                           f"{sa.engine.make_url(url).get_backend_name()}.")
-    return MetricSource(engine, url, url_env, password_env, files, mapping, sql)
+    late_rounds = spec.get("late_rounds", 1)
+    if isinstance(late_rounds, bool) or not isinstance(late_rounds, int) or not 0 <= late_rounds <= MAX_LATE_ROUNDS:
+        raise SourceError(f"The metric source's \"late_rounds\" is {late_rounds!r}; it must be a whole number "
+                          f"from 0 to {MAX_LATE_ROUNDS}.")
+    return MetricSource(engine, url, url_env, password_env, files, mapping, sql, late_rounds)

@@ -13,10 +13,11 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
-#: Tables of revisions after 0006 (0007 statistics batches, 0010 deleted experiments, 0011 experiment events): gone whenever the
-#: round trip below downgrades to 0005 or earlier.
-TABLES_AFTER_0006 = {"statistics_batches", "deleted_experiments", "experiment_events"}  # 0007, 0010, 0011
-TABLES_AFTER_0007 = TABLES_AFTER_0006 - {"statistics_batches"}
+#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0010 deleted experiments,
+#: 0011 experiment events): gone whenever the round trip below downgrades to 0006 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status", "deleted_experiments",
+                     "experiment_events"}
+TABLES_AFTER_0008 = {"deleted_experiments", "experiment_events"}  # 0010, 0011
 
 
 def _tables(url: str) -> set[str]:
@@ -30,7 +31,7 @@ def _tables(url: str) -> set[str]:
 
 
 def _check_experiment_lifecycle_round_trip(url: str) -> None:
-    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade (to 0007) drops the
+    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade (to 0008) drops the
     column in place (an archived experiment stays, stopped) without touching the rows that refer
     to the experiment (a rebuilt table's DROP would cascade into them on SQLite)."""
     engine = sa.create_engine(url)
@@ -45,10 +46,10 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
                 "INSERT INTO arms (experiment_id, position, name, params) VALUES (41, 0, 'a', '{}')"))
     finally:
         engine.dispose()
-    migrations.downgrade(url, "0007")
+    migrations.downgrade(url, "0008")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0007
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0008
         assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
         with engine.begin() as connection:
             assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
@@ -100,7 +101,7 @@ def _check_round_trip(url: str) -> None:
         _check_retention_schema(inspector)
     finally:
         engine.dispose()
-    _check_experiment_lifecycle_round_trip(url)  # down to 0007
+    _check_experiment_lifecycle_round_trip(url)  # down to 0008
     migrations.downgrade(url, "0006")  # 0007 alone: the batch table, pruned_rounds and the index go
     engine = sa.create_engine(url)
     try:

@@ -148,8 +148,10 @@ def test_event_counters_count_what_the_api_did(api, setup_a):
 
 
 def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
+    # "lagging", not "late": the event counters are per process, and tests/service/test_statistics.py
+    # closes rounds of an experiment named "late" in the same process.
     app = api.client.application
-    assert api("POST", "/api/v1/experiments", json=setup_a("late")).status_code == 201
+    assert api("POST", "/api/v1/experiments", json=setup_a("lagging")).status_code == 201
     assert api("POST", "/api/v1/experiments", json=setup_a("idle")).status_code == 201
     assert api("POST", "/api/v1/experiments/idle/pause").status_code == 200
     now = utcnow()
@@ -159,21 +161,21 @@ def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
         session.execute(sa.update(Round).values(ends_at=now - timedelta(seconds=90)))
     heartbeat(database, "test-scheduler", now - timedelta(seconds=40))
     samples = scrape(api)
-    assert value(samples, "pasto_scheduler_lag_seconds", experiment="late") >= 90
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment="lagging") >= 90
     assert value(samples, "pasto_scheduler_lag_seconds", experiment="idle") == 0  # paused: nothing is due
     assert value(samples, "pasto_scheduler_heartbeat_age_seconds") >= 40
     with database.read() as session:
-        updated = session.execute(sa.select(Experiment.updated_at).where(Experiment.name == "late")).scalar_one()
-    assert value(samples, "pasto_last_update_timestamp_seconds", experiment="late") == updated.timestamp()
+        updated = session.execute(sa.select(Experiment.updated_at).where(Experiment.name == "lagging")).scalar_one()
+    assert value(samples, "pasto_last_update_timestamp_seconds", experiment="lagging") == updated.timestamp()
 
     # The scheduler's job catches up: the lag is recorded once in the histogram and the gauge drops to 0.
     (advance,) = close_due_rounds(app)
-    assert advance.experiment == "late"
+    assert advance.experiment == "lagging"
     samples = scrape(api)
-    assert value(samples, "pasto_scheduler_lag_seconds", experiment="late") == 0
-    assert value(samples, "pasto_round_close_lag_seconds_count", experiment="late") == 1
-    assert value(samples, "pasto_round_close_lag_seconds_sum", experiment="late") >= 90
-    assert value(samples, "pasto_round_updates_total", experiment="late") == 1
+    assert value(samples, "pasto_scheduler_lag_seconds", experiment="lagging") == 0
+    assert value(samples, "pasto_round_close_lag_seconds_count", experiment="lagging") == 1
+    assert value(samples, "pasto_round_close_lag_seconds_sum", experiment="lagging") >= 90
+    assert value(samples, "pasto_round_updates_total", experiment="lagging") == 1
 
 
 # One process of a multi-process deployment: assigns units, then optionally serves one scrape.

@@ -270,7 +270,8 @@ def test_the_history_is_paged_by_default_with_a_cursor(app, api, setup_a, serve,
         since = page["next_since"]
     assert pages == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert api("GET", f"{EXPERIMENT}/rounds?since=2&limit=2", role="read").get_json()["next_since"] == 4
-    assert api("GET", f"{EXPERIMENT}/rounds?since=99", role="read").get_json() == {"rounds": [], "next_since": None}
+    assert api("GET", f"{EXPERIMENT}/rounds?since=99", role="read").get_json() == {"rounds": [], "next_since": None,
+                                                                                 "source_error": None}
 
     with Client(serve(app), admin_token) as client:
         assert client.rounds("setup-a") == everything["rounds"]

@@ -409,6 +409,14 @@ function drawFigures(experiment, rounds, diagnostics) {
   const status = document.getElementById("status-badge");
   status.textContent = experiment.status;
   status.className = `badge ${experiment.status}`;
+  // A failing metric source holds the round open: say why, with the source's own sentence.
+  const sourceError = diagnostics.source_error;
+  const sourceBanner = document.getElementById("source-error");
+  sourceBanner.hidden = !sourceError;
+  sourceBanner.textContent = sourceError
+    ? `Metric source failing since ${sourceError.since} (${formatInteger(sourceError.failures)} failed attempts): `
+      + `${sourceError.message} Round ${formatInteger(experiment.round.index)} stays open and is served until the source answers.`
+    : "";
   // The charts run to the current round, whose bar is "in progress" and whose objective is not known
   // until its update: say so here, so the card and the charts tell the same story.
   const applied = experiment.applied_rounds;

@@ -23,7 +23,8 @@ function row(experiment, diagnostics) {
   return element(
     "tr", { dataset: { experiment: experiment.name } },
     element("td", { class: "title", "data-label": "Experiment" }, link),
-    cell("Status", badge(experiment.status, experiment.status)),
+    cell("Status", badge(experiment.status, experiment.status),
+      diagnostics.source_error ? badge("source failing", "bad") : ""),
     element("td", { class: "num", "data-label": "Round" }, formatInteger(experiment.round.index)),
     cell("Primary metric", primaryText),
     cell("Guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? badge("no data", "")
