@@ -24,6 +24,11 @@ pass). Per database backend (SQLite always; PostgreSQL when a server is availabl
 On SQLite the server also counts the SQL statements it runs (``sqlite3`` trace callback) during the
 assign passes: the assignment path must write nothing.
 
+- ``--segmented-close`` (instead of everything above): the round close of a segmented experiment
+  (issue 17; K = 100 arms, S = 50 segments, M = 5 metrics by default, hard guardrails, one global and one
+  per segment) beside the unsegmented close of the same K in the same run, on each backend; with
+  ``--write-docs`` it replaces the "## Segmented round close" section.
+
 History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
 1,000 rounds, on SQLite, served by waitress; the bytes and milliseconds of what the dashboard's page
 reads on each poll (the experiment, its diagnostics and the rounds that can still change), of its
@@ -674,6 +679,156 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
             "reload_ms": statistics.median(reload.values()), "transaction_by_round": list(transaction.values())}
 
 
+# ---------------------------------------------------------------------------------- segmented close
+SEGMENTED_OBJECTIVE = {
+    "primary": {"watch_time": 1.0, "likes": 0.5},
+    "guardrails": [
+        {"metric": "skips", "threshold": -0.2, "hard": True, "scope": "global"},
+        {"metric": "latency", "threshold": -0.5, "hard": True, "scope": "segment"},
+    ],
+}
+
+
+def segmented_experiment_body(name: str, n_arms: int, n_segments: int) -> dict[str, Any]:
+    body = experiment_body(name, n_arms)
+    shares = np.arange(1, n_segments + 1, dtype=float) ** -1.0  # Zipf shares: very unequal segments
+    body.update(objective=SEGMENTED_OBJECTIVE, segments={
+        "names": [f"segment-{s}" for s in range(n_segments)], "shares": (shares / shares.sum()).tolist()})
+    return body
+
+
+def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """``close_round`` of a segmented experiment (statistics in every (segment, metric, arm) cell each
+    round: S x M x K rows) beside the unsegmented close of the same K and preset, rounds interleaved."""
+    import sqlalchemy as sa
+
+    import migrations
+    from service import create_app
+    from service.controller.rounds import close_round
+    from service.db import get_db
+    from service.models import Experiment, RoundStatistic, SegmentRoundStatistic
+
+    migrations.upgrade(url)
+    app = create_app({"PASTO_DATABASE_URL": url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
+    client = app.test_client()
+    plain = experiment_body("close-plain", n_arms)
+    # Exploration serving, as every segmented experiment runs: the synthetic rounds observe every arm.
+    plain["algorithm"] = {"preset": "default", "serving": "exploration"}
+    plain["objective"] = {**SEGMENTED_OBJECTIVE, "guardrails": [
+        {key: value for key, value in guardrail.items() if key != "scope"} for guardrail in SEGMENTED_OBJECTIVE["guardrails"]]}
+    bodies = {"plain": plain,
+              "segmented": segmented_experiment_body("close-segmented", n_arms, n_segments)}
+    for body in bodies.values():
+        response = client.post("/api/v1/experiments", json=body, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        if response.status_code != 201:
+            raise RuntimeError(f"Creating {body['name']!r} failed: {response.status_code} {response.get_data(True)}")
+    database = get_db(app)
+    with database.read() as session:
+        ids = {kind: session.execute(sa.select(Experiment.id).where(Experiment.name == body["name"])).scalar_one()
+               for kind, body in bodies.items()}
+    rng = np.random.default_rng(seed)
+    means = rng.uniform(-1.0, 1.0, (n_segments, len(METRICS), n_arms))
+    times: dict[str, dict[str, dict[int, float]]] = {kind: {"transaction": {}, "total": {}} for kind in bodies}
+    for round_index in range(rounds):
+        per_segment = synthetic_statistics(rng, means, 3)  # (S, M, K)
+        pooled = [per_segment.counts.sum(0), per_segment.sums.sum(0), per_segment.sums_of_squares.sum(0)]
+        for kind, experiment_id in ids.items():
+            aggregate = [
+                {"experiment_id": experiment_id, "round_index": round_index, "arm_index": k, "metric_index": m,
+                 "count": int(pooled[0][m, k]), "sum": float(pooled[1][m, k]), "sum_of_squares": float(pooled[2][m, k])}
+                for m in range(len(METRICS)) for k in range(n_arms) if pooled[0][m, k] > 0
+            ]
+            with database.write() as session:
+                session.execute(sa.insert(RoundStatistic.__table__), aggregate)
+                if kind == "segmented":
+                    session.execute(sa.insert(SegmentRoundStatistic.__table__), [
+                        {"experiment_id": experiment_id, "round_index": round_index, "segment_index": s,
+                         "arm_index": k, "metric_index": m, "count": int(per_segment.counts[s, m, k]),
+                         "sum": float(per_segment.sums[s, m, k]),
+                         "sum_of_squares": float(per_segment.sums_of_squares[s, m, k])}
+                        for s in range(n_segments) for m in range(len(METRICS)) for k in range(n_arms)
+                        if per_segment.counts[s, m, k] > 0
+                    ])
+            started = time.perf_counter()
+            advance = close_round(database, experiment_id, round_index)
+            times[kind]["total"][round_index + 1] = (time.perf_counter() - started) * 1000
+            if advance is None or advance.applied != (round_index,):
+                raise RuntimeError(f"Closing round {round_index} of {kind} did not apply its update: {advance}.")
+            times[kind]["transaction"][round_index + 1] = advance.duration_seconds * 1000
+    database.engine.dispose()
+    return {kind: {part: {"median_ms": statistics.median(values.values()), "max_ms": max(values.values())}
+                   for part, values in parts.items()} for kind, parts in times.items()}
+
+
+def render_segmented(results: dict[str, Any], command: str, args, seconds: float) -> str:
+    lines = [
+        "## Segmented round close",
+        "",
+        f"The round close of a segmented experiment (docs/segments.md): K = {args.arms} arms, S = {args.segments} "
+        f"segments with Zipf traffic shares, M = {len(METRICS)} metrics, two hard guardrails (one global, one per "
+        f"segment; the unsegmented experiment has the same two), the `default` preset (the joint LP over the K x S mixture entries runs in round 1 and every "
+        f"`solve_every` rounds), statistics in every (segment, metric, arm) cell each round; beside the unsegmented "
+        f"close of the same K in the same run (rounds interleaved). {args.update_rounds} rounds each; the close "
+        "transaction holds the experiment's row lock, the whole call adds the round's summary written after it "
+        "(for a segmented experiment: the per-segment report, the global mixture and the gain). Measured with:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "| backend | unsegmented transaction (median / max ms) | segmented transaction (median / max ms) "
+        "| segmented whole call (median / max ms) | ratio of transaction medians |",
+        "|---|---|---|---|---|",
+    ]
+    for backend, result in results.items():
+        plain, segmented = result["plain"], result["segmented"]
+        lines.append(
+            f"| {backend} | {plain['transaction']['median_ms']:.0f} / {plain['transaction']['max_ms']:.0f} "
+            f"| {segmented['transaction']['median_ms']:.0f} / {segmented['transaction']['max_ms']:.0f} "
+            f"| {segmented['total']['median_ms']:.0f} / {segmented['total']['max_ms']:.0f} "
+            f"| {segmented['transaction']['median_ms'] / plain['transaction']['median_ms']:.1f} |")
+    lines += ["", f"Target (issue 17): under 1 s on PostgreSQL. Load average before the run "
+                  f"{args.load_before:.1f}; {seconds:.0f} s in all. {args.postgres_note or ''}".rstrip(), ""]
+    return "\n".join(lines)
+
+
+def run_segmented_close(args, docs: Path) -> dict[str, Any]:
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    cluster = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-segments-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "postgres":
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                    args.postgres_note = (f"PostgreSQL: a private loopback cluster ({_server_version(server_url)}, "
+                                          "fsync=off)." if cluster is not None else
+                                          f"PostgreSQL: {_server_version(server_url)}.")
+                else:
+                    backend = Backend("sqlite", Path(workdir))
+                label = "SQLite" if name == "sqlite" else "PostgreSQL"
+                print(f"[{name}] segmented round close, K = {args.arms}, S = {args.segments} ...", flush=True)
+                try:
+                    results[label] = measure_segmented_close(backend.new_database("segments"), args.arms,
+                                                             args.segments, args.update_rounds)
+                finally:
+                    backend.close()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    command = "python bench/serve.py " + " ".join(args.argv)
+    section = render_segmented(results, command.strip(), args, time.monotonic() - started)
+    print(section)
+    if args.write_docs:
+        _client_bench.write_section(section, docs)
+        print(f"Wrote the Segmented round close section of {docs}.")
+    return {"results": results, "section": section}
+
+
 # ---------------------------------------------------------------------------------- one backend
 def run_backend(backend: Backend, loadgen: LoadGenerator, args) -> dict[str, Any]:
     url = backend.new_database("serving")
@@ -965,6 +1120,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: SQLite, K = 100, a few hundred requests, seconds in all")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
+    parser.add_argument("--segmented-close", action="store_true",
+                        help="only the segmented round close (K = --arms, S = --segments) beside the unsegmented one")
+    parser.add_argument("--segments", type=int, default=50, help="S of the segmented close")
     parser.add_argument("--write-docs", action="store_true",
                         help="replace the '## Serving' section of docs/benchmarks.md")
     return parser
@@ -1137,6 +1295,13 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     if argv[:1] == ["history"]:
         return history_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv
+    if args.segmented_close:
+        args.load_before = os.getloadavg()[0]
+        args.postgres_note = None
+        if args.quick:
+            args.backends, args.segments, args.update_rounds = "sqlite", 5, 3
+        return run_segmented_close(args, docs)
     if args.quick:
         args.backends, args.requests, args.seconds, args.repeats = "sqlite", 100, 0.5, 1
         args.batches, args.update_arms, args.update_rounds = 2, [100], 5

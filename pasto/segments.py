@@ -54,6 +54,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from pasto import algorithm
+from pasto.diagnostics import guardrail_report
 from pasto.estimators import Estimate, Statistics, pooled_estimate
 from pasto.objectives import Objective
 from pasto.optimum import solve
@@ -74,6 +75,12 @@ __all__ = [
     "SegmentedState",
     "initial_segmented_state",
     "segmented_update",
+    "add_segments",
+    "check_scopes",
+    "aggregate_state",
+    "measured_shares",
+    "SegmentReport",
+    "segment_report",
 ]
 
 SCOPES = ("segment", "global")
@@ -240,6 +247,12 @@ def _check_scopes(objective: Objective, scopes) -> tuple[str, ...]:
             f"on {soft} are soft (penalised). Give them 'hard': true."
         )
     return scopes
+
+
+def check_scopes(objective: Objective, scopes) -> tuple[str, ...]:
+    """The scopes as a tuple, or a ``ValueError`` sentence: one scope per guardrail, each in
+    :data:`SCOPES`, and hard guardrails only (the joint problem is a linear program)."""
+    return _check_scopes(objective, scopes)
 
 
 @dataclass(frozen=True)
@@ -516,6 +529,19 @@ class SegmentedConfig:
             "confidence_z": self.confidence_z,
         }
 
+    @classmethod
+    def from_dict(cls, data: dict) -> SegmentedConfig:
+        """Inverse of :meth:`to_dict`: ``SegmentedConfig.from_dict(c.to_dict()) == c``."""
+        unknown = sorted(set(data) - {"algorithm", "scopes", "shrink", "confidence_z"})
+        if unknown:
+            raise ValueError(f"Unknown segmented configuration key(s) {unknown}.")
+        return cls(
+            algorithm=algorithm.AlgorithmConfig.from_dict(dict(data.get("algorithm", {}))),
+            scopes=tuple(data.get("scopes", ())),
+            shrink=bool(data.get("shrink", True)),
+            confidence_z=data.get("confidence_z", 2.0),
+        )
+
 
 @dataclass(frozen=True)
 class SegmentedState:
@@ -531,6 +557,34 @@ class SegmentedState:
 
     controller: algorithm.ControllerState
     joint: np.ndarray
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict: the per-segment controller's :meth:`ControllerState.to_dict` (arrays
+        with the segment axis) and the joint mixtures as nested lists."""
+        return {"controller": self.controller.to_dict(), "joint": np.asarray(self.joint).tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SegmentedState:
+        """Inverse of :meth:`to_dict` (arrays compare equal after the round trip)."""
+        missing = [key for key in ("controller", "joint") if key not in data]
+        if missing:
+            raise ValueError(f"The segmented state is missing the key(s) {missing}.")
+        unknown = sorted(set(data) - {"controller", "joint"})
+        if unknown:
+            raise ValueError(f"The segmented state has unknown key(s) {unknown}.")
+        controller = algorithm.ControllerState.from_dict(data["controller"])
+        joint = np.asarray(data["joint"], dtype=float)
+        if joint.shape != controller.probabilities.shape:
+            raise ValueError(
+                f"The joint mixtures have shape {joint.shape}, the served ones {controller.probabilities.shape}; "
+                "they must agree (segments x arms)."
+            )
+        return cls(controller=controller, joint=joint)
+
+    @property
+    def n_segments(self) -> int:
+        """S, the number of segments."""
+        return int(self.joint.shape[-2])
 
     @property
     def probabilities(self) -> np.ndarray:
@@ -550,6 +604,119 @@ def initial_segmented_state(
     batch = tuple(batch_shape) + (int(n_segments),)
     controller = algorithm.initial_state(config.algorithm, n_arms, n_metrics, batch)
     return SegmentedState(controller=controller, joint=np.full(batch + (n_arms,), 1.0 / n_arms))
+
+
+def aggregate_state(state: SegmentedState, shares: np.ndarray) -> algorithm.ControllerState:
+    """The traffic-weighted aggregate of a (unbatched) segmented state, as one ``ControllerState``.
+
+    What the platform as a whole is served: probabilities, deployed mixture and schedule sums are
+    sum_s w_s x_s; the estimator accumulators are per segment and left out (None), so estimates on the
+    aggregate read pooled statistics.
+
+    Parameters
+    ----------
+    state : SegmentedState
+        Batch shape (S,): arrays (S, K).
+    shares : ndarray, shape (S,)
+        Traffic shares w_s (sum 1).
+
+    Returns
+    -------
+    ControllerState
+        Arrays (K,) (guardrail weights (G,)).
+    """
+    controller = state.controller
+    shares = _validate_shares(shares, state.n_segments)
+    deployed = shares @ controller.deployed
+    log_deployed = np.log(np.maximum(deployed, np.exp(-700.0)))
+    return algorithm.ControllerState(
+        round_index=controller.round_index,
+        probabilities=shares @ controller.probabilities,
+        deployed=deployed,
+        log_weights=log_deployed - np.log(np.exp(log_deployed).sum()),
+        probability_sum=shares @ controller.probability_sum,
+        stage_probability_sum=shares @ controller.stage_probability_sum,
+        gradient_square_sum=np.asarray(shares @ np.asarray(controller.gradient_square_sum, dtype=float)),
+        guardrail_weights=shares @ controller.guardrail_weights,
+        history=None,
+        baseline=None,
+        discounted=None,
+    )
+
+
+def add_segments(state: SegmentedState, count: int, template: int = 0) -> SegmentedState:
+    """``state`` with ``count`` more segments at the end, each starting as a copy of segment ``template``.
+
+    For an open set of segment values: a value that reaches its unit threshold gets its own mixture,
+    starting from the mixture its traffic had (the template's: the long tail's shared segment) with
+    that segment's schedule and accumulators; its estimate then comes from its own statistics
+    (shrunk toward the pooled means) and the joint solve. Unbatched states only.
+
+    Parameters
+    ----------
+    state : SegmentedState
+        Batch shape (S,).
+    count : int
+        Segments to add (>= 0).
+    template : int
+        Position of the segment copied.
+
+    Returns
+    -------
+    SegmentedState
+        Batch shape (S + count,).
+    """
+    if count < 0:
+        raise ValueError(f"The number of segments to add must be >= 0, got {count}.")
+    n_segments = state.n_segments
+    if state.joint.ndim != 2:
+        raise ValueError("add_segments takes an unbatched segmented state (arrays of shape (S, K)).")
+    if not 0 <= template < n_segments:
+        raise ValueError(f"The template segment must be one of 0..{n_segments - 1}, got {template}.")
+    if count == 0:
+        return state
+
+    def grown(array):
+        if array is None:
+            return None
+        array = np.asarray(array)
+        return np.concatenate([array, np.repeat(array[template:template + 1], count, axis=0)], axis=0)
+
+    controller = state.controller
+    history = controller.history
+    if history is not None:
+        history = type(history)(grown(history.sums), grown(history.sums_of_squares), grown(history.weights))
+    discounted = controller.discounted
+    if discounted is not None:
+        discounted = Statistics(grown(discounted.counts), grown(discounted.sums), grown(discounted.sums_of_squares))
+    return SegmentedState(
+        controller=algorithm.ControllerState(
+            round_index=controller.round_index,
+            probabilities=grown(controller.probabilities),
+            deployed=grown(controller.deployed),
+            log_weights=grown(controller.log_weights),
+            probability_sum=grown(controller.probability_sum),
+            stage_probability_sum=grown(controller.stage_probability_sum),
+            gradient_square_sum=grown(controller.gradient_square_sum),
+            guardrail_weights=grown(controller.guardrail_weights),
+            history=history,
+            baseline=grown(controller.baseline),
+            discounted=discounted,
+        ),
+        joint=grown(state.joint),
+    )
+
+
+def measured_shares(counts: np.ndarray, expected: np.ndarray | None = None) -> np.ndarray:
+    """Traffic shares (S,) from observation counts per segment (S,): the measured ones once there is any
+    observation, else ``expected`` (else equal shares)."""
+    counts = np.asarray(counts, dtype=float)
+    total = counts.sum()
+    if total > 0:
+        return counts / total
+    if expected is not None:
+        return np.asarray(expected, dtype=float)
+    return np.full(counts.shape, 1.0 / counts.size)
 
 
 def segmented_update(
@@ -654,3 +821,102 @@ def _joint_step(config, objective, scopes, pooled_statistics, shares, previous) 
             ).probabilities
         joint[index] = mixtures
     return joint
+
+
+# ----------------------------------------------------------------------------- reporting
+@dataclass(frozen=True)
+class SegmentReport:
+    """How a segmented controller is doing on its current (shrunk) estimate; no batch dimensions.
+
+    Attributes
+    ----------
+    estimate : Estimate
+        Per-segment estimate, (S, M, K) (:func:`shrunk_estimate`).
+    shares : ndarray, shape (S,)
+    thresholds : ndarray, shape (S, G)
+        From :func:`resolve_thresholds` on the estimate.
+    segment_values : ndarray, shape (S,)
+        a . (means_s p_s) of each segment's deployed mixture.
+    platform_value : float
+        sum_s w_s a . (means_s p_s) of the deployed per-segment mixtures.
+    global_mixture : ndarray, shape (K,)
+        The best single mixture for every segment under the same guardrails (:func:`global_mixture`).
+    global_value : float
+        Its platform value.
+    gain : float
+        platform_value - global_value: what segmenting gains over one global mixture.
+    gain_interval : ndarray, shape (2,)
+        95% interval of the gain (delta method, mixtures held fixed, cells independent).
+    guardrails : tuple of dict
+        Per segment (S entries), :func:`pasto.diagnostics.guardrail_report` of its deployed mixture on
+        its own estimate.
+    platform_guardrails : tuple of dict
+        Per guardrail: the traffic-weighted platform value sum_s w_s g_j . (means_s p_s), its 95%
+        interval, the threshold in force (global: c_j; segment-scoped: sum_s w_s c_{s,j}), the scope, and
+        whether it holds.
+    """
+
+    estimate: Estimate
+    shares: np.ndarray
+    thresholds: np.ndarray
+    segment_values: np.ndarray
+    platform_value: float
+    global_mixture: np.ndarray
+    global_value: float
+    gain: float
+    gain_interval: np.ndarray
+    guardrails: tuple
+    platform_guardrails: tuple
+
+
+def segment_report(
+    config: SegmentedConfig, objective: Objective, deployed: np.ndarray, pooled_statistics: Statistics, shares
+) -> SegmentReport:
+    """Per-segment values and guardrails, the platform-wide guardrails and the gain of segmenting.
+
+    Parameters
+    ----------
+    config : SegmentedConfig
+    objective : Objective
+    deployed : ndarray, shape (S, K)
+        The per-segment mixtures to report on.
+    pooled_statistics : Statistics, shape (S, M, K)
+    shares : ndarray, shape (S,)
+    """
+    scopes = _check_scopes(objective, config.scopes)
+    deployed = np.asarray(deployed, dtype=float)
+    n_segments, n_arms = deployed.shape
+    shares = _validate_shares(shares, n_segments)
+    current = shrunk_estimate(pooled_statistics, config.shrink)
+    means = current.means
+    errors = np.nan_to_num(current.standard_errors, nan=0.0)
+    thresholds = resolve_thresholds(objective, means, shares, scopes)
+    platform, _, primary = segmented_values(objective, means, shares, deployed, thresholds)
+    tied = _solve_tied(objective, means, shares, scopes)
+    tied_value = float(segmented_values(objective, means, shares, np.broadcast_to(tied, deployed.shape), thresholds)[0])
+    gain = float(platform) - tied_value
+    weights = objective.primary_weights
+    gain_variance = float(np.einsum("s,m,smk,sk->", shares**2, weights**2, errors**2, (deployed - tied[None, :]) ** 2))
+    half = 1.959963984540054 * math.sqrt(gain_variance)
+    per_segment = tuple(
+        tuple(guardrail_report(objective, Estimate(means[s], current.standard_errors[s]), deployed[s]))
+        for s in range(n_segments)
+    )
+    platform_rows = []
+    rows = objective.guardrail_rows
+    for j, (guardrail, scope) in enumerate(zip(objective.guardrails, scopes)):
+        values = np.einsum("sk,sk->s", means[:, rows[j], :], deployed)
+        value = float(shares @ values)
+        error = math.sqrt(float(np.einsum("s,sk,sk->", shares**2, errors[:, rows[j], :] ** 2, deployed**2)))
+        threshold = float(thresholds[0, j]) if scope == "global" else float(shares @ thresholds[:, j])
+        platform_rows.append({
+            "metric": guardrail.metric, "scope": scope, "threshold": threshold, "estimate": value,
+            "interval": [value - 1.959963984540054 * error, value + 1.959963984540054 * error],
+            "holds": bool(value >= threshold),
+        })
+    return SegmentReport(
+        estimate=current, shares=shares, thresholds=thresholds, segment_values=np.asarray(primary),
+        platform_value=float(platform), global_mixture=tied, global_value=tied_value, gain=gain,
+        gain_interval=np.array([gain - half, gain + half]), guardrails=per_segment,
+        platform_guardrails=tuple(platform_rows),
+    )

@@ -41,6 +41,20 @@ class _Snapshot:
     exposures: tuple[ExposureContext, ...]  # (K,) what each arm's exposure records share
     refresh_at: float                   # time.monotonic() after which the snapshot is refreshed
     overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
+    # Segmented experiments: per segment name, what the four fields above the hasher are for it.
+    segments: Mapping[str, _SegmentMixture] | None = None
+    # Open sets: the long tail's mixture, served to values without one of their own (and to no value).
+    tail: _SegmentMixture | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _SegmentMixture:
+    """One segment's served mixture in a :class:`_Snapshot` of a segmented experiment."""
+
+    mixture: tuple[float, ...]
+    cumulative: list[float]
+    assignments: tuple[Assignment, ...]
+    exposures: tuple[ExposureContext, ...]
 
 
 def _parse_timestamp(value: str | None) -> datetime | None:
@@ -137,48 +151,71 @@ class LocalAssigner:
 
     # -- the hot path ------------------------------------------------------------------------------
 
-    def assign(self, unit: str) -> Assignment:
+    def assign(self, unit: str, segment: str | None = None) -> Assignment:
         """The assignment of ``unit`` in the current round (the same object for every unit on the
-        same arm in the same round)."""
+        same arm in the same round). A segmented experiment needs the unit's ``segment`` and draws
+        from that segment's mixture (``ValueError`` naming a missing or unknown one, as the server's 422)."""
         snapshot = self._snapshot
         try:
             u = snapshot.hash_unit(unit)
         except AttributeError:
             raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
+        if segment is not None or snapshot.segments is not None:
+            served = _segment_mixture(snapshot, self.experiment_name, segment)
+            return served.assignments[bisect_right(served.cumulative, u)]
         # u < 1.0 == cumulative[-1], so the index is always a valid arm: this is choose_arm without
         # its (here moot) clamp, inlined because it is the hot path.
         return snapshot.assignments[bisect_right(snapshot.cumulative, u)]
 
-    def assign_many(self, units: Sequence[str]) -> list[Assignment]:
+    def assign_many(self, units: Sequence[str], segments: Sequence[str] | str | None = None) -> list[Assignment]:
         """Vectorised :meth:`assign` (numpy hashing): the assignments of ``units``, in order, all from
-        one snapshot."""
+        one snapshot. ``segments``: one per unit, or one name for all of them (segmented experiments)."""
         snapshot = self._snapshot
         u = buckets(snapshot.seed, units, snapshot.round_index)
+        if segments is not None or snapshot.segments is not None:
+            return [served.assignments[k] for served, k in self._segment_arms(snapshot, units, segments, u)]
         assignments = snapshot.assignments
         return [assignments[k] for k in choose_arms(snapshot.mixture, u).tolist()]
 
-    def _assign_logged(self, unit: str) -> Assignment:
+    def _assign_logged(self, unit: str, segment: str | None = None) -> Assignment:
         """:meth:`assign` with an exposure sink: also queues the exposure (no I/O, no wait)."""
         snapshot = self._snapshot
         try:
             u = snapshot.hash_unit(unit)
         except AttributeError:
             raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
-        k = bisect_right(snapshot.cumulative, u)
-        if not self._put_exposure((unit, snapshot.exposures[k], _time_ns())):
+        served = snapshot if segment is None and snapshot.segments is None else _segment_mixture(
+            snapshot, self.experiment_name, segment)
+        k = bisect_right(served.cumulative, u)
+        if not self._put_exposure((unit, served.exposures[k], _time_ns())):
             self.exposures.refused(1)
-        return snapshot.assignments[k]
+        return served.assignments[k]
 
-    def _assign_many_logged(self, units: Sequence[str]) -> list[Assignment]:
+    def _assign_many_logged(self, units: Sequence[str], segments: Sequence[str] | str | None = None
+                            ) -> list[Assignment]:
         """:meth:`assign_many` with an exposure sink: also queues one exposure per unit, all
         stamped with the time of the call."""
         snapshot = self._snapshot
         u = buckets(snapshot.seed, units, snapshot.round_index)
+        if segments is not None or snapshot.segments is not None:
+            drawn = self._segment_arms(snapshot, units, segments, u)
+            self.exposures.record_many(units, [served.exposures[k] for served, k in drawn])
+            return [served.assignments[k] for served, k in drawn]
         arms = choose_arms(snapshot.mixture, u).tolist()
         contexts = snapshot.exposures
         self.exposures.record_many(units, [contexts[k] for k in arms])
         assignments = snapshot.assignments
         return [assignments[k] for k in arms]
+
+    def _segment_arms(self, snapshot: _Snapshot, units: Sequence[str], segments: Sequence[str] | str | None,
+                      u) -> list[tuple[_SegmentMixture, int]]:
+        """(segment mixture, arm position) of each unit; ``u`` their buckets, shape (N,)."""
+        if segments is None or isinstance(segments, str):
+            segments = [segments] * len(units)
+        elif len(segments) != len(units):
+            raise ValueError(f"Give one segment per unit: {len(units)} units, {len(segments)} segments.")
+        mixtures = [_segment_mixture(snapshot, self.experiment_name, segment) for segment in segments]
+        return [(served, bisect_right(served.cumulative, bucket)) for served, bucket in zip(mixtures, u.tolist())]
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -258,6 +295,11 @@ class LocalAssigner:
             else:
                 failures = 0
 
+    @property
+    def segments(self) -> tuple[str, ...]:
+        """The segment names of a segmented experiment (empty otherwise)."""
+        return tuple(self._snapshot.segments or ())
+
     def _build_snapshot(
         self, experiment: Mapping[str, Any], previous: _Snapshot | None = None
     ) -> _Snapshot:
@@ -303,6 +345,17 @@ class LocalAssigner:
                     overdue_poll = min(self.ttl, 2 * previous.overdue_poll)
                 delay = min(delay, overdue_poll)
         hasher = previous.hasher if same_round else PrefixHasher(seed, round_index)
+        segments = tail = None
+        if experiment.get("segments") is not None:
+            view = experiment["segments"]
+            per_segment = view["deployed"] if status == "stopped" else view["probabilities"]
+            segments = MappingProxyType({
+                name: self._segment_mixture(name, tuple(float(x) for x in per_segment[name]), arms, round_index,
+                                            experiment.get("updated_at"))
+                for name in view["names"]
+            })
+            if view.get("by") is not None:
+                tail = segments[view["names"][0]]
         return _Snapshot(
             round_index=round_index,
             status=status,
@@ -315,4 +368,35 @@ class LocalAssigner:
             exposures=exposures,
             refresh_at=fetched_at + delay,
             overdue_poll=overdue_poll,
+            segments=segments,
+            tail=tail,
         )
+
+    def _segment_mixture(self, name: str, mixture: tuple[float, ...], arms: Sequence[Mapping[str, Any]],
+                         round_index: int, mixture_version: str | None) -> _SegmentMixture:
+        if len(arms) != len(mixture):
+            raise ValueError(f"Segment {name!r} has a mixture of {len(mixture)} probabilities for {len(arms)} arms.")
+        assignments = tuple(
+            Assignment(arm=arm["name"], params=MappingProxyType(dict(arm.get("params") or {})), round=round_index,
+                       probability=p, segment=name)
+            for arm, p in zip(arms, mixture)
+        )
+        exposures = exposure_contexts(self.experiment_name, round_index, [a.arm for a in assignments], mixture,
+                                      mixture_version, segment=name)
+        return _SegmentMixture(mixture=mixture, cumulative=cumulative_probabilities(mixture), assignments=assignments,
+                               exposures=exposures)
+
+
+def _segment_mixture(snapshot: _Snapshot, experiment: str, segment: str | None) -> _SegmentMixture:
+    """The mixture ``segment`` is served in ``snapshot``; ``ValueError`` with the server's words otherwise."""
+    if snapshot.segments is None:
+        raise ValueError(f"Experiment {experiment!r} has no segments; send no segment.")
+    if snapshot.tail is not None:
+        return snapshot.segments.get(segment, snapshot.tail)
+    if segment is None:
+        raise ValueError(f"Experiment {experiment!r} is segmented: give the unit's segment, one of "
+                         f"{list(snapshot.segments)}.")
+    served = snapshot.segments.get(segment)
+    if served is None:
+        raise ValueError(f"Unknown segment {segment!r}; the segments are {list(snapshot.segments)}.")
+    return served

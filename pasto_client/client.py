@@ -40,12 +40,15 @@ class Assignment:
         The round the assignment belongs to; report it with the unit's observations.
     probability : float
         The propensity of ``arm`` in the mixture the unit was drawn from.
+    segment : str or None
+        Segmented experiments: the unit's segment, whose mixture the arm was drawn from.
     """
 
     arm: str
     params: Mapping[str, Any]
     round: int
     probability: float
+    segment: str | None = None
 
 
 def _assignment_from_json(body: Mapping[str, Any]) -> Assignment:
@@ -54,6 +57,7 @@ def _assignment_from_json(body: Mapping[str, Any]) -> Assignment:
         params=MappingProxyType(dict(body["params"])),
         round=int(body["round"]),
         probability=float(body["probability"]),
+        segment=body.get("segment"),
     )
 
 
@@ -157,6 +161,7 @@ class Client:
         algorithm: Mapping[str, Any] | None = None,
         seed: int | None = None,
         source: Mapping[str, Any] | None = None,
+        segments: Sequence[str] | Mapping[str, Any] | None = None,
     ) -> dict:
         """``POST /api/v1/experiments`` (admin): create an experiment and return it.
 
@@ -181,6 +186,9 @@ class Client:
         source : dict, optional
             A warehouse-native metric source (docs/scaling.md): the scheduler queries it at each
             round's close and update. Secrets by environment-variable name only.
+        segments : list of str or dict, optional
+            Per-segment mixtures: segment names, or ``{"names", "shares"?, "shrink"?, "confidence_z"?}``
+            (docs/segments.md).
         """
         body: dict[str, Any] = {
             "name": name,
@@ -196,6 +204,8 @@ class Client:
             body["seed"] = seed
         if source is not None:
             body["source"] = dict(source)
+        if segments is not None:
+            body["segments"] = list(segments) if not isinstance(segments, Mapping) else dict(segments)
         return self.request("POST", f"{API_PREFIX}/experiments", json=body)
 
     def list_experiments(self, archived: bool = False) -> list[dict]:
@@ -232,16 +242,24 @@ class Client:
 
     # -- assignment and observations ---------------------------------------------------------------
 
-    def assign(self, name: str, unit: str) -> Assignment:
-        """``POST .../assign`` (ingest): the server's assignment of one unit."""
-        body = self.request("POST", self._experiment_path(name, "/assign"), json={"unit": unit})
-        return _assignment_from_json(body)
+    def assign(self, name: str, unit: str, segment: str | None = None) -> Assignment:
+        """``POST .../assign`` (ingest): the server's assignment of one unit (of its ``segment`` in a
+        segmented experiment)."""
+        body: dict[str, Any] = {"unit": unit}
+        if segment is not None:
+            body["segment"] = segment
+        return _assignment_from_json(self.request("POST", self._experiment_path(name, "/assign"), json=body))
 
-    def assign_many(self, name: str, units: Sequence[str]) -> list[Assignment]:
-        """``POST .../assign`` (ingest) with up to 10,000 units: their assignments, in order."""
-        body = self.request(
-            "POST", self._experiment_path(name, "/assign"), json={"units": list(units)}
-        )
+    def assign_many(self, name: str, units: Sequence[str],
+                    segments: Sequence[str] | str | None = None) -> list[Assignment]:
+        """``POST .../assign`` (ingest) with up to 10,000 units: their assignments, in order.
+        ``segments`` (segmented experiments): one per unit, or one segment name for all of them."""
+        body: dict[str, Any] = {"units": list(units)}
+        if isinstance(segments, str):
+            body["segment"] = segments
+        elif segments is not None:
+            body["segments"] = list(segments)
+        body = self.request("POST", self._experiment_path(name, "/assign"), json=body)
         return [_assignment_from_json(item) for item in body["assignments"]]
 
     def observe(self, name: str, observations: Sequence[Mapping[str, Any]]) -> dict:

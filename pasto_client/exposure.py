@@ -45,6 +45,7 @@ EXPOSURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("arm_index", "int64", "the arm's position in the experiment's arm list (0-based)"),
     ("probability", "float64", "the propensity the arm was drawn with (its mixture weight)"),
     ("mixture_version", "string", "the experiment's updated_at of the state served (null if unknown)"),
+    ("segment", "string", "segmented experiments: the unit's segment, whose mixture served it (else null)"),
     ("timestamp", "timestamp (UTC, milliseconds)", "when the unit was assigned"),
 )
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, _, _ in EXPOSURE_COLUMNS)
@@ -72,6 +73,7 @@ class ExposureContext:
     arm_index : int
     probability : float
     mixture_version : str or None
+    segment : str or None
     json_middle : str
         What a JSON line holds between the unit and the timestamp's value
         (``,"experiment":...,"mixture_version":...,"timestamp":"``), precomputed for
@@ -86,6 +88,7 @@ class ExposureContext:
     arm_index: int
     probability: float
     mixture_version: str | None
+    segment: str | None
     json_middle: str
     serial: int
 
@@ -96,6 +99,7 @@ def exposure_contexts(
     arms: Sequence[str],
     mixture: Sequence[float],
     mixture_version: str | None,
+    segment: str | None = None,
 ) -> tuple[ExposureContext, ...]:
     """One :class:`ExposureContext` per arm of the mixture being served.
 
@@ -108,6 +112,8 @@ def exposure_contexts(
         The probabilities the arms are drawn with.
     mixture_version : str or None
         What identifies the served state (the experiment's ``updated_at``).
+    segment : str or None
+        Segmented experiments: the segment this mixture is served to.
     """
     contexts = []
     for index, (arm, probability) in enumerate(zip(arms, mixture, strict=True)):
@@ -118,6 +124,7 @@ def exposure_contexts(
             "arm_index": index,
             "probability": float(probability),
             "mixture_version": mixture_version,
+            "segment": segment,
         }
         members = json.dumps(fields, separators=(",", ":"))[1:-1]
         contexts.append(ExposureContext(
@@ -154,6 +161,7 @@ class ExposureBatch:
                 "arm_index": c.arm_index,
                 "probability": c.probability,
                 "mixture_version": c.mixture_version,
+                "segment": c.segment,
                 "timestamp": _EPOCH + timedelta(milliseconds=ns // 1_000_000),
             }
             for unit, c, ns in self.entries
@@ -192,6 +200,7 @@ class ExposureBatch:
             "arm_index": gather("arm_index", np.int64),
             "probability": gather("probability", np.float64),
             "mixture_version": gather("mixture_version", object),
+            "segment": gather("segment", object),
             "timestamp": milliseconds,
         }
 
@@ -288,6 +297,7 @@ def arrow_schema(pa: Any) -> Any:
         pa.field("arm_index", pa.int64(), nullable=False),
         pa.field("probability", pa.float64(), nullable=False),
         pa.field("mixture_version", pa.string()),
+        pa.field("segment", pa.string()),
         pa.field("timestamp", pa.timestamp("ms", tz="UTC"), nullable=False),
     ])
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -71,11 +71,24 @@ class Snapshot:
     serving: np.ndarray  # (K,)
     serving_cumulative: list[float]
     hasher: PrefixHasher
+    # Segmented experiments only (``config["segments"]``): the segment names, their positions, and per
+    # segment (S, K) the current round's p_t, the deployed mixtures and what assignment samples from.
+    segment_names: tuple[str, ...] = ()
+    segment_positions: dict[str, int] = field(default_factory=dict)
+    segment_probabilities: np.ndarray | None = None
+    segment_deployed: np.ndarray | None = None
+    segment_serving: np.ndarray | None = None
+    segment_serving_cumulative: tuple[list[float], ...] = ()
+    segment_open: bool = False  # an open set: unknown values (and no value) are served segment 0, "(other)"
     archived_at: datetime | None = None
 
     @property
     def n_arms(self) -> int:
         return len(self.arm_names)
+
+    @property
+    def segmented(self) -> bool:
+        return bool(self.segment_names)
 
 
 class ExperimentCache:
@@ -152,6 +165,24 @@ class ExperimentCache:
                 self._round_probabilities.popitem(last=False)
         return array
 
+    def round_segment_probabilities(self, snapshot: Snapshot, round_index: int) -> np.ndarray:
+        """The per-segment propensities (S, K) served in ``round_index`` of a segmented experiment."""
+        if round_index == snapshot.round_index:
+            return snapshot.segment_probabilities
+        key = (snapshot.id, -1 - round_index)  # beside round_probabilities' keys, never equal to one
+        cached = self._round_probabilities.get(key)
+        if cached is not None:
+            return cached
+        probabilities = store.round_segment_probabilities(self.database, snapshot.id, round_index)
+        if probabilities is None:
+            raise LookupError(f"Round {round_index} of {snapshot.name!r} does not exist.")
+        array = np.asarray(probabilities, dtype=np.float64)
+        with self._lock:
+            self._round_probabilities[key] = array
+            while len(self._round_probabilities) > _ROUND_CACHE_SIZE:
+                self._round_probabilities.popitem(last=False)
+        return array
+
     def _load(self, name: str, previous: Snapshot | None = None) -> Snapshot:
         with self.database.read() as session:
             loaded = store.load_experiment(session, name)
@@ -171,6 +202,23 @@ class ExperimentCache:
         deployed = np.asarray(experiment.state["deployed"], dtype=np.float64)
         serving = deployed if experiment.status == "stopped" else probabilities
         metrics = tuple(experiment.config["metrics"])
+        segmented: dict[str, Any] = {}
+        if experiment.config.get("segments") is not None:
+            segment_probabilities = np.asarray(current.segment_probabilities, dtype=np.float64)
+            segment_deployed = np.asarray(experiment.segment_state["controller"]["deployed"], dtype=np.float64)
+            segment_serving = segment_deployed if experiment.status == "stopped" else segment_probabilities
+            # An open set's value that got its mixture by an update that started no round is served
+            # the long tail's until the next round starts: only the segments the round serves count.
+            names = tuple(experiment.segment_state["names"][:len(segment_serving)])
+            segmented = dict(
+                segment_names=names,
+                segment_positions={segment: position for position, segment in enumerate(names)},
+                segment_probabilities=segment_probabilities,
+                segment_deployed=segment_deployed,
+                segment_serving=segment_serving,
+                segment_serving_cumulative=tuple(cumulative_probabilities(row) for row in segment_serving),
+                segment_open=experiment.config["segments"].get("by") is not None,
+            )
         return Snapshot(
             id=experiment.id,
             name=experiment.name,
@@ -196,6 +244,7 @@ class ExperimentCache:
             serving_cumulative=cumulative_probabilities(serving),
             hasher=PrefixHasher(experiment.seed, experiment.round_index),
             archived_at=experiment.archived_at,
+            **segmented,
         )
 
 

@@ -34,6 +34,7 @@ DEFAULT_DATABASE_RETRY_AFTER = 5
 #: Invalid tokens one client address may send per minute before it is refused 429.
 DEFAULT_AUTH_FAILURE_LIMIT = 20
 DEFAULT_METRICS_TOP_ARMS = 20
+DEFAULT_METRICS_TOP_SEGMENTS = 20
 
 #: Seconds the observation ids (and distinct units, statistics batch ids) of a round are kept after its
 #: update: resends within it are recognised, data for an older round is refused. 7 days covers any
@@ -71,6 +72,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     tokens one client address may send per minute before it is refused 429, default 20),
     ``PASTO_METRICS_TOP_ARMS`` (``/metrics`` has per-arm series for this many arms of each
     experiment, those of highest probability, and one aggregate for the others; default 20),
+    ``PASTO_METRICS_TOP_SEGMENTS`` (per-segment series for this many segments of each segmented
+    experiment, those of largest traffic share, and one aggregate for the others; default 20),
     ``PASTO_EXPOSURE_LOG`` (a ``.jsonl`` or ``.parquet`` path: log one exposure per assigned unit
     there, see service/exposures.py; default unset: no exposure log),
     ``PASTO_RETENTION_SECONDS`` (how long after its update a round's observation ids, units and
@@ -97,13 +100,14 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
         "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
         "PASTO_METRICS_TOP_ARMS": DEFAULT_METRICS_TOP_ARMS,
+        "PASTO_METRICS_TOP_SEGMENTS": DEFAULT_METRICS_TOP_SEGMENTS,
         "PASTO_RETENTION_SECONDS": DEFAULT_RETENTION_SECONDS,
         "PASTO_RETENTION_CHECK_SECONDS": DEFAULT_RETENTION_CHECK_SECONDS,
     }
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
                 "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_EXPOSURE_LOG", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
-                "PASTO_METRICS_TOP_ARMS", "PASTO_RETENTION_SECONDS", "PASTO_RETENTION_CHECK_SECONDS",
-                *DATABASE_TIMEOUTS):
+                "PASTO_METRICS_TOP_ARMS", "PASTO_METRICS_TOP_SEGMENTS", "PASTO_RETENTION_SECONDS",
+                "PASTO_RETENTION_CHECK_SECONDS", *DATABASE_TIMEOUTS):
         if os.environ.get(key):
             config[key] = os.environ[key]
     for flag in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_METRICS_ANONYMOUS"):
@@ -127,6 +131,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
                                                         config["PASTO_AUTH_FAILURE_LIMIT"], "invalid tokens")
     config["PASTO_METRICS_TOP_ARMS"] = _whole_seconds("PASTO_METRICS_TOP_ARMS", config["PASTO_METRICS_TOP_ARMS"],
                                                       "arms")
+    config["PASTO_METRICS_TOP_SEGMENTS"] = _whole_seconds(
+        "PASTO_METRICS_TOP_SEGMENTS", config["PASTO_METRICS_TOP_SEGMENTS"], "segments")
     config["PASTO_RETENTION_SECONDS"] = _retention("PASTO_RETENTION_SECONDS", config["PASTO_RETENTION_SECONDS"])
     config["PASTO_RETENTION_CHECK_SECONDS"] = _seconds("PASTO_RETENTION_CHECK_SECONDS",
                                                        config["PASTO_RETENTION_CHECK_SECONDS"])

@@ -100,14 +100,35 @@ class ExposureRecorder:
         self._contexts[snapshot.id] = (snapshot.version, contexts)
         return contexts
 
-    def record(self, snapshot: Snapshot, units: Sequence[str], arms: Sequence[int] | np.ndarray) -> None:
+    def segment_contexts(self, snapshot: Snapshot) -> dict[str, tuple[ExposureContext, ...]]:
+        """Segmented experiments: per segment name, the exposure contexts of its mixture (K,), built once
+        per version."""
+        key = -1 - snapshot.id  # beside contexts()'s keys, never equal to one
+        cached = self._contexts.get(key)
+        if cached is not None and cached[0] == snapshot.version:
+            return cached[1]
+        mixture_version = snapshot.updated_at.isoformat().replace("+00:00", "Z")
+        contexts = {name: exposure_contexts(snapshot.name, snapshot.round_index, snapshot.arm_names,
+                                            snapshot.segment_serving[position].tolist(), mixture_version, segment=name)
+                    for position, name in enumerate(snapshot.segment_names)}
+        self._contexts[key] = (snapshot.version, contexts)
+        return contexts
+
+    def record(self, snapshot: Snapshot, units: Sequence[str], arms: Sequence[int] | np.ndarray,
+               segments: Sequence[str] | None = None) -> None:
         """Queue the exposures of ``units``, assigned to the arm positions ``arms`` (shape (N,))
-        from ``snapshot``; one clock read for them all."""
+        from ``snapshot`` (segmented: from the mixtures of their ``segments``); one clock read for them all."""
         log = self.log
         if log is None:
             return
-        contexts = self.contexts(snapshot)
         positions = arms.tolist() if isinstance(arms, np.ndarray) else arms
+        if segments is not None:
+            by_segment = self.segment_contexts(snapshot)
+            # An open set's value without a mixture of its own (or no value) was served the long tail's.
+            tail = by_segment[snapshot.segment_names[0]]
+            log.record_many(units, [by_segment.get(segment, tail)[arm] for segment, arm in zip(segments, positions)])
+            return
+        contexts = self.contexts(snapshot)
         if len(units) == 1:
             log.record(units[0], contexts[positions[0]])
         else:
@@ -144,8 +165,10 @@ def get_exposures(app: Flask | None = None) -> ExposureRecorder | None:
     return (app or current_app).extensions.get(_EXTENSION)
 
 
-def record_exposures(snapshot: Snapshot, units: Sequence[str], arms: Sequence[int] | np.ndarray) -> None:
-    """Queue the exposures of an assign request, if the exposure log is enabled (no I/O)."""
+def record_exposures(snapshot: Snapshot, units: Sequence[str], arms: Sequence[int] | np.ndarray,
+                     segments: Sequence[str] | None = None) -> None:
+    """Queue the exposures of an assign request, if the exposure log is enabled (no I/O); ``segments``
+    (one per unit) for a segmented experiment."""
     recorder = current_app.extensions.get(_EXTENSION)
     if recorder is not None:
-        recorder.record(snapshot, units, arms)
+        recorder.record(snapshot, units, arms, segments)

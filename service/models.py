@@ -77,6 +77,9 @@ class Experiment(Base):
     #: be de-duplicated.
     pruned_rounds: Mapped[int] = mapped_column(default=0, server_default="0")
     state: Mapped[dict[str, Any]]
+    #: Segmented experiments only: ``pasto.segments.SegmentedState.to_dict()`` (``state`` then holds the
+    #: traffic-weighted aggregate that the unsegmented reports read).
+    segment_state: Mapped[dict[str, Any] | None]
     version: Mapped[int]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
@@ -120,6 +123,9 @@ class Round(Base):
     closed_at: Mapped[datetime | None]
     applied_at: Mapped[datetime | None]
     probabilities: Mapped[list[Any]]
+    #: Segmented experiments only: the S x K propensities served per segment (``probabilities`` is
+    #: then their traffic-weighted aggregate).
+    segment_probabilities: Mapped[list[Any] | None]
     deployed: Mapped[list[Any] | None]
     summary: Mapped[dict[str, Any] | None]
 
@@ -191,6 +197,65 @@ class LateStatistic(_ArmMetricTotals, Base):
     this table. Ingestion writes them in the same transaction as their :class:`RoundStatistic` rows."""
 
     __tablename__ = "late_statistics"
+
+
+class SegmentRoundStatistic(Base):
+    """Segmented experiments: sufficient statistics of one metric for one arm in one segment and round
+    (migration 0009; the unsegmented tables hold the same observations summed over segments)."""
+
+    __tablename__ = "segment_round_statistics"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class _SegmentArmMetricTotals:
+    """Columns of a table of per-(segment, metric, arm) totals of a segmented experiment."""
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[int] = mapped_column(sa.BigInteger)
+    sum: Mapped[float] = mapped_column(sa.Double)
+    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
+
+
+class SegmentPooledStatistic(_SegmentArmMetricTotals, Base):
+    """:class:`PooledStatistic` with a segment axis."""
+
+    __tablename__ = "segment_pooled_statistics"
+
+
+class SegmentLateStatistic(_SegmentArmMetricTotals, Base):
+    """:class:`LateStatistic` with a segment axis."""
+
+    __tablename__ = "segment_late_statistics"
+
+
+class SegmentValueUnit(Base):
+    """Open segment sets: a unit seen with a segment value that has no mixture of its own yet; a value
+    gets one at a round close once it has ``min_units`` distinct units (its rows are then deleted)."""
+
+    __tablename__ = "segment_value_units"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True, autoincrement=False
+    )
+    value: Mapped[str] = mapped_column(
+        sa.String(128).with_variant(sa.String(128, collation="C"), "postgresql"), primary_key=True)
+    unit: Mapped[str] = mapped_column(
+        sa.String(256).with_variant(sa.String(256, collation="C"), "postgresql"), primary_key=True)
 
 
 class ArmRoundCount(Base):

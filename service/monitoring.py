@@ -33,7 +33,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from . import events
 from .controller import reports
-from .config import DEFAULT_METRICS_TOP_ARMS
+from .config import DEFAULT_METRICS_TOP_ARMS, DEFAULT_METRICS_TOP_SEGMENTS
 from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
 
@@ -279,6 +279,32 @@ class ControllerCollector:
         source_failing = _gauge("pasto_source_failing",
                                 "1 while the experiment's metric source is failing (its latest attempt failed).",
                                 "experiment")
+        segment_limit = int(self.app.config.get("PASTO_METRICS_TOP_SEGMENTS", DEFAULT_METRICS_TOP_SEGMENTS))
+        segment_families = {
+            "share": _gauge("pasto_segment_share",
+                            "Segmented experiments: traffic share of the segment at the latest update (the top "
+                            "PASTO_METRICS_TOP_SEGMENTS segments by share).", "experiment", "segment"),
+            "objective": _gauge("pasto_segment_objective_estimate",
+                                "Estimated primary value of the segment's deployed mixture at the latest update.",
+                                "experiment", "segment"),
+            "holds": _gauge("pasto_segment_guardrail_holds",
+                            "1 if the guardrail's estimate in the segment under its deployed mixture is at or above "
+                            "its threshold at the latest update, else 0.", "experiment", "segment", "metric",
+                            "guardrail"),
+            "other_share": _gauge("pasto_other_segments_share",
+                                  "Total traffic share of the segments without their own pasto_segment_* series.",
+                                  "experiment"),
+            "other_objective": _gauge("pasto_other_segments_objective_estimate",
+                                      "Share-weighted mean primary value of the segments without their own series.",
+                                      "experiment"),
+            "platform": _gauge("pasto_platform_guardrail_margin",
+                               "Segmented experiments: traffic-weighted platform value of the guardrail minus its "
+                               "threshold at the latest update (negative: violated).", "experiment", "metric",
+                               "guardrail", "scope"),
+            "gain": _gauge("pasto_segmenting_gain_estimate",
+                           "Estimated platform value of the per-segment mixtures minus that of the best global "
+                           "mixture, with its 95% interval (`bound`: estimate, lower, upper).", "experiment", "bound"),
+        }
 
         now = utcnow()
         data = reports.controller_metrics(get_db(self.app))
@@ -324,6 +350,9 @@ class ControllerCollector:
                     holds_by_mixture.add_metric(labels + ["estimate"], float(bool(report.get("holds"))))
                     holds_by_mixture.add_metric(labels + ["interval"], float(bool(report.get("confidently_holds"))))
 
+            if summary.get("segments"):
+                _add_segments(segment_families, name, summary["segments"], segment_limit)
+
             _, late_count, srm_report = traffic[row.id]
             if srm_report["p_value"] is not None:
                 srm.add_metric([name], srm_report["p_value"])
@@ -341,7 +370,8 @@ class ControllerCollector:
 
         yield from (status, round_index, applied, arm_count, probability, other_probability, deployed,
                     other_deployed, objective, regret, margin, holds, holds_by_mixture,
-                    srm, srm_ok, observations, late, lag, last_update, heartbeat, source_errors, source_failing)
+                    srm, srm_ok, observations, late, lag, last_update, heartbeat, source_errors, source_failing,
+                    *segment_families.values())
 
 
 def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experiment: str,
@@ -355,6 +385,39 @@ def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experim
     rest = np.ones(len(array), dtype=bool)
     rest[top] = False
     others.add_metric([experiment], float(array[rest].sum()))
+
+
+def _add_segments(families: dict[str, GaugeMetricFamily], experiment: str, report: Mapping[str, Any],
+                  limit: int) -> None:
+    """Per-segment samples for the ``limit`` segments of largest share and one aggregate for the rest
+    (a scrape stays small at hundreds of segments); the platform guardrails and the gain of segmenting."""
+    segments = report["segments"]
+    shares = np.array([entry["share"] or 0.0 for entry in segments], dtype=np.float64)
+    top = top_arms(shares, limit)
+    for position in top.tolist():
+        entry = segments[position]
+        families["share"].add_metric([experiment, entry["name"]], float(shares[position]))
+        if entry.get("objective") is not None:
+            families["objective"].add_metric([experiment, entry["name"]], entry["objective"])
+        for index, guardrail in enumerate(entry.get("guardrails") or []):
+            families["holds"].add_metric([experiment, entry["name"], guardrail["metric"], str(index)],
+                                         float(bool(guardrail.get("holds"))))
+    rest = np.ones(len(segments), dtype=bool)
+    rest[top] = False
+    rest_share = float(shares[rest].sum())
+    families["other_share"].add_metric([experiment], rest_share)
+    values = np.array([np.nan if entry.get("objective") is None else entry["objective"] for entry in segments])
+    if rest_share > 0 and np.all(np.isfinite(values[rest])):
+        families["other_objective"].add_metric([experiment], float(shares[rest] @ values[rest] / rest_share))
+    for index, guardrail in enumerate(report.get("platform_guardrails") or []):
+        if guardrail.get("estimate") is not None and guardrail.get("threshold") is not None:
+            families["platform"].add_metric([experiment, guardrail["metric"], str(index), guardrail["scope"]],
+                                            guardrail["estimate"] - guardrail["threshold"])
+    gain = report.get("gain") or {}
+    interval = gain.get("interval") or [None, None]
+    for bound, value in (("estimate", gain.get("value")), ("lower", interval[0]), ("upper", interval[1])):
+        if value is not None:
+            families["gain"].add_metric([experiment, bound], value)
 
 
 def _overdue_seconds(experiment, rounds: Mapping[int, Any], now) -> float:

@@ -55,6 +55,20 @@ class ArmView(_Response):
     params: dict[str, Any]
 
 
+class SegmentsView(_Response):
+    names: list[str] = Field(description="The segments with a mixture of their own, in order; an open set's "
+                                         "first is \"(other)\", the long tail.")
+    by: str | None = Field(default=None, description="Open set: the attribute whose values are the segments.")
+    min_units: int | None = Field(default=None, description="Open set: units a value needs for its own mixture.")
+    max_segments: int | None = Field(default=None, description="Open set: most values with a mixture of their own.")
+    shares: list[Number] | None = Field(description="The expected traffic shares given at creation (null: none).")
+    scopes: list[Literal["segment", "global"]] = Field(description="Scope of each guardrail of the objective.")
+    shrink: bool
+    confidence_z: Number
+    probabilities: dict[str, list[Number]] = Field(description="p_t per segment (aligned with arms).")
+    deployed: dict[str, list[Number]] = Field(description="The mixture recommended now, per segment.")
+
+
 class Experiment(_Response):
     name: str
     status: Literal["running", "paused", "stopped"]
@@ -69,6 +83,8 @@ class Experiment(_Response):
     applied_rounds: int = Field(description="Rounds whose update has run.")
     probabilities: list[Number] = Field(description="p_t, sampled from in the current round (aligned with arms).")
     deployed: list[Number] = Field(description="The mixture the algorithm recommends now.")
+    segments: SegmentsView | None = Field(default=None, description="Segmented experiments only; "
+                                          "probabilities and deployed above are then their traffic-weighted aggregate.")
     created_at: Timestamp
     updated_at: Timestamp
     archived_at: OptionalTimestamp = Field(
@@ -93,6 +109,8 @@ class Assignment(_Response):
     params: dict[str, Any]
     round: int
     probability: Number = Field(description="Propensity p_{t,arm}.")
+    segment: str | None = Field(default=None, description="Segmented experiments: the unit's segment, whose "
+                                                           "mixture the arm was drawn from.")
 
 
 class AssignmentBatch(_Response):
@@ -140,6 +158,14 @@ class Guardrail(_Response):
     confidently_holds: bool = Field(description="The whole interval is above the threshold.")
 
 
+class RoundSegments(_Response):
+    probabilities: dict[str, list[Number]] = Field(description="p_t served in the round, per segment.")
+    observations: dict[str, int] = Field(description="Observations in the round, per segment.")
+    summary: dict[str, Any] | None = Field(description=(
+        "After the round's update: per segment its share, mixtures, objective and guardrails, the platform-wide "
+        "guardrails and the gain of segmenting (as the diagnostics' segments; null until applied)."))
+
+
 class RoundView(_Response):
     index: int
     started_at: Timestamp
@@ -164,6 +190,7 @@ class RoundView(_Response):
     guardrails_deployed: list[Guardrail] | None = Field(
         default=None, description="Each guardrail under the deployed mixture right after the round's update "
                                   "(null for rounds stored before this was recorded).")
+    segments: RoundSegments | None = Field(default=None, description="Segmented experiments only.")
 
 
 class SourceErrorView(_Response):
@@ -242,6 +269,10 @@ class Diagnostics(_Response):
     estimate: EstimateView
     source_error: SourceErrorView | None = Field(
         default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
+    segments: dict[str, Any] | None = Field(default=None, description=(
+        "Segmented experiments only: per segment (name, share, observations, probabilities, deployed, objective, "
+        "guardrails), the platform-wide guardrails, the best global mixture and the gain of segmenting over it "
+        "with a 95% interval (docs/segments.md)."))
 
 
 class HealthDatabase(_Response):
@@ -284,7 +315,8 @@ MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, Assi
 
 
 def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],
-                arm_params: tuple[dict[str, Any], ...], round_index: int) -> list[dict[str, Any]]:
+                arm_params: tuple[dict[str, Any], ...], round_index: int,
+                segments: list[str] | None = None) -> list[dict[str, Any]]:
     """:class:`Assignment` objects on the wire: unit ``units[i]`` got arm position ``arms[i]`` with
     propensity ``probabilities[i]`` in round ``round_index``.
 
@@ -293,6 +325,10 @@ def assignments(units: list[str], arms: list[int], probabilities: list[float], a
     path, and building and dumping a model per unit costs about 12 ms per 1,000 units, when the whole
     request takes about 4 ms without.
     """
+    if segments is not None:  # segmented experiments: each answer names the segment whose mixture served it
+        return [{"unit": unit, "arm": arm_names[arm], "params": arm_params[arm], "round": round_index,
+                 "probability": probability, "segment": segment}
+                for unit, arm, probability, segment in zip(units, arms, probabilities, segments)]
     return [{"unit": unit, "arm": arm_names[arm], "params": arm_params[arm], "round": round_index,
              "probability": probability}
             for unit, arm, probability in zip(units, arms, probabilities)]

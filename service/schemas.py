@@ -95,6 +95,9 @@ class GuardrailSpec(_Strict):
     penalty: Annotated[Number, Field(ge=0)] | None = None
     relative_to: ShortName | None = None
     hard: bool = False
+    #: Segmented experiments: held in every segment ("segment") or on the traffic-weighted platform
+    #: value ("global", the default there). Refused for an unsegmented experiment.
+    scope: Literal["segment", "global"] | None = None
 
 
 class ObjectiveSpec(_Strict):
@@ -102,6 +105,62 @@ class ObjectiveSpec(_Strict):
     guardrails: list[GuardrailSpec] = Field(default_factory=list, max_length=64)
     #: The known-safe arm (production setting) that safe serving pads traffic with.
     baseline: ShortName | None = None
+
+
+MAX_SEGMENTS = 1_000
+#: The segment of an open set that serves every value without a mixture of its own (and units without a value).
+OTHER_SEGMENT = "(other)"
+SegmentName = ShortName
+
+
+class SegmentsSpec(_Strict):
+    """A closed list of segments; ``shares`` are the expected traffic shares (measured shares replace
+    them once there are observations), ``shrink`` and ``confidence_z`` tune the segmented controller
+    (``pasto.segments.SegmentedConfig``)."""
+
+    names: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    #: Open set: the attribute whose values are the segments; a value gets its own mixture once
+    #: ``min_units`` distinct units were observed with it (at most ``max_segments`` values), and is
+    #: served the shared mixture of the long tail (segment "(other)") until then.
+    by: ShortName | None = None
+    min_units: Annotated[int, Field(ge=1, le=10**9)] = 100
+    max_segments: Annotated[int, Field(ge=1, le=MAX_SEGMENTS - 1)] = 100
+    shares: Annotated[list[Annotated[FiniteFloat, Field(ge=0)]], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    shrink: bool = True
+    confidence_z: Annotated[FiniteFloat, Field(ge=0, le=10)] = 2.0
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SegmentsSpec:
+        if (self.names is None) == (self.by is None):
+            raise invalid("segments", "Give either names (a closed list of segments) or by (an open set of an "
+                                      "attribute's values), not both or neither.")
+        if self.by is not None:
+            if self.shares is not None:
+                raise invalid("segments.shares", "An open set has no expected shares: the measured ones are used.")
+            return self
+        if OTHER_SEGMENT in self.names:
+            raise invalid("segments.names", f"{OTHER_SEGMENT!r} is reserved (the long tail of an open set).")
+        _require_unique(self.names, "segments.names", "segment name")
+        if self.shares is not None:
+            if len(self.shares) != len(self.names):
+                raise invalid("segments.shares", f"Give one share per segment: {len(self.names)} segments, "
+                                                 f"{len(self.shares)} shares.")
+            if not math.isclose(sum(self.shares), 1.0, abs_tol=1e-6):
+                raise invalid("segments.shares", f"The shares must sum to 1; they sum to {sum(self.shares):g}.")
+        return self
+
+
+def _segments_kind(value: Any) -> str | None:
+    return "names" if isinstance(value, list) else "spec" if isinstance(value, (dict, SegmentsSpec)) else None
+
+
+#: A list of segment names or a :class:`SegmentsSpec`, tagged by the JSON type so that an error names the
+#: member the client meant (``segments.min_units: ...``), not both.
+Segments = Annotated[
+    Annotated[list[SegmentName], Tag("names")] | Annotated[SegmentsSpec, Tag("spec")],
+    Discriminator(_segments_kind, custom_error_type="invalid_segments",
+                  custom_error_message="Must be a list of segment names or an object (names or by, ...)"),
+]
 
 
 class AlgorithmSpec(BaseModel):
@@ -124,20 +183,48 @@ class ExperimentCreate(_Strict):
     source: Annotated[dict[str, Any], AfterValidator(_json_value)] | None = Field(
         default=None, description="Warehouse-native metric source (docs/scaling.md): the scheduler queries it at "
                                   "each round's update. Secrets by environment-variable name only.")
+    #: Per-segment mixtures (docs/segments.md): a list of segment names or a :class:`SegmentsSpec`.
+    segments: Segments | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> ExperimentCreate:
         _require_unique([arm.name for arm in self.arms], "arms", "arm name", suffix=".name")
         _require_unique(self.metrics, "metrics", "metric")
+        if isinstance(self.segments, list):
+            if not 1 <= len(self.segments) <= MAX_SEGMENTS:
+                raise invalid("segments", f"Give between 1 and {MAX_SEGMENTS} segment names, not {len(self.segments)}.")
+            _require_unique(self.segments, "segments", "segment name")
+            if OTHER_SEGMENT in self.segments:
+                raise invalid("segments", f"{OTHER_SEGMENT!r} is reserved (the long tail of an open set).")
         return self
 
 
 class AssignOne(_Strict):
     unit: Identifier
+    #: The unit's segment (segmented experiments only).
+    segment: SegmentName | None = None
 
 
 class AssignMany(_Strict):
     units: Annotated[list[Identifier], Field(min_length=1, max_length=MAX_BATCH)]
+    #: One segment for every unit of the batch, or ``segments``: one per unit (segmented experiments only).
+    segment: SegmentName | None = None
+    segments: Annotated[list[SegmentName], Field(min_length=1, max_length=MAX_BATCH)] | None = None
+
+    @model_validator(mode="after")
+    def _segments_match_units(self) -> AssignMany:
+        if self.segment is not None and self.segments is not None:
+            raise invalid("segments", "Send either segment (one for every unit) or segments (one per unit), not both.")
+        if self.segments is not None and len(self.segments) != len(self.units):
+            raise invalid("segments", f"Give one segment per unit: {len(self.units)} units, "
+                                      f"{len(self.segments)} segments.")
+        return self
+
+    def unit_segments(self) -> list[str] | None:
+        """The segment of each unit, or None when the request names none."""
+        if self.segments is not None:
+            return self.segments
+        return None if self.segment is None else [self.segment] * len(self.units)
 
 
 class Observation(_Strict):
@@ -146,6 +233,8 @@ class Observation(_Strict):
     round: Annotated[int, Field(ge=0, le=2**31 - 1)]
     arm: ShortName | None = None
     values: Annotated[dict[MetricName, Number], Field(min_length=1, max_length=64)]
+    #: The unit's segment (required by a segmented experiment, refused by an unsegmented one).
+    segment: SegmentName | None = None
 
 
 class ObservationBatch(_Strict):
@@ -176,6 +265,8 @@ class StatisticsCell(_Strict):
     count: Annotated[int, Field(ge=1, le=MAX_COUNT)]
     sum: FiniteFloat
     sum_of_squares: Annotated[FiniteFloat, Field(ge=0)]
+    #: The segment the cell's observations belong to (segmented experiments, as an observation's).
+    segment: SegmentName | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StatisticsCell:

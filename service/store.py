@@ -33,8 +33,8 @@ from pasto.estimators import Statistics
 from .db import Database
 from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
                      ObservationId, PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat,
-                     SourceCell, SourceStatus, SourceUnits,
-                     StatisticsBatch)
+                     SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic, SegmentValueUnit, SourceCell,
+                     SourceStatus, SourceUnits, StatisticsBatch)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -174,8 +174,10 @@ def _execute_raw(connection: sa.Connection, sql: str, parameters: tuple) -> list
 # ------------------------------------------------------------------------------ experiments
 def create_experiment(session: Session, *, name: str, config: dict[str, Any], seed: int, state: dict[str, Any],
                       arms: Sequence[tuple[str, dict[str, Any]]], probabilities: list[float], now: datetime,
-                      round_seconds: float) -> None:
-    """Insert an experiment, its arms and its round 0. :class:`ExperimentExists` if the name is taken
+                      round_seconds: float, segment_state: dict[str, Any] | None = None,
+                      segment_probabilities: list[Any] | None = None) -> None:
+    """Insert an experiment, its arms and its round 0 (segmented experiments: with their segmented
+    state and round 0's per-segment propensities). :class:`ExperimentExists` if the name is taken
     (the caller's transaction must then be rolled back: a concurrent creation lost to the unique
     constraint)."""
     try:
@@ -184,7 +186,8 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
             raise ExperimentExists(name)
         experiment = Experiment(
             id=_next_sqlite_experiment_id(session), name=name, config=config, status="running", seed=seed,
-            round_index=0, applied_rounds=0, state=state, version=1, created_at=now, updated_at=now,
+            round_index=0, applied_rounds=0, state=state, segment_state=segment_state, version=1, created_at=now,
+            updated_at=now,
         )
         session.add(experiment)
         session.flush()
@@ -193,7 +196,8 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
             for position, (arm_name, params) in enumerate(arms)
         ])
         session.add(Round(experiment_id=experiment.id, index=0, started_at=now,
-                          ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities))
+                          ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities,
+                          segment_probabilities=segment_probabilities))
         session.flush()
         add_event(session, experiment.id, "created", 0, now)
     except sa.exc.IntegrityError:
@@ -327,6 +331,15 @@ def round_probabilities_text(session: Session, experiment_id: int, round_indices
             sa.select(Round.index, sa.cast(Round.probabilities, sa.Text))
             .where(Round.experiment_id == experiment_id, Round.index.in_(indices[start:start + 100]))))
     return rows
+
+
+def round_segment_probabilities(database: Database, experiment_id: int, round_index: int) -> list[Any] | None:
+    """The per-segment propensities (S x K) served in a round of a segmented experiment (None: no such round)."""
+    with database.read() as session:
+        return session.execute(
+            sa.select(Round.segment_probabilities)
+            .where(Round.experiment_id == experiment_id, Round.index == round_index)
+        ).scalar_one_or_none()
 
 
 def lock_experiment(session: Session, experiment_id: int) -> sa.Row | None:
@@ -557,13 +570,15 @@ def advance_experiment(session: Session, experiment: sa.Row, *, round_index: int
 
 
 def close_and_start_round(session: Session, current: Round, *, now: datetime, next_index: int,
-                          round_seconds: float, probabilities: list[float]) -> None:
+                          round_seconds: float, probabilities: list[float],
+                          segment_probabilities: list[Any] | None = None) -> None:
     """Close ``current`` now (a round closed early by hand was served until now, not its planned end)
-    and start round ``next_index``."""
+    and start round ``next_index`` (segmented experiments: with the per-segment propensities it serves)."""
     current.closed_at = now
     current.ends_at = min(current.ends_at, now)
     session.add(Round(experiment_id=current.experiment_id, index=next_index, started_at=now,
-                      ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities))
+                      ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities,
+                      segment_probabilities=segment_probabilities))
 
 
 def store_summaries(database: Database, experiment_id: int, summaries: list[tuple[int, dict[str, Any]]]) -> None:
@@ -668,6 +683,159 @@ def _read_statistics(session: Session, sql: str, parameters: tuple, n_metrics: i
     sums[metric, arm] = data[:, 3]
     sums_of_squares[metric, arm] = data[:, 4]
     return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
+
+
+# ------------------------------------------------------------------------------ segments
+# Segmented experiments keep the unsegmented tables above (every segment summed) and, in the same
+# transactions, the same cells with a segment axis in the three segment_* tables (migration 0009).
+def add_segment_statistics(connection: sa.Connection, experiment_id: int, cells: list[tuple],
+                           applied_rounds: int) -> None:
+    """:func:`add_statistics` with a segment axis: ``cells`` are ``(round_index, segment_index,
+    arm_index, metric_index, count, sum, sum_of_squares)``, one per key, sorted by key."""
+    add_rows(
+        connection, SegmentRoundStatistic.__table__,
+        ("experiment_id", "round_index", "segment_index", "arm_index", "metric_index"),
+        ("count", "sum", "sum_of_squares"), [(experiment_id, *cell) for cell in cells],
+    )
+    late: dict[tuple[int, int, int], list] = {}
+    for round_index, segment, arm, metric, count, total, total_of_squares in cells:
+        if round_index < applied_rounds:
+            sums = late.setdefault((segment, metric, arm), [0, 0.0, 0.0])
+            sums[0] += count
+            sums[1] += total
+            sums[2] += total_of_squares
+    if late:
+        add_rows(
+            connection, SegmentLateStatistic.__table__, ("experiment_id", "segment_index", "metric_index", "arm_index"),
+            ("count", "sum", "sum_of_squares"),
+            [(experiment_id, *key, *sums) for key, sums in sorted(late.items())],
+        )
+
+
+def fold_segment_statistics(database: Database, session: Session, experiment_id: int, round_index: int) -> int:
+    """:func:`fold_statistics` with a segment axis (same locking rules)."""
+    table, late, pooled = (SegmentRoundStatistic.__table__, SegmentLateStatistic.__table__,
+                           SegmentPooledStatistic.__table__)
+    keys = ("segment_index", "metric_index", "arm_index")
+    cells = sa.union_all(
+        sa.select(*(table.c[key] for key in keys), table.c.count, table.c.sum, table.c.sum_of_squares)
+        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index),
+        sa.select(*(late.c[key] for key in keys), late.c.count, late.c.sum, late.c.sum_of_squares)
+        .where(late.c.experiment_id == experiment_id),
+    ).subquery()
+    additions = (
+        sa.select(sa.literal(experiment_id), *(cells.c[key] for key in keys), sa.func.sum(cells.c.count),
+                  sa.func.sum(cells.c.sum), sa.func.sum(cells.c.sum_of_squares))
+        .group_by(*(cells.c[key] for key in keys))
+        .order_by(*(cells.c[key] for key in keys))  # one lock order
+    )
+    upsert = database.insert(pooled).from_select(
+        ["experiment_id", *keys, "count", "sum", "sum_of_squares"], additions)
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[pooled.c.experiment_id, *(pooled.c[key] for key in keys)],
+        set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
+    )
+    cells_added = session.execute(upsert).rowcount
+    session.execute(sa.delete(late).where(late.c.experiment_id == experiment_id))
+    return cells_added
+
+
+def update_segment_statistics(database: Database, session: Session, experiment_id: int, round_index: int,
+                              n_segments: int, n_metrics: int, n_arms: int) -> tuple[Statistics, Statistics]:
+    """:func:`update_statistics` with a segment axis: round ``round_index``'s and the pooled statistics,
+    each of shape (S, M, K), after folding the round and the late cells into the totals."""
+    fold_segment_statistics(database, session, experiment_id, round_index)
+    shape = (n_segments, n_metrics, n_arms)
+    this_round = _read_segment_statistics(
+        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+                 "FROM segment_round_statistics WHERE experiment_id = {p} AND round_index = {p}",
+        (experiment_id, round_index), shape)
+    pooled = _read_segment_statistics(
+        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+                 "FROM segment_pooled_statistics WHERE experiment_id = {p}", (experiment_id,), shape)
+    return this_round, pooled
+
+
+def segment_pooled_statistics(session: Session, experiment_id: int, last_round: int, n_segments: int,
+                              n_metrics: int, n_arms: int) -> Statistics:
+    """:func:`pooled_statistics` with a segment axis: (S, M, K), without writing, one statement."""
+    return _read_segment_statistics(
+        session,
+        "SELECT segment_index, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
+        "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM segment_pooled_statistics "
+        "WHERE experiment_id = {p} "
+        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+        "FROM segment_late_statistics WHERE experiment_id = {p} "
+        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+        "FROM segment_round_statistics WHERE experiment_id = {p} AND round_index <= {p} "
+        "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})"
+        ") AS cells GROUP BY segment_index, metric_index, arm_index",
+        (experiment_id, experiment_id, experiment_id, last_round, experiment_id),
+        (n_segments, n_metrics, n_arms))
+
+
+def segment_round_traffic(session: Session, experiment_id: int, since: int, last: int) -> list[tuple]:
+    """``(round_index, segment_index, metric_index, count)`` of rounds ``since..last``: observations per
+    round, segment and metric, summed over arms (the traffic shares of the round history)."""
+    table = SegmentRoundStatistic.__table__
+    return [tuple(row) for row in session.execute(
+        sa.select(table.c.round_index, table.c.segment_index, table.c.metric_index, sa.func.sum(table.c.count))
+        .where(table.c.experiment_id == experiment_id, table.c.round_index >= since, table.c.round_index <= last)
+        .group_by(table.c.round_index, table.c.segment_index, table.c.metric_index)
+    )]
+
+
+def _read_segment_statistics(session: Session, sql: str, parameters: tuple, shape: tuple[int, int, int]) -> Statistics:
+    """Rows (segment_index, metric_index, arm_index, count, sum, sum_of_squares) -> S x M x K :class:`Statistics`."""
+    connection = session.connection()
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(sql.format(p=_placeholder(connection)), parameters)
+        data = np.array(cursor.fetchall(), dtype=np.float64).reshape(-1, 6)
+    finally:
+        cursor.close()
+    arrays = [np.zeros(shape) for _ in range(3)]
+    index = tuple(data[:, column].astype(np.int64) for column in range(3))
+    for array, column in zip(arrays, (3, 4, 5)):
+        array[index] = data[:, column]
+    return Statistics(counts=arrays[0], sums=arrays[1], sums_of_squares=arrays[2])
+
+
+def add_segment_value_units(connection: sa.Connection, experiment_id: int, rows: list[tuple[str, str]]) -> None:
+    """Record ``(value, unit)`` pairs of an open segment set (sorted; existing pairs ignored)."""
+    if rows:
+        insert_new(connection, SegmentValueUnit.__table__, ("experiment_id", "value", "unit"),
+                   [(experiment_id, value, unit) for value, unit in rows], returning=("value",))
+
+
+def graduate_segment_values(session: Session, experiment_id: int, min_units: int, limit: int,
+                            exclude: Sequence[str]) -> list[str]:
+    """Up to ``limit`` values of an open set with at least ``min_units`` units (most units first, then by
+    value), other than ``exclude``; their unit rows are deleted (they now have a mixture of their own).
+    In the close transaction (the experiment row locked exclusively)."""
+    if limit <= 0:
+        return []
+    table = SegmentValueUnit.__table__
+    count = sa.func.count()
+    values = [value for value in session.execute(
+        sa.select(table.c.value).where(table.c.experiment_id == experiment_id)
+        .group_by(table.c.value).having(count >= min_units).order_by(count.desc(), table.c.value)
+    ).scalars() if value not in set(exclude)][:limit]
+    if values:
+        session.execute(sa.delete(table).where(table.c.experiment_id == experiment_id, table.c.value.in_(values)))
+    return values
+
+
+def segment_state(session: Session, experiment_id: int) -> dict[str, Any] | None:
+    """A segmented experiment's stored ``SegmentedState.to_dict()`` (None: unsegmented)."""
+    return session.execute(sa.select(Experiment.segment_state).where(Experiment.id == experiment_id)).scalar_one()
+
+
+def write_segment_state(session: Session, experiment_id: int, segment_state: dict[str, Any]) -> None:
+    """Store a segmented experiment's ``SegmentedState.to_dict()`` (in the close transaction, after the
+    compare-and-set of :func:`advance_experiment` succeeded)."""
+    session.execute(sa.update(_experiments).where(_experiments.c.id == experiment_id)
+                    .values(segment_state=segment_state))
 
 
 # ------------------------------------------------------------------------------ reports

@@ -9,7 +9,7 @@ SQLite ids above both tables; PostgreSQL's sequence never goes back. (Making the
 would mean rebuilding ``experiments``, whose DROP cascades into every table referencing it.)
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0010'
-down_revision = '0008'
+down_revision = '0009'
 branch_labels = None
 depends_on = None
 

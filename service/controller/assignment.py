@@ -13,23 +13,64 @@ from pasto.hashing import buckets, choose_arm, choose_arms
 
 from .. import events
 from ..cache import Snapshot, get_cache
+from ..errors import invalid, problems_error
 from ..exposures import record_exposures
+from .ingestion import segment_position, segment_problem
 
 
-def assign_one(name: str, unit: str) -> tuple[Snapshot, bool, int]:
-    """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``)
-    and the arm position of ``unit``."""
+def assign_one(name: str, unit: str, segment: str | None = None
+               ) -> tuple[Snapshot, bool, int, float, str | None]:
+    """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``),
+    the arm position of ``unit``, its propensity and the segment whose mixture served it (None:
+    unsegmented). A segmented experiment serves the mixture of the unit's ``segment`` (422 when it is
+    missing or unknown, or given to an unsegmented experiment; in an open set a value without a mixture
+    of its own, or no value, is served the long tail's, "(other)")."""
     snapshot, stale = get_cache().serve(name)
-    arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
+    problem = segment_problem(snapshot, segment)
+    if problem is not None:
+        raise invalid("segment", problem)
+    if not snapshot.segmented:
+        arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
+        probability = float(snapshot.serving[arm])
+    else:
+        position = segment_position(snapshot, segment)
+        arm = choose_arm(snapshot.segment_serving_cumulative[position], snapshot.hasher(unit))
+        probability = float(snapshot.segment_serving[position, arm])
+    served = snapshot.segment_names[position] if snapshot.segmented else None
     events.assigned.send(snapshot, arms=[arm])
-    record_exposures(snapshot, [unit], [arm])
-    return snapshot, stale, arm
+    record_exposures(snapshot, [unit], [arm], None if served is None else [served])
+    return snapshot, stale, arm, probability, served
 
 
-def assign_many(name: str, units: list[str]) -> tuple[Snapshot, bool, np.ndarray]:
-    """The snapshot served, whether it is stale, and the arm position of each of ``units``, shape (N,)."""
+def assign_many(name: str, units: list[str], segments: list[str] | None = None
+                ) -> tuple[Snapshot, bool, np.ndarray, np.ndarray, list[str] | None]:
+    """The snapshot served, whether it is stale, the arm position and propensity of each of ``units``,
+    shapes (N,), and the segment whose mixture served each (None: unsegmented); a segmented experiment
+    serves each unit its segment's mixture (``segments``, one per unit; a 422 naming every missing or
+    unknown one, as :func:`assign_one`)."""
     snapshot, stale = get_cache().serve(name)
-    arms = choose_arms(snapshot.serving, buckets(snapshot.seed, units, snapshot.round_index))
+    u = buckets(snapshot.seed, units, snapshot.round_index)
+    served = None
+    if not snapshot.segmented and segments is None:
+        arms = choose_arms(snapshot.serving, u)
+        probabilities = snapshot.serving[arms]
+    else:
+        given = segments if segments is not None else [None] * len(units)
+        problems = []
+        for position, segment in enumerate(given):
+            problem = segment_problem(snapshot, segment)
+            if problem is not None:
+                problems.append({"location": f"segments[{position}]", "message": problem})
+        if problems:
+            raise problems_error(problems)
+        positions = np.fromiter((segment_position(snapshot, segment) for segment in given), dtype=np.int64,
+                                count=len(given))
+        arms = np.empty(len(units), dtype=np.int64)
+        for position in np.unique(positions).tolist():
+            members = positions == position
+            arms[members] = choose_arms(snapshot.segment_serving[position], u[members])
+        probabilities = snapshot.segment_serving[positions, arms]
+        served = [snapshot.segment_names[position] for position in positions.tolist()]
     events.assigned.send(snapshot, arms=arms)
-    record_exposures(snapshot, units, arms)
-    return snapshot, stale, arms
+    record_exposures(snapshot, units, arms, served)
+    return snapshot, stale, arms, probabilities, served

@@ -20,15 +20,18 @@ import secrets
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from pasto.algorithm import AlgorithmConfig, initial_state
 from pasto.objectives import Objective
+from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
 
 from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import get_db
 from ..errors import ApiError, invalid
 from ..models import utcnow
-from ..schemas import ExperimentCreate
+from ..schemas import OTHER_SEGMENT, ExperimentCreate
 from ..sources import SourceError, parse_source
 
 
@@ -87,12 +90,86 @@ def algorithm_and_objective(session, experiment_id: int, config: dict[str, Any])
     return algorithm, Objective.from_spec(config["metrics"], config["objective"], arm_names=arm_names)
 
 
+def segmented_config(config: dict[str, Any], algorithm: AlgorithmConfig) -> SegmentedConfig | None:
+    """The segmented controller's configuration of a stored experiment config (None: unsegmented)."""
+    segments = config.get("segments")
+    if segments is None:
+        return None
+    return SegmentedConfig(algorithm=algorithm, scopes=tuple(segments["scopes"]), shrink=segments["shrink"],
+                           confidence_z=segments["confidence_z"])
+
+
+def expected_shares(config: dict[str, Any], n_segments: int) -> np.ndarray:
+    """The expected traffic shares (S,) of a segmented experiment's stored config (equal when not given,
+    and always for an open set, whose number of segments grows)."""
+    segments = config["segments"]
+    if segments.get("shares") is not None:
+        return np.asarray(segments["shares"], dtype=np.float64)
+    return np.full(n_segments, 1.0 / n_segments)
+
+
+def load_segment_state(stored: dict[str, Any]) -> tuple[SegmentedState, list[str]]:
+    """The segmented state and the segment names (in state order) of ``experiments.segment_state``."""
+    return SegmentedState.from_dict({key: value for key, value in stored.items() if key != "names"}), stored["names"]
+
+
+def dump_segment_state(state: SegmentedState, names: list[str]) -> dict[str, Any]:
+    """What ``experiments.segment_state`` stores: ``SegmentedState.to_dict()`` plus the segment names (an
+    open set's grow as values get a mixture of their own)."""
+    return {**state.to_dict(), "names": list(names)}
+
+
+def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, Any] | None:
+    """``config["segments"]`` of a new experiment (None: unsegmented); a 422 naming what is wrong."""
+    scopes = [guardrail.scope for guardrail in body.objective.guardrails]
+    if body.segments is None:
+        for index, scope in enumerate(scopes):
+            if scope is not None:
+                raise invalid(f"objective.guardrails[{index}].scope",
+                              "A guardrail scope applies only to an experiment with segments; this one has none.")
+        return None
+    spec = body.segments
+    open_set = not isinstance(spec, list) and spec.by is not None
+    names = list(spec) if isinstance(spec, list) else [OTHER_SEGMENT] if open_set else list(spec.names)
+    resolved = tuple(scope or "global" for scope in scopes)
+    try:
+        check_scopes(objective, resolved)
+    except ValueError as error:
+        raise invalid("objective.guardrails", f"With segments: {error}") from None
+    shares = None if isinstance(spec, list) or spec.shares is None else [float(share) for share in spec.shares]
+    if shares is not None:
+        total = sum(shares)
+        shares = [share / total for share in shares]  # summed to 1 within 1e-6: made exact
+    return {
+        "names": names,  # an open set's initial names: its long tail only (the current ones: segment_state)
+        "by": spec.by if open_set else None,
+        "min_units": spec.min_units if open_set else None,
+        "max_segments": spec.max_segments if open_set else None,
+        "shares": shares,
+        "scopes": list(resolved),
+        "shrink": True if isinstance(spec, list) else spec.shrink,
+        "confidence_z": 2.0 if isinstance(spec, list) else float(spec.confidence_z),
+    }
+
+
 def create(body: ExperimentCreate) -> Snapshot:
     """Create the experiment ``body`` describes; 409 if the name is taken."""
     arm_names = [arm.name for arm in body.arms]
-    objective = build_objective(body.metrics, body.objective.model_dump(exclude_none=True), arm_names)
-    algorithm = build_algorithm(body.algorithm.model_dump())
-    state = initial_state(algorithm, len(arm_names), len(body.metrics))
+    objective_spec = body.objective.model_dump(exclude_none=True)
+    for guardrail in objective_spec.get("guardrails", []):
+        guardrail.pop("scope", None)  # kept in config["segments"]["scopes"]; not part of the Objective
+    objective = build_objective(body.metrics, objective_spec, arm_names)
+    algorithm_spec = body.algorithm.model_dump()
+    if body.segments is not None:
+        # The segmented controller serves its own mixtures, (1 - eps) p*_s + eps / K from the joint LP
+        # (pasto.segments), in place of the per-segment safe-serving rule: it runs "exploration".
+        if algorithm_spec.get("serving", "exploration") != "exploration":
+            raise invalid("algorithm.serving", "Safe serving is not available with segments: the segmented "
+                                               "controller serves the joint solution with exploration "
+                                               "(give serving 'exploration' or leave it out).")
+        algorithm_spec["serving"] = "exploration"
+    algorithm = build_algorithm(algorithm_spec)
+    segments = _segments_config(body, objective)
     config = {
         "metrics": body.metrics,
         "objective": objective.to_spec(),
@@ -101,14 +178,28 @@ def create(body: ExperimentCreate) -> Snapshot:
         "settle_seconds": body.settle_seconds,
     }
     if body.source is not None:
+        if segments is not None:
+            raise invalid("source", "A metric source cannot feed a segmented experiment yet: the statistics it "
+                                    "returns carry no segment. Send per-segment statistics batches instead.")
         config["source"] = check_source(body.source, body.metrics)
+    segment_state = segment_probabilities = None
+    if segments is None:
+        state = initial_state(algorithm, len(arm_names), len(body.metrics))
+    else:
+        config["segments"] = segments
+        segmented = initial_segmented_state(segmented_config(config, algorithm), len(segments["names"]),
+                                            len(arm_names), len(body.metrics))
+        state = aggregate_state(segmented, expected_shares(config, len(segments["names"])))
+        segment_state = dump_segment_state(segmented, segments["names"])
+        segment_probabilities = segmented.probabilities.tolist()
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
         with get_db().write() as session:
             store.create_experiment(
                 session, name=body.name, config=config, seed=seed, state=state.to_dict(),
                 arms=[(arm.name, arm.params) for arm in body.arms], probabilities=state.probabilities.tolist(),
-                now=utcnow(), round_seconds=body.round_seconds)
+                now=utcnow(), round_seconds=body.round_seconds, segment_state=segment_state,
+                segment_probabilities=segment_probabilities)
     except store.ExperimentExists:
         raise ApiError(409, "conflict", f"An experiment named {body.name!r} already exists.") from None
     return get_cache().get(body.name, fresh=True)

@@ -76,19 +76,24 @@ def ingest(snapshot: Snapshot, batch: list[Observation]) -> IngestResult:
     cache = get_cache()
     if max(observation.round for observation in batch) > snapshot.round_index:
         snapshot = cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
-    arms = resolve_arms(cache, snapshot, batch)
+    segments: np.ndarray | None = None if not snapshot.segmented else np.full(len(batch), -1, dtype=np.int64)
+    arms = resolve_arms(cache, snapshot, batch, segments)
     database = get_db()
     try:
-        result = _store(database, snapshot, batch, arms, ids_expected_new=True)
+        result = _store(database, snapshot, batch, arms, ids_expected_new=True, segments=segments)
     except store.KeysExist:  # a resent id (or one a concurrent request committed first): nothing was stored
-        result = _store(database, snapshot, batch, arms, ids_expected_new=False)
+        result = _store(database, snapshot, batch, arms, ids_expected_new=False, segments=segments)
     events.observed.send(snapshot, accepted=result.accepted, duplicates=result.duplicates,
                          arm_counts=result.arm_counts)
     return result
 
 
-def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observation]) -> np.ndarray:
+def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observation],
+                 segment_positions: np.ndarray | None = None) -> np.ndarray:
     """Check every observation against the experiment and return its arm position, shape (N,).
+
+    Segmented experiments: ``segment_positions`` (N,) receives each observation's segment position in
+    its round (an open set's value without a mixture of its own in that round: 0, the long tail).
 
     The arm is the unit's sticky assignment in the observation's round; a given ``arm`` must agree.
     Every problem in the batch is reported (a 422 whose details list them in body order).
@@ -105,13 +110,26 @@ def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observa
                                  f"Unknown metric {metric!r}; the metrics are {list(snapshot.metrics)}."))
         if observation.arm is not None and observation.arm not in snapshot.arm_positions:
             problems.append((position, f"observations[{position}].arm", f"Unknown arm {observation.arm!r}."))
+    segments = resolve_segments(snapshot, batch, problems)
     rounds = np.fromiter((observation.round for observation in batch), dtype=np.int64, count=len(batch))
     arms = np.full(len(batch), -1, dtype=np.int64)  # -1: a round that has not started has no assignment
     for round_index in np.unique(rounds[rounds <= snapshot.round_index]).tolist():
         members = np.flatnonzero(rounds == round_index)
-        units = [batch[i].unit for i in members.tolist()]
-        probabilities = cache.round_probabilities(snapshot, round_index)
-        arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+        if segments is None:
+            units = [batch[i].unit for i in members.tolist()]
+            probabilities = cache.round_probabilities(snapshot, round_index)
+            arms[members] = choose_arms(probabilities, buckets(snapshot.seed, units, round_index))
+            continue
+        # Segmented: the unit's sticky arm under its segment's mixture of that round (an open set's
+        # value that got its mixture after that round was served the long tail's, segment 0).
+        per_segment = cache.round_segment_probabilities(snapshot, round_index)
+        segments[members] = np.where(segments[members] >= len(per_segment), 0, segments[members])
+        for segment in np.unique(segments[members]).tolist():
+            if segment < 0:
+                continue  # an unknown or missing segment, reported above
+            group = members[segments[members] == segment]
+            units = [batch[i].unit for i in group.tolist()]
+            arms[group] = choose_arms(per_segment[segment], buckets(snapshot.seed, units, round_index))
     for position, observation in enumerate(batch):
         given = snapshot.arm_positions.get(observation.arm) if observation.arm is not None else None
         if given is not None and arms[position] >= 0 and given != arms[position]:
@@ -122,11 +140,51 @@ def resolve_arms(cache: ExperimentCache, snapshot: Snapshot, batch: list[Observa
     if problems:
         problems.sort(key=lambda problem: problem[0])  # stable: within an item, in the order checked
         raise problems_error([{"location": location, "message": message} for _, location, message in problems])
+    if segment_positions is not None:
+        segment_positions[:] = segments
     return arms
 
 
+def segment_problem(snapshot: Snapshot, segment: str | None) -> str | None:
+    """Why ``segment`` cannot be used with the experiment of ``snapshot`` (None: it can)."""
+    if not snapshot.segmented:
+        if segment is not None:
+            return f"Experiment {snapshot.name!r} has no segments; send no segment."
+        return None
+    if snapshot.segment_open:
+        return None  # any value (or none): those without a mixture of their own get the long tail's
+    if segment is None:
+        return (f"Experiment {snapshot.name!r} is segmented: give the unit's segment, one of "
+                f"{list(snapshot.segment_names)}.")
+    if segment not in snapshot.segment_positions:
+        return f"Unknown segment {segment!r}; the segments are {list(snapshot.segment_names)}."
+    return None
+
+
+def resolve_segments(snapshot: Snapshot, batch: list[Observation],
+                     problems: list[tuple[int, str, str]]) -> np.ndarray | None:
+    """Segment positions of the observations, shape (N,) (-1 where refused; None: unsegmented experiment),
+    problems appended to ``problems``."""
+    positions = np.full(len(batch), -1, dtype=np.int64)
+    for position, observation in enumerate(batch):
+        problem = segment_problem(snapshot, observation.segment)
+        if problem is not None:
+            problems.append((position, f"observations[{position}].segment", problem))
+        elif snapshot.segmented:
+            positions[position] = segment_position(snapshot, observation.segment)
+    return positions if snapshot.segmented else None
+
+
+def segment_position(snapshot: Snapshot, segment: str | None) -> int:
+    """The position of ``segment`` among the experiment's segments now (checked by :func:`segment_problem`);
+    in an open set, 0 (the long tail) for a value without a mixture of its own and for no value."""
+    if snapshot.segment_open:
+        return snapshot.segment_positions.get(segment, 0)
+    return snapshot.segment_positions[segment]
+
+
 def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
-           ids_expected_new: bool) -> IngestResult:
+           ids_expected_new: bool, segments: np.ndarray | None = None) -> IngestResult:
     first_of_id: dict[str, int] = {}
     for position, observation in enumerate(batch):
         first_of_id.setdefault(observation.id, position)
@@ -152,6 +210,16 @@ def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm
             connection = session.connection()
             store.add_statistics(connection, snapshot.id, statistics_cells(snapshot, batch, arm_indices, new_positions),
                                  row.applied_rounds)
+            if snapshot.segmented:
+                store.add_segment_statistics(
+                    connection, snapshot.id,
+                    segment_statistics_cells(snapshot, batch, arm_indices, new_positions, segments),
+                    row.applied_rounds)
+                if snapshot.segment_open:
+                    # Units of values without a mixture of their own: counted toward min_units.
+                    store.add_segment_value_units(connection, snapshot.id, sorted({
+                        (batch[p].segment, batch[p].unit) for p in new_positions
+                        if batch[p].segment is not None and batch[p].segment not in snapshot.segment_positions}))
             arm_counts = dict(store.add_units_and_counts(
                 connection, snapshot.id, ((batch[p].round, batch[p].unit, arms[p]) for p in new_positions),
                 row.applied_rounds))
@@ -187,3 +255,28 @@ def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndar
     return list(zip((pairs[pair] // n_arms).tolist(), (pairs[pair] % n_arms).tolist(), metric.tolist(),
                     statistics.counts.T[pair, metric].astype(np.int64).tolist(),
                     statistics.sums.T[pair, metric].tolist(), statistics.sums_of_squares.T[pair, metric].tolist()))
+
+
+def segment_statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray,
+                             positions: list[int], segment_positions: np.ndarray
+                             ) -> list[tuple[int, int, int, int, int, float, float]]:
+    """:func:`statistics_cells` with a segment axis (``segment_positions`` (N,) from :func:`resolve_arms`):
+    ``(round, segment, arm, metric, count, sum, sum_of_squares)`` rows sorted by key (each (round,
+    segment, arm) triple is one "arm" of ``Statistics.from_observations``)."""
+    n_arms, n_metrics, n_segments = snapshot.n_arms, len(snapshot.metrics), len(snapshot.segment_names)
+    metric_positions = snapshot.metric_positions
+    values = np.full((len(positions), n_metrics), np.nan)
+    for row, position in enumerate(positions):
+        for metric, value in batch[position].values.items():
+            values[row, metric_positions[metric]] = value
+    rounds = np.fromiter((batch[p].round for p in positions), dtype=np.int64, count=len(positions))
+    segments = segment_positions[positions]
+    keys = (rounds * n_segments + segments) * n_arms + arms[positions]
+    triples, triple_of = np.unique(keys, return_inverse=True)  # sorted (round, segment, arm)
+    statistics = Statistics.from_observations(triple_of, values, triples.size)  # (M, triples)
+    triple, metric = np.nonzero(statistics.counts.T)
+    key = triples[triple]
+    return list(zip((key // (n_segments * n_arms)).tolist(), (key // n_arms % n_segments).tolist(),
+                    (key % n_arms).tolist(), metric.tolist(),
+                    statistics.counts.T[triple, metric].astype(np.int64).tolist(),
+                    statistics.sums.T[triple, metric].tolist(), statistics.sums_of_squares.T[triple, metric].tolist()))

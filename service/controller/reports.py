@@ -7,6 +7,7 @@ best mixture, best single arm, regret, guardrails.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,12 +25,13 @@ from pasto.diagnostics import sample_ratio_mismatch
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.report import RoundReport, round_report
+from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
 
 from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import Database, DatabaseUnreachable, get_db, is_unavailable_error
 from ..models import utcnow
-from .experiments import algorithm_and_objective
+from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
@@ -48,6 +50,34 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         "guardrails": json_safe(list(report.served.guardrails)),
         "guardrails_deployed": json_safe(list(report.deployed.guardrails)),
     }
+
+
+def segment_observations(statistics: Statistics) -> np.ndarray:
+    """Observations per segment (S,) of statistics (S, M, K): per segment, the count of its most observed
+    metric summed over arms (an observation may carry several metrics)."""
+    return statistics.counts.sum(axis=-1).max(axis=-1)
+
+
+def segment_summary(config: SegmentedConfig, objective: Objective, state: SegmentedState, pooled: Statistics,
+                    shares: np.ndarray, names: list[str] | None = None) -> dict[str, Any]:
+    """The per-segment part of a round summary or of the diagnostics (``pasto.segments.segment_report``
+    of the deployed per-segment mixtures): per segment its share, served and deployed mixture, objective
+    and guardrails; the platform-wide guardrails; the gain of segmenting over one global mixture."""
+    report = segment_report(config, objective, state.deployed, pooled, shares)
+    observations = segment_observations(pooled)
+    return json_safe({
+        "segments": [
+            {"name": None if names is None else names[s], "share": report.shares[s],
+             "observations": int(observations[s]),
+             "probabilities": state.probabilities[s], "deployed": state.deployed[s],
+             "objective": report.segment_values[s], "guardrails": list(report.guardrails[s])}
+            for s in range(state.n_segments)
+        ],
+        "objective": report.platform_value,
+        "platform_guardrails": list(report.platform_guardrails),
+        "global_mixture": {"probabilities": report.global_mixture, "objective": report.global_value},
+        "gain": {"value": report.gain, "interval": report.gain_interval},
+    })
 
 
 def finite(value: float) -> float | None:
@@ -81,6 +111,7 @@ class Diagnostics:
     late_observations: int
     srm: dict[str, Any]
     source_error: dict[str, Any] | None = None  # see source_error_view
+    segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
 
 
 def diagnostics(name: str) -> Diagnostics:
@@ -94,11 +125,25 @@ def diagnostics(name: str) -> Diagnostics:
         units, late, srm = running_traffic(get_db(), session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
+        segmented = segmented_config(snapshot.config, algorithm)
+        if segmented is not None:
+            # The stored state, read in this transaction (an open set may have grown since the snapshot).
+            loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
+            segment_pooled = store.segment_pooled_statistics(session, snapshot.id, snapshot.round_index,
+                                                             loaded.n_segments, n_metrics, n_arms)
     state = ControllerState.from_dict(snapshot.state)
+    segments = None
+    if segmented is not None:
+        # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
+        algorithm = dataclasses.replace(algorithm, estimator="pooled", discount=1.0)
+        shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config,
+                                                                                        loaded.n_segments))
+        segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
-                       units=units, late_observations=late, srm=srm, source_error=source_error)
+                       units=units, late_observations=late, srm=srm, source_error=source_error,
+                       segments=segments)
 
 
 def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
@@ -150,6 +195,7 @@ class RoundHistory:
     late: np.ndarray  # (rounds,)
     means: np.ndarray  # (rounds, M, K), nan where no data
     source_error: dict[str, Any] | None = None  # see source_error_view
+    segment_observations: np.ndarray | None = None  # segmented: (rounds, S) observations per segment
 
 
 def arm_count(name: str) -> int:
@@ -164,6 +210,7 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     with get_db().read() as session:
         round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
         source_error = source_error_view(store.source_error(session, snapshot.id))
+        traffic = store.segment_round_traffic(session, snapshot.id, since, last) if snapshot.segmented else None
     n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
     metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
     metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
@@ -183,9 +230,17 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
         np.add.at(late_counts, offset, late)
     with np.errstate(invalid="ignore", divide="ignore"):
         means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
-    return RoundHistory(snapshot=snapshot, rounds=list(round_rows),
-                        counts=observation_counts, units=unit_counts, late=late_counts, means=means,
-                        source_error=source_error)
+    segment_counts = None
+    if traffic is not None:
+        # Per round and segment, the count of its most observed metric (an observation may carry several).
+        n_segments = max([len(snapshot.segment_names)] + [segment + 1 for _, segment, _, _ in traffic])
+        per_metric = np.zeros((n_rounds, n_segments, n_metrics), dtype=np.int64)
+        for round_index, segment, metric, count in traffic:
+            per_metric[round_index - since, segment, metric] = count
+        segment_counts = per_metric.max(axis=-1, initial=0)
+    return RoundHistory(snapshot=snapshot, rounds=list(round_rows), counts=observation_counts, units=unit_counts,
+                        late=late_counts, means=means, source_error=source_error,
+                        segment_observations=segment_counts)
 
 
 # ------------------------------------------------------------------------------ monitoring, health

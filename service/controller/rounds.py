@@ -46,14 +46,17 @@ from flask import Flask
 from pasto.algorithm import AlgorithmConfig, ControllerState, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
+from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
+                            segmented_update)
 
 from .. import events, store
 from ..cache import Snapshot, get_cache
 from ..db import Database, get_db
 from ..errors import ApiError
 from ..models import utcnow
-from .experiments import algorithm_and_objective
-from .reports import round_summary
+from .experiments import (algorithm_and_objective, dump_segment_state, expected_shares, load_segment_state,
+                          segmented_config)
+from .reports import round_summary, segment_observations, segment_summary
 from .sources import SourceFailed, SourceResults, apply_results, due_work, fetch_due_rounds
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,13 @@ class _PendingSummary:
     state: ControllerState
     pooled: Statistics
     propensities: np.ndarray
+    # Segmented experiments: the segmented configuration and state, per-segment pooled statistics
+    # (S, M, K) and the traffic shares the update used.
+    segmented: SegmentedConfig | None = None
+    segment_state: SegmentedState | None = None
+    segment_pooled: Statistics | None = None
+    shares: np.ndarray | None = None
+    segment_names: list[str] | None = None
 
 
 class _LostRace(Exception):
@@ -206,25 +216,58 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
         return None
 
     state = ControllerState.from_dict(experiment.state)
+    segment_state = segment_names = None
+    if experiment.segment_state is not None:
+        segment_state, segment_names = load_segment_state(experiment.segment_state)
     if due:
         algorithm, objective = algorithm_and_objective(session, experiment_id, config)
+        segmented = segmented_config(config, algorithm)
+        spec = config.get("segments") or {}
+        if spec.get("by") is not None:
+            # Open set: values that reached min_units get their own mixture, starting from the long
+            # tail's (segment 0); their observations so far stay in the long tail's statistics.
+            graduated = store.graduate_segment_values(session, experiment_id, spec["min_units"],
+                                                      spec["max_segments"] + 1 - len(segment_names), segment_names)
+            segment_state = add_segments(segment_state, len(graduated), template=0)
+            segment_names = segment_names + graduated
         for index in due:
             round_statistics, pooled = store.update_statistics(database, session, experiment_id, index,
                                                                objective.n_metrics, state.n_arms)
             propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
-            state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
+            if segmented is None:
+                state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
+                summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
+            else:
+                segment_round, segment_pooled = store.update_segment_statistics(
+                    database, session, experiment_id, index, segment_state.n_segments, objective.n_metrics,
+                    state.n_arms)
+                shares = measured_shares(segment_observations(segment_pooled),
+                                         expected_shares(config, segment_state.n_segments))
+                served = np.asarray(rounds[index].segment_probabilities, dtype=np.float64)
+                if len(served) < segment_state.n_segments:
+                    # Values that got their own mixture after round `index` was served were served the
+                    # long tail's (row 0); their observations of that round are in its statistics.
+                    served = np.vstack([served, np.repeat(served[:1], segment_state.n_segments - len(served), axis=0)])
+                segment_state = segmented_update(segmented, objective, segment_state, segment_round, segment_pooled,
+                                                 shares, propensities=served)
+                state = aggregate_state(segment_state, shares)
+                summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities, segmented,
+                                                 segment_state, segment_pooled, shares, segment_names))
             store.record_update(rounds[index], now, state.deployed.tolist())
-            summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
     new_round_index = current_index + 1 if closing else current_index
     if not store.advance_experiment(session, experiment, round_index=new_round_index,
                                     applied_rounds=experiment.applied_rounds + len(due), state=state.to_dict(),
                                     now=now):
         raise _LostRace()
+    if segment_state is not None and due:
+        store.write_segment_state(session, experiment_id, dump_segment_state(segment_state, segment_names))
     lag = 0.0
     if closing:
         lag = max(0.0, (now - current.ends_at).total_seconds()) if not manual else 0.0
-        store.close_and_start_round(session, current, now=now, next_index=new_round_index,
-                                    round_seconds=config["round_seconds"], probabilities=state.probabilities.tolist())
+        store.close_and_start_round(
+            session, current, now=now, next_index=new_round_index, round_seconds=config["round_seconds"],
+            probabilities=state.probabilities.tolist(),
+            segment_probabilities=None if segment_state is None else segment_state.probabilities.tolist())
     return RoundAdvance(
         experiment=experiment.name, closed_round=current_index if closing else None, applied=tuple(due),
         round_index=new_round_index, duration_seconds=0.0, lag_seconds=lag, deployed=state.deployed.tolist(),
@@ -240,8 +283,16 @@ def _store_summaries(database: Database, experiment_id: int, summaries: list[_Pe
     """
     if not summaries:
         return
-    store.store_summaries(database, experiment_id, [
-        (pending.round_index, round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled,
-                                            pending.propensities))
-        for pending in summaries
-    ])
+    store.store_summaries(database, experiment_id, [(pending.round_index, _summary(pending)) for pending in summaries])
+
+
+def _summary(pending: _PendingSummary) -> dict:
+    """The stored summary of one applied round (segmented: with its per-segment part under ``segments``)."""
+    if pending.segmented is None:
+        return round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled, pending.propensities)
+    # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
+    summary = round_summary(dataclasses.replace(pending.algorithm, estimator="pooled", discount=1.0),
+                            pending.objective, pending.state, pending.pooled, pending.propensities)
+    summary["segments"] = segment_summary(pending.segmented, pending.objective, pending.segment_state,
+                                          pending.segment_pooled, pending.shares, pending.segment_names)
+    return summary

@@ -32,7 +32,7 @@ from ..errors import ApiError, problems_error
 from ..models import utcnow
 from ..schemas import (StatisticsBatch, round_not_started_message, statistics_name_problems, unknown_arm_message,
                        unknown_metric_message)
-from .ingestion import pruned_error, stopped_error
+from .ingestion import pruned_error, segment_position, segment_problem, stopped_error
 
 
 @dataclass(frozen=True)
@@ -63,31 +63,50 @@ def content_hash(cells: list[tuple], units: list[tuple[int, int, int]]) -> str:
     return hashlib.sha256(repr((cells, units)).encode()).hexdigest()
 
 
-def resolve(snapshot: Snapshot, batch: StatisticsBatch) -> tuple[list[tuple], list[tuple[int, int, int]]]:
+def resolve(snapshot: Snapshot, batch: StatisticsBatch,
+            segment_cells: list[tuple] | None = None) -> tuple[list[tuple], list[tuple[int, int, int]]]:
     """The batch as positions: cells ``(round, arm, metric, count, sum, sum_of_squares)`` sorted by key
     (every transaction upserts rows in one order) and units ``(round, arm, units)`` sorted by key.
 
-    Every problem (unknown arm or metric, a round that has not started, a second entry for a key) is
-    reported in one 422, in body order."""
+    Segmented experiments: every cell names its segment as an observation does (``ingestion.segment_problem``),
+    ``segment_cells`` receives ``(round, segment, arm, metric, count, sum, sum_of_squares)`` sorted by key, and
+    the returned cells are their sums over segments.
+
+    Every problem (unknown arm, metric or segment, a round that has not started, a second entry for a
+    key) is reported in one 422, in body order."""
     problems: list[tuple[int, int, str, str]] = []  # (field order, position, location, message)
     cells: list[tuple] = []
-    seen_cells: dict[tuple[int, str, str], int] = {}
+    by_segment: list[tuple] = []
+    seen_cells: dict[tuple, int] = {}
     for position, cell in enumerate(batch.cells):
         where = f"cells[{position}]"
         arm = snapshot.arm_positions.get(cell.arm)
         metric = snapshot.metric_positions.get(cell.metric)
+        problem = segment_problem(snapshot, cell.segment)
+        if problem is not None:
+            problems.append((0, position, f"{where}.segment", problem))
         if cell.round > snapshot.round_index:
             problems.append((0, position, f"{where}.round", round_not_started_message(cell.round, snapshot.round_index)))
         if arm is None:
             problems.append((0, position, f"{where}.arm", unknown_arm_message(cell.arm)))
         if metric is None:
             problems.append((0, position, f"{where}.metric", unknown_metric_message(cell.metric, snapshot.metrics)))
-        first = seen_cells.setdefault((cell.round, cell.arm, cell.metric), position)
+        key = (cell.round, cell.arm, cell.metric) if not snapshot.segmented else (
+            cell.round, cell.arm, cell.metric, cell.segment)
+        first = seen_cells.setdefault(key, position)
         if first != position:
-            problems.append((0, position, where, f"Duplicate round, arm and metric (first at cells[{first}]); a "
-                                                 "batch holds one cell per round, arm and metric."))
+            what = "round, arm and metric" if not snapshot.segmented else "round, arm, metric and segment"
+            problems.append((0, position, where, f"Duplicate {what} (first at cells[{first}]); a batch holds "
+                                                 f"one cell per {what}."))
         if arm is not None and metric is not None:
             cells.append((cell.round, arm, metric, cell.count, float(cell.sum), float(cell.sum_of_squares)))
+            if snapshot.segmented and problem is None and cell.round <= snapshot.round_index:
+                segment = segment_position(snapshot, cell.segment)
+                if snapshot.segment_open and segment >= len(get_cache().round_segment_probabilities(snapshot,
+                                                                                                    cell.round)):
+                    segment = 0  # the value had no mixture of its own in that round: the long tail's
+                by_segment.append((cell.round, segment, arm, metric, cell.count, float(cell.sum),
+                                   float(cell.sum_of_squares)))
     units: list[tuple[int, int, int]] = []
     seen_units: dict[tuple[int, str], int] = {}
     for position, entry in enumerate(batch.units):
@@ -106,6 +125,22 @@ def resolve(snapshot: Snapshot, batch: StatisticsBatch) -> tuple[list[tuple], li
     if problems:
         problems.sort(key=lambda problem: problem[:2])  # stable: within an item, in the order checked
         raise problems_error([{"location": location, "message": message} for _, _, location, message in problems])
+    if snapshot.segmented:
+        summed: dict[tuple, list] = {}
+        for round_index, segment, arm, metric, count, total, total_of_squares in by_segment:
+            sums = summed.setdefault((round_index, segment, arm, metric), [0, 0.0, 0.0])
+            sums[0] += count
+            sums[1] += total
+            sums[2] += total_of_squares
+        if segment_cells is not None:
+            segment_cells[:] = [(*key, *sums) for key, sums in sorted(summed.items())]
+        aggregate: dict[tuple, list] = {}
+        for round_index, arm, metric, count, total, total_of_squares in cells:
+            sums = aggregate.setdefault((round_index, arm, metric), [0, 0.0, 0.0])
+            sums[0] += count
+            sums[1] += total
+            sums[2] += total_of_squares
+        cells = [(*key, *sums) for key, sums in aggregate.items()]
     return sorted(cells), sorted(units)
 
 
@@ -121,9 +156,10 @@ def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsR
     last_round = max([cell.round for cell in batch.cells] + [entry.round for entry in batch.units])
     if last_round > snapshot.round_index:
         snapshot = get_cache().get(snapshot.name, fresh=True)  # another worker may have started a newer round
-    cells, units = resolve(snapshot, batch)
+    segment_cells: list[tuple] = []
+    cells, units = resolve(snapshot, batch, segment_cells)
     first_round = min([cell[0] for cell in cells] + [entry[0] for entry in units])
-    digest = content_hash(cells, units)
+    digest = content_hash(segment_cells if snapshot.segmented else cells, units)
     database = get_db()
     with database.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
@@ -145,6 +181,8 @@ def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsR
             return StatisticsResult(batch.batch_id, duplicate=True, cells=0, units=0, late_cells=0)
         connection = session.connection()
         store.add_statistics(connection, snapshot.id, cells, row.applied_rounds)
+        if snapshot.segmented:
+            store.add_segment_statistics(connection, snapshot.id, segment_cells, row.applied_rounds)
         counts = arm_round_counts(cells, units, row.applied_rounds)
         store.add_arm_round_counts(connection, snapshot.id, counts)
     late_cells = sum(1 for cell in cells if cell[0] < row.applied_rounds)

@@ -23,17 +23,19 @@ def assign(name: str):
     if isinstance(body, dict) and "units" in body:
         if "unit" in body:
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
-        units = parse(AssignMany, body).units
-        snapshot, stale, arms = assignment.assign_many(name, units)
-        return _mark_stale(snapshot, stale, respond_json({"assignments": assignments(units, arms.tolist(), snapshot.serving[arms].tolist(),
-                                                        snapshot.arm_names, snapshot.arm_params,
-                                                        snapshot.round_index)}))
+        batch = parse(AssignMany, body)
+        units = batch.units
+        snapshot, stale, arms, probabilities, served = assignment.assign_many(name, units, batch.unit_segments())
+        return _mark_stale(snapshot, stale, respond_json({"assignments": assignments(
+            units, arms.tolist(), probabilities.tolist(), snapshot.arm_names, snapshot.arm_params,
+            snapshot.round_index, served)}))
     if isinstance(body, dict) and "unit" not in body:
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
-    unit = parse(AssignOne, body).unit
-    snapshot, stale, arm = assignment.assign_one(name, unit)
-    (answer,) = assignments([unit], [arm], [float(snapshot.serving[arm])], snapshot.arm_names, snapshot.arm_params,
-                            snapshot.round_index)
+    one = parse(AssignOne, body)
+    unit = one.unit
+    snapshot, stale, arm, probability, served = assignment.assign_one(name, unit, one.segment)
+    (answer,) = assignments([unit], [arm], [probability], snapshot.arm_names, snapshot.arm_params,
+                            snapshot.round_index, None if served is None else [served])
     return _mark_stale(snapshot, stale, respond_json(answer))
 
 

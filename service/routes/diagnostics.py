@@ -38,4 +38,5 @@ def diagnostics(name: str):
             standard_errors={metric: report.estimate.standard_errors[m].tolist() for m, metric in enumerate(metrics)},
         ),
         source_error=None if diagnostics.source_error is None else SourceErrorView(**diagnostics.source_error),
+        **({"segments": diagnostics.segments} if diagnostics.segments is not None else {}),
     ))

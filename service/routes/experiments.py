@@ -12,7 +12,7 @@ from ..cache import Snapshot
 from ..controller import experiments
 from ..params import query_flag, query_integer
 from ..responses import (ArmView, Experiment, ExperimentDeleted, ExperimentEvent, ExperimentEventList, ExperimentList,
-                         RoundTimes, respond)
+                         RoundTimes, SegmentsView, respond)
 from ..schemas import ExperimentCreate, json_body, parse
 
 bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
@@ -53,6 +53,20 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         updated_at=iso(snapshot.updated_at),
         archived_at=iso(snapshot.archived_at),
         source=config.get("source"),
+        **({"segments": segments_view(snapshot)} if snapshot.segmented else {}),  # unsegmented: no key at all
+    )
+
+
+def segments_view(snapshot: Snapshot) -> SegmentsView | None:
+    if not snapshot.segmented:
+        return None
+    spec = snapshot.config["segments"]
+    return SegmentsView(
+        names=list(snapshot.segment_names), by=spec.get("by"), min_units=spec.get("min_units"),
+        max_segments=spec.get("max_segments"), shares=spec["shares"], scopes=spec["scopes"], shrink=spec["shrink"],
+        confidence_z=spec["confidence_z"],
+        probabilities={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_probabilities)},
+        deployed={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_deployed)},
     )
 
 

@@ -8,7 +8,8 @@ from ..auth import require_role
 from ..controller import reports, rounds
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import BestSingle, Guardrail, RoundClosed, RoundList, RoundView, SourceErrorView, respond
+from ..responses import (BestSingle, Guardrail, RoundClosed, RoundList, RoundSegments, RoundView, SourceErrorView,
+                         respond)
 from ..schemas import json_body
 from .experiments import iso, round_times
 
@@ -86,6 +87,13 @@ def list_rounds(name: str):
             guardrails=summary.get("guardrails"),
             guardrails_served=_guardrails(summary.get("guardrails")),
             guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
+            **({} if history.segment_observations is None else {"segments": RoundSegments(
+                probabilities=dict(zip(snapshot.segment_names, round_row.segment_probabilities)),
+                # The segments the round served (an open set's later ones had no mixture of their own yet).
+                observations=dict(zip(snapshot.segment_names[:len(round_row.segment_probabilities)],
+                                      history.segment_observations[position].tolist())),
+                summary=summary.get("segments"),
+            )}),
         ))
     last = since + limit - 1
     next_since = last + 1 if last < history.snapshot.round_index else None

@@ -65,3 +65,20 @@ def test_only_the_serving_section_is_rewritten(run):
     assert text.endswith("\n## Convergence\n\nfigures C\n")
     assert "old serving figures" not in text
     assert output["section"].rstrip("\n") in text
+
+
+@pytest.mark.timeout(120)
+def test_segmented_close_quick_run_measures_both_closes(tmp_path):
+    """``--segmented-close --quick``: both closes measured on SQLite, only its own section rewritten."""
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(OTHER_SECTIONS)
+    with bench_script("serve") as module:
+        output = module.main(["--segmented-close", "--quick", "--write-docs"], docs=docs)
+    (backend, result), = output["results"].items()
+    assert backend == "SQLite"
+    for kind in ("plain", "segmented"):
+        for part in ("transaction", "total"):
+            assert math.isfinite(result[kind][part]["median_ms"]) and result[kind][part]["median_ms"] > 0
+    text = docs.read_text()
+    assert text.startswith(OTHER_SECTIONS.rstrip("\n"))
+    assert "## Segmented round close" in text and "| SQLite |" in text

@@ -104,7 +104,8 @@ def test_json_lines_schema(tmp_path):
     for line in lines:
         record = json.loads(line)
         assert tuple(record) == COLUMN_NAMES
-        assert [type(record[name]) for name in COLUMN_NAMES] == [str, str, int, str, int, float, str, str]
+        # segment is null for an unsegmented experiment (tests/service/test_segments.py: segmented rows).
+        assert [type(record[name]) for name in COLUMN_NAMES] == [str, str, int, str, int, float, str, type(None), str]
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", record["timestamp"])
 
 
@@ -115,7 +116,7 @@ def test_parquet_schema_is_the_documented_one(tmp_path):
     table = pq.read_table(path)
     assert table.schema.names == list(COLUMN_NAMES)
     assert [str(t) for t in table.schema.types] == [
-        "string", "string", "int64", "string", "int64", "double", "string", "timestamp[ms, tz=UTC]",
+        "string", "string", "int64", "string", "int64", "double", "string", "string", "timestamp[ms, tz=UTC]",
     ]
     assert table.schema.equals(arrow_schema(pa))
     assert table.num_rows == 100

@@ -284,3 +284,57 @@ def test_polling_an_overdue_round_backs_off(admin, create_experiment):
         assigner.refresh()
         # A new round starts the back-off afresh (it may itself be overdue on a slow machine).
         assert assigner.round_index == 1 and assigner._snapshot.overdue_poll in (0.0, 0.1)
+
+
+SEGMENTS = ["new", "returning", "mobile"]
+
+
+def test_segmented_local_assignment_is_exactly_the_servers(admin, create_experiment, tmp_path):
+    """10,000 units in three segments: LocalAssigner (per call and in batch) gives every unit the
+    server's arm and propensity, over rounds whose per-segment mixtures move apart; the exposure log
+    records each unit's segment."""
+    import json
+
+    from pasto_client import JsonLinesSink
+
+    name = create_experiment(
+        objective={"primary": "watch_time",
+                   "guardrails": [{"metric": "like_rate", "threshold": 0.5, "hard": True}]},
+        segments={"names": SEGMENTS, "shares": [0.5, 0.3, 0.2]},
+    )
+    units = [f"unit-{i}" for i in range(10_000)]
+    segments = [SEGMENTS[i % 3] for i in range(10_000)]
+    rng = np.random.default_rng(4)
+    # Watch time ranks the arms the other way round in "returning": the segments' mixtures differ.
+    means = {"a": (2.0, 0.2), "b": (1.5, 0.5), "c": (1.0, 0.8), "d": (0.5, 0.6)}
+    path = tmp_path / "exposures.jsonl"
+    with LocalAssigner(admin, name, ttl=3600, exposure_sink=JsonLinesSink(path)) as assigner:
+        assert assigner.segments == tuple(SEGMENTS)
+        for round_index in range(4):
+            assigner.refresh()
+            served = []
+            for start in range(0, len(units), 5000):
+                served += admin.assign_many(name, units[start:start + 5000], segments[start:start + 5000])
+            assert assigner.assign_many(units, segments) == served
+            assert [assigner.assign(unit, segment) for unit, segment in zip(units[:2000], segments[:2000])] \
+                == served[:2000]
+            assert {a.segment for a in served} == set(SEGMENTS)
+            observations = []
+            for unit, segment, a in zip(units[:3000], segments[:3000], served[:3000]):
+                x, y = means[a.arm]
+                if segment == "returning":
+                    x = -x
+                observations.append({"id": f"{round_index}-{unit}", "unit": unit, "round": a.round,
+                                     "segment": segment, "values": {"watch_time": x + rng.normal(0, 0.3),
+                                                                    "like_rate": y + rng.normal(0, 0.1)}})
+            admin.observe(name, observations)
+            admin.close_round(name)
+        mixtures = admin.get_experiment(name)["segments"]["probabilities"]
+        assert np.abs(np.array(mixtures["new"]) - np.array(mixtures["returning"])).max() > 0.2
+        with pytest.raises(ValueError, match="Unknown segment 'tablet'"):
+            assigner.assign("u", "tablet")
+        with pytest.raises(ValueError, match="give the unit's segment"):
+            assigner.assign_many(["u"])
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 4 * (10_000 + 2000)
+    assert [record["segment"] for record in records[:10_000]] == segments

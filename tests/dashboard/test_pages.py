@@ -400,6 +400,71 @@ def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, brow
     context.close()
 
 
+def test_the_segments_table_reads_the_diagnostics(live_server, browser, anonymous_loopback):
+    """A segmented experiment's page has a per-segment table whose shares, objectives and guardrail
+    badges are the diagnostics' segments, and the platform figures below it; an unsegmented
+    experiment's page hides the panel."""
+    name = "by-segment"
+    segments = ["new", "returning", "mobile"]
+    live_server.api("POST", "/experiments", json={
+        "name": name,
+        "arms": [{"name": "a", "params": {}}, {"name": "b", "params": {}}, {"name": "c", "params": {}}],
+        "metrics": ["x", "y"],
+        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+        "segments": {"names": segments, "shares": [0.5, 0.3, 0.2]},
+        "round_seconds": 3600,
+        "seed": 9,
+    })
+    rng = np.random.default_rng(4)
+    means = {"new": {"a": (2, -0.5), "b": (0, 1), "c": (1, 0)}, "returning": {"a": (0, 1), "b": (2, -0.5), "c": (1, 0)},
+             "mobile": {"a": (1, 1), "b": (1, 1), "c": (1, 1)}}
+    for round_position in range(3):
+        units = [f"sg{round_position}-{i}" for i in range(300)]
+        unit_segments = [segments[i % 3] for i in range(300)]
+        assignments = live_server.api("POST", f"/experiments/{name}/assign", role="ingest", json={
+            "units": units, "segments": unit_segments}).json()["assignments"]
+        live_server.api("POST", f"/experiments/{name}/observations", role="ingest", json={"observations": [
+            {"id": item["unit"], "unit": item["unit"], "round": item["round"], "segment": item["segment"],
+             "values": dict(zip(["x", "y"], (np.array(means[item["segment"]][item["arm"]])
+                                             + 0.2 * rng.standard_normal(2)).tolist()))}
+            for item in assignments]})
+        live_server.api("POST", f"/experiments/{name}/rounds")
+    report = live_server.api("GET", f"/experiments/{name}/diagnostics", role="read").json()["segments"]
+
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    page.wait_for_selector('#experiment[data-rounds="4"]')
+    assert page.locator("#panel-segments").is_visible()
+    rows = page.locator("#segments-body tr")
+    assert rows.count() == 3
+    for position, segment in enumerate(report["segments"]):
+        row = page.locator(f'#segments-body tr[data-segment="{segment["name"]}"]')
+        assert row.locator("th").inner_text() == segment["name"]
+        assert float(row.locator("td[data-share]").get_attribute("data-share")) == pytest.approx(segment["share"])
+        assert float(row.locator("td[data-objective]").get_attribute("data-objective")) == \
+            pytest.approx(segment["objective"])
+        badges = row.locator(".badge")
+        assert badges.count() == len(segment["guardrails"])
+        for index, guardrail in enumerate(segment["guardrails"]):
+            kind = "ok" if guardrail["holds"] else "bad"
+            assert kind in badges.nth(index).get_attribute("class").split()
+        top_arm = max(range(3), key=lambda k: segment["deployed"][k])
+        assert row.locator("td.params").inner_text().startswith("abc"[top_arm] + " ")
+    # The gain and its interval, as the page formats numbers (formatNumber in pasto.js).
+    shown = page.locator("#fig-segments-gain").text_content()
+    format_number = page.evaluate_handle('import("/static/dashboard/pasto.js")')
+    expected = page.evaluate("([module, values]) => values.map((v) => module.formatNumber(v))",
+                             [format_number, [report["gain"]["value"], *report["gain"]["interval"]]])
+    assert shown == f"{expected[0]}[{expected[1]}, {expected[2]}]"
+    platform = page.locator("#fig-segments-platform .badge")
+    assert platform.count() == 1 and platform.inner_text().startswith("y (global)")
+    assert console.problems == []
+
+    page.goto(f"{live_server.base_url}/experiments/{live_server.experiment}")
+    page.wait_for_selector("#experiment[data-rounds]")
+    assert not page.locator("#panel-segments").is_visible()
+
+
 MARKER_RGB = (0x6A, 0x3D, 0x9A)  # MARKER_COLOUR of experiment.js
 
 

@@ -261,3 +261,89 @@ def test_shrunk_standard_errors_include_the_pooled_means_uncertainty():
     # Segments that agree are pooled completely: as uncertain as the pooled mean, never more certain.
     assert np.all(estimate.standard_errors >= pooled_error[None] * (1 - 1e-9))
     assert np.all(estimate.standard_errors <= shrunk_estimate(data, enabled=False).standard_errors)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_segments=st.integers(1, 4), rounds=st.integers(0, 6),
+       estimator=st.sampled_from(["pooled", "ips", "control_variate"]))
+def test_segmented_state_and_config_round_trip_through_json(seed, n_segments, rounds, estimator):
+    """SegmentedState.to_dict / from_dict after a few updates (every accumulator filled): the JSON text
+    round-trips to equal arrays, and the restored state updates to exactly the same next state."""
+    from pasto.segments import SegmentedState
+
+    rng = np.random.default_rng(seed)
+    objective = _objective(1, 3)
+    # Exploration serving, as the service runs segmented experiments (every arm keeps a positive share).
+    config = SegmentedConfig(algorithm=algorithm.AlgorithmConfig.from_preset("default", estimator=estimator,
+                                                                             serving="exploration"),
+                             scopes=("global",), confidence_z=1.5)
+    assert SegmentedConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    shares = rng.dirichlet(np.ones(n_segments))
+    state = initial_segmented_state(config, n_segments, 3, 2)
+    pooled = Statistics.zeros(2, 3, (n_segments,))
+    means = rng.uniform(-1, 1, size=(n_segments, 2, 3))
+
+    def one_round(state, pooled):
+        segments = rng.choice(n_segments, size=8)
+        arms = rng.choice(3, size=8)
+        values = means[segments, :, arms] + rng.standard_normal((8, 2))
+        round_stats = segment_statistics(segments, arms, values, n_segments, 3)
+        pooled = pooled + round_stats
+        return segmented_update(config, objective, state, round_stats, pooled, shares), round_stats, pooled
+
+    for _ in range(rounds):
+        state, _, pooled = one_round(state, pooled)
+    restored = SegmentedState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert restored.to_dict() == state.to_dict()
+    assert restored.n_segments == n_segments
+    np.testing.assert_array_equal(restored.joint, state.joint)
+    np.testing.assert_array_equal(restored.probabilities, state.probabilities)
+    round_stats = segment_statistics(np.zeros(4, dtype=int), np.arange(4) % 3, rng.standard_normal((4, 2)),
+                                     n_segments, 3)
+    after_original = segmented_update(config, objective, state, round_stats, pooled + round_stats, shares)
+    after_restored = segmented_update(config, objective, restored, round_stats, pooled + round_stats, shares)
+    assert after_original.to_dict() == after_restored.to_dict()
+
+
+def test_segmented_state_from_dict_names_what_is_wrong():
+    from pasto.segments import SegmentedState
+
+    state = initial_segmented_state(SegmentedConfig(scopes=()), 2, 3, 1).to_dict()
+    with pytest.raises(ValueError, match="missing the key"):
+        SegmentedState.from_dict({"controller": state["controller"]})
+    with pytest.raises(ValueError, match="must agree"):
+        SegmentedState.from_dict({**state, "joint": [[1.0, 0.0, 0.0]]})
+    with pytest.raises(ValueError, match="unknown key"):
+        SegmentedState.from_dict({**state, "extra": 1})
+
+
+@pytest.mark.parametrize("estimator", ["pooled", "ips", "control_variate"])
+def test_added_segments_start_as_copies_of_the_template_and_update(estimator):
+    from pasto.segments import add_segments
+
+    rng = np.random.default_rng(0)
+    objective = _objective(1, 3)
+    config = SegmentedConfig(algorithm=algorithm.AlgorithmConfig.from_preset("default", estimator=estimator),
+                             scopes=("global",))
+    state = initial_segmented_state(config, 2, 3, 2)
+    pooled = Statistics.zeros(2, 3, (2,))
+    for _ in range(3):
+        stats = segment_statistics(rng.choice(2, 20), rng.choice(3, 20), rng.standard_normal((20, 2)), 2, 3)
+        pooled = pooled + stats
+        state = segmented_update(config, objective, state, stats, pooled, np.array([0.5, 0.5]))
+    grown = add_segments(state, 2, template=0)
+    assert grown.n_segments == 4
+    for name, value in grown.controller.to_dict().items():
+        if isinstance(value, list):
+            original = np.asarray(state.controller.to_dict()[name])
+            np.testing.assert_array_equal(np.asarray(value)[:2], original)
+            np.testing.assert_array_equal(np.asarray(value)[2], original[0])
+    assert add_segments(state, 0) is state
+    # The grown state updates like any other: the new segments have no data and serve the global mixture.
+    pooled = Statistics(*(np.concatenate([a, np.zeros((2, 2, 3))]) for a in (pooled.counts, pooled.sums,
+                                                                               pooled.sums_of_squares)))
+    stats = segment_statistics(rng.choice(2, 20), rng.choice(3, 20), rng.standard_normal((20, 2)), 4, 3)
+    after = segmented_update(config, objective, grown, stats, pooled + stats, np.array([0.4, 0.4, 0.1, 0.1]))
+    np.testing.assert_allclose(after.probabilities.sum(axis=-1), 1.0)
+    with pytest.raises(ValueError, match="template segment"):
+        add_segments(state, 1, template=5)

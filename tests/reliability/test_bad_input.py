@@ -625,7 +625,8 @@ def _steer_observations(body: Any, metrics: list[str], round_index: int) -> Any:
     steered = []
     for position, item in enumerate(body["observations"]):
         if isinstance(item, dict):
-            item = {key: value for key, value in item.items() if key != "arm"}
+            # The live experiment is unsegmented: a generated segment would only make the batch a 422.
+            item = {key: value for key, value in item.items() if key not in ("arm", "segment")}
             values = item.get("values")
             numbers = [value for value in values.values() if _is_number(value)] if isinstance(values, dict) else []
             item["values"] = {metric: numbers[i] if i < len(numbers) else float(position)

@@ -399,6 +399,41 @@ document.getElementById("arms-show-all").addEventListener("click", () => {
   render();
 });
 
+// --- segments -----------------------------------------------------------------------------------
+
+// The top arms of a mixture as "name 62%, name 30%" (the rest left out): a segment's row stays short at large K.
+function topArms(experiment, mixture, count = 3) {
+  return mixture.map((p, k) => [p, experiment.arms[k].name]).sort((a, b) => b[0] - a[0]).slice(0, count)
+    .map(([p, arm]) => `${arm} ${formatPercent(p)}`).join(", ");
+}
+
+function guardrailCell(guardrails) {
+  return guardrails.map((entry) => badge(`${entry.metric} ${formatNumber(entry.estimate)}`, entry.holds ? "ok" : "bad"));
+}
+
+function drawSegments(experiment, diagnostics) {
+  const report = diagnostics.segments;
+  document.getElementById("panel-segments").hidden = !report;
+  if (!report) return;
+  document.getElementById("segments-body").replaceChildren(...report.segments.map((segment) => element(
+    "tr", { dataset: { segment: segment.name } },
+    element("th", { scope: "row" }, segment.name),
+    element("td", { class: "num", dataset: { share: String(segment.share) } }, formatPercent(segment.share)),
+    element("td", { class: "num" }, formatInteger(segment.observations)),
+    element("td", { class: "params" }, topArms(experiment, segment.deployed)),
+    element("td", { class: "num", dataset: { objective: String(segment.objective) } }, formatNumber(segment.objective)),
+    element("td", {}, ...guardrailCell(segment.guardrails)),
+  )));
+  show("fig-segments-objective", formatNumber(report.objective));
+  show("fig-segments-global", formatNumber(report.global_mixture.objective));
+  const [low, high] = report.gain.interval;
+  show("fig-segments-gain", formatNumber(report.gain.value),
+    element("span", { class: "interval" }, `[${formatNumber(low)}, ${formatNumber(high)}]`));
+  show("fig-segments-platform", ...report.platform_guardrails.map((entry) => badge(
+    `${entry.metric} (${entry.scope}) ${formatNumber(entry.estimate)} ≥ ${formatNumber(entry.threshold)}`,
+    entry.holds ? "ok" : "bad")));
+}
+
 // --- figures ------------------------------------------------------------------------------------
 
 function show(id, ...content) {
@@ -482,6 +517,7 @@ function render() {
   drawGuardrails(experiment, shown, diagnostics);
   drawObservations(shown);
   drawArms(experiment, rounds, diagnostics, colourOf);
+  drawSegments(experiment, diagnostics);
   drawFigures(experiment, rounds, diagnostics);
   // Tells a reader (and the browser test) which response the page shows.
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
