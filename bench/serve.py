@@ -29,6 +29,12 @@ assign passes: the assignment path must write nothing.
   per segment) beside the unsegmented close of the same K in the same run, on each backend; with
   ``--write-docs`` it replaces the "## Segmented round close" section.
 
+History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
+1,000 rounds, on SQLite, served by waitress; the bytes and milliseconds of what the dashboard's page
+reads on each poll (the experiment, its diagnostics and the rounds that can still change), of its
+first load (every page of the history) and of one default page of ``GET .../rounds``
+(:func:`measure_history`).
+
 Run: ``python bench/serve.py`` (``--write-docs`` replaces the "## Serving" section of
 docs/benchmarks.md; ``--quick`` is a seconds-long smoke run). PostgreSQL: ``PASTO_BENCH_POSTGRES_URL``
 (a server's maintenance database URL) or, when Debian's ``postgresql`` is installed, a private
@@ -1122,10 +1128,172 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HISTORY_EXPERIMENT = "history"
+
+
+def build_history(url: str, n_arms: int, n_rounds: int, units: int) -> tuple[str, int]:
+    """An experiment of ``n_arms`` arms whose rounds 0 .. ``n_rounds`` - 1 are applied and round
+    ``n_rounds`` is being served; (read token, rows of the rounds table).
+
+    Round 0 is played through the API (``units`` units assigned and observed, the round closed: its
+    propensities, deployed mixture, summary and statistics are real); rounds 1 .. ``n_rounds`` - 1
+    are copies of its rows (SQL ``INSERT ... SELECT``): closing 1,000 rounds at K = 10,000 would take
+    most of an hour, and what is measured is reading them.
+    """
+    import sqlalchemy as sa
+
+    from service.auth import create_token
+    from service.db import get_db
+
+    app, _ = prepare_database(url, [(HISTORY_EXPERIMENT, n_arms, "default")])
+    client = app.test_client()
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    api = f"/api/v1/experiments/{HISTORY_EXPERIMENT}"
+    assigned = client.post(f"{api}/assign", json={"units": [f"h{i}" for i in range(units)]},
+                           headers=headers).get_json()["assignments"]
+    rng = np.random.default_rng(7)
+    observations = [{"id": a["unit"], "unit": a["unit"], "round": 0,
+                     "values": {metric: float(value) for metric, value in zip(METRICS, rng.normal(size=len(METRICS)))}}
+                    for a in assigned]
+    for start in range(0, units, 5_000):
+        answer = client.post(f"{api}/observations", json={"observations": observations[start:start + 5_000]},
+                             headers=headers)
+        if answer.status_code != 202:
+            raise RuntimeError(f"Ingesting the history's round 0 failed: {answer.get_data(True)[:500]}")
+    if client.post(f"{api}/rounds", headers=headers).status_code != 200:
+        raise RuntimeError("Closing the history's round 0 failed.")
+    database = get_db(app)
+    with database.write() as session:
+        experiment_id = session.execute(sa.text("SELECT id FROM experiments WHERE name = :name"),
+                                        {"name": HISTORY_EXPERIMENT}).scalar_one()
+        key = {"e": experiment_id}
+        session.execute(sa.text('UPDATE rounds SET "index" = :last WHERE experiment_id = :e AND "index" = 1'),
+                        {**key, "last": n_rounds})
+        for offset in range(1, n_rounds):
+            shifted = {**key, "k": offset}
+            session.execute(sa.text(
+                'INSERT INTO rounds (experiment_id, "index", started_at, ends_at, closed_at, applied_at, '
+                'probabilities, deployed, summary) SELECT experiment_id, "index" + :k, started_at, ends_at, '
+                'closed_at, applied_at, probabilities, deployed, summary FROM rounds '
+                'WHERE experiment_id = :e AND "index" = 0'), shifted)
+            session.execute(sa.text(
+                "INSERT INTO round_statistics (experiment_id, round_index, arm_index, metric_index, count, sum, "
+                "sum_of_squares) SELECT experiment_id, round_index + :k, arm_index, metric_index, count, sum, "
+                "sum_of_squares FROM round_statistics WHERE experiment_id = :e AND round_index = 0"), shifted)
+            session.execute(sa.text(
+                "INSERT INTO arm_round_counts (experiment_id, round_index, arm_index, observations, units, "
+                "late_observations) SELECT experiment_id, round_index + :k, arm_index, observations, units, "
+                "late_observations FROM arm_round_counts WHERE experiment_id = :e AND round_index = 0"), shifted)
+        session.execute(sa.text("UPDATE experiments SET round_index = :n, applied_rounds = :n, version = version + 1 "
+                                "WHERE id = :e"), {**key, "n": n_rounds})
+        rows = session.execute(sa.text("SELECT count(*) FROM rounds WHERE experiment_id = :e"), key).scalar_one()
+        token = create_token(session, "read", "bench-history")
+    database.engine.dispose()
+    return token, rows
+
+
+def _timed_get(port: int, path: str, token: str) -> tuple[float, int, Any]:
+    """(seconds, body bytes, decoded JSON) of one GET with a bearer token, on a new connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    try:
+        started = time.perf_counter()
+        connection.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        response = connection.getresponse()
+        body = response.read()
+        seconds = time.perf_counter() - started
+        if response.status != 200:
+            raise RuntimeError(f"GET {path}: {response.status} {body[:300]!r}")
+        return seconds, len(body), json.loads(body)
+    finally:
+        connection.close()
+
+
+def measure_history(workdir: Path, n_arms: int, n_rounds: int, units: int, repeats: int) -> dict[str, Any]:
+    """Bytes and median milliseconds of the dashboard's reads of experiment ``history``
+    (:func:`build_history`), as ``service/static/dashboard/experiment.js`` makes them:
+
+    - ``poll``: what each poll reads once the page has the history: ``GET .../<name>`` and
+      ``GET .../diagnostics`` (in parallel in the browser, added here), then ``GET .../rounds?since=``
+      the first round that is not final (the current one), following ``next_since``;
+    - ``first load``: the same with the history from round 0, every page;
+    - ``rounds page``: one ``GET .../rounds`` with its default page size.
+    """
+    url = f"sqlite:///{workdir / 'history.sqlite'}"
+    build_started = time.monotonic()
+    token, rows = build_history(url, n_arms, n_rounds, units)
+    build_seconds = time.monotonic() - build_started
+    server = Server(url, n_arms)
+    api = f"/api/v1/experiments/{HISTORY_EXPERIMENT}"
+
+    def rounds_from(since: int) -> tuple[float, int, int, int]:
+        seconds = size = pages = count = 0
+        cursor: int | None = since
+        while cursor is not None:
+            took, length, page = _timed_get(server.port, f"{api}/rounds?since={cursor}", token)
+            seconds, size, pages, count = seconds + took, size + length, pages + 1, count + len(page["rounds"])
+            cursor = page["next_since"]
+        return seconds, size, pages, count
+
+    def poll(since: int) -> dict[str, Any]:
+        experiment = _timed_get(server.port, api, token)
+        diagnostics = _timed_get(server.port, f"{api}/diagnostics", token)
+        history = rounds_from(since)
+        return {"ms": 1000 * (experiment[0] + diagnostics[0] + history[0]),
+                "bytes": experiment[1] + diagnostics[1] + history[1],
+                "parts": {"experiment": (1000 * experiment[0], experiment[1]),
+                          "diagnostics": (1000 * diagnostics[0], diagnostics[1]),
+                          "rounds": (1000 * history[0], history[1], history[2], history[3])}}
+
+    try:
+        _timed_get(server.port, api, token)  # the worker loads its cached snapshot once
+        results: dict[str, Any] = {"rows": rows, "build_seconds": build_seconds}
+        polls = [poll(n_rounds) for _ in range(repeats)]
+        results["poll"] = min(polls, key=lambda p: p["ms"]) | {"median_ms": statistics.median(p["ms"] for p in polls)}
+        # Every page of a long history at large K is hundreds of megabytes: measured only when smaller.
+        results["first_load"] = poll(0) if n_arms * n_rounds <= 2_000_000 else None
+        pages = [_timed_get(server.port, f"{api}/rounds", token) for _ in range(repeats)]
+        results["rounds_page"] = {"median_ms": 1000 * statistics.median(p[0] for p in pages), "bytes": pages[0][1],
+                                  "rounds": len(pages[0][2]["rounds"])}
+    finally:
+        server.stop()
+    return results
+
+
+def history_main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="The dashboard's reads after a long history (measure_history).")
+    parser.add_argument("--arms", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=1_000)
+    parser.add_argument("--units", type=int, default=20_000, help="units observed in each round")
+    parser.add_argument("--repeats", type=int, default=5, help="polls measured (median and best reported)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pasto-bench-history-") as workdir:
+        results = measure_history(Path(workdir), args.arms, args.rounds, args.units, args.repeats)
+    poll, first, page = results["poll"], results["first_load"], results["rounds_page"]
+    print(f"K = {args.arms:,}, {args.rounds:,} applied rounds ({results['rows']:,} rows), {args.units:,} units a round; "
+          f"built in {results['build_seconds']:.0f} s")
+    print("| read | requests | bytes | ms (median; best) |")
+    print("|---|---|---|---|")
+    print(f"| dashboard poll (experiment + diagnostics + rounds since the current one) | "
+          f"{2 + poll['parts']['rounds'][2]} | {poll['bytes']:,} | {poll['median_ms']:.0f}; {poll['ms']:.0f} |")
+    for part in ("experiment", "diagnostics"):
+        ms, size = poll["parts"][part]
+        print(f"| - of which {part} | 1 | {size:,} | {ms:.0f} |")
+    ms, size, pages, count = poll["parts"]["rounds"]
+    print(f"| - of which rounds ({count} round) | {pages} | {size:,} | {ms:.0f} |")
+    if first is not None:
+        ms, size, pages, count = first["parts"]["rounds"]
+        print(f"| dashboard first load: every page of the history ({count:,} rounds) | {pages} | {size:,} | {ms:.0f} |")
+    print(f"| GET .../rounds, one default page ({page['rounds']} rounds) | 1 | {page['bytes']:,} | "
+          f"{page['median_ms']:.0f} |")
+    return results
+
+
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_server"]:
         raise SystemExit(_server_main(json.loads(argv[1])))
+    if argv[:1] == ["history"]:
+        return history_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

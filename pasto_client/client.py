@@ -208,9 +208,10 @@ class Client:
             body["segments"] = list(segments) if not isinstance(segments, Mapping) else dict(segments)
         return self.request("POST", f"{API_PREFIX}/experiments", json=body)
 
-    def list_experiments(self) -> list[dict]:
-        """``GET /api/v1/experiments``: every experiment."""
-        return self.request("GET", f"{API_PREFIX}/experiments")["experiments"]
+    def list_experiments(self, archived: bool = False) -> list[dict]:
+        """``GET /api/v1/experiments``: every experiment not archived (``archived``: the archived ones)."""
+        path = f"{API_PREFIX}/experiments" + ("?archived=true" if archived else "")
+        return self.request("GET", path)["experiments"]
 
     def get_experiment(self, name: str) -> dict:
         """``GET /api/v1/experiments/<name>``: configuration and current state (status, round,
@@ -228,6 +229,16 @@ class Client:
     def stop(self, name: str) -> dict:
         """``POST .../stop`` (admin): serve the deployed mixture from now on, close ingestion."""
         return self.request("POST", self._experiment_path(name, "/stop"))
+
+    def archive(self, name: str) -> dict:
+        """``POST .../archive`` (admin): stop the experiment and leave it out of listings and metrics;
+        assignment keeps serving the deployed mixture."""
+        return self.request("POST", self._experiment_path(name, "/archive"))
+
+    def delete(self, name: str) -> dict:
+        """``DELETE /api/v1/experiments/<name>`` (admin): delete an archived experiment with every row
+        of it; returns ``{"name", "deleted_rows": {table: rows}}``."""
+        return self.request("DELETE", self._experiment_path(name))
 
     # -- assignment and observations ---------------------------------------------------------------
 

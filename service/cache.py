@@ -80,6 +80,7 @@ class Snapshot:
     segment_serving: np.ndarray | None = None
     segment_serving_cumulative: tuple[list[float], ...] = ()
     segment_open: bool = False  # an open set: unknown values (and no value) are served segment 0, "(other)"
+    archived_at: datetime | None = None
 
     @property
     def n_arms(self) -> int:
@@ -122,6 +123,11 @@ class ExperimentCache:
             snapshot = self._load(name, snapshot)
         self._snapshots[name] = (snapshot, now)
         return snapshot
+
+    def forget(self, name: str) -> None:
+        """Drop the snapshot of ``name`` (deleted): the next request asks the database."""
+        self._snapshots.pop(name, None)
+        self._stale_until.pop(name, None)
 
     def serve(self, name: str) -> tuple[Snapshot, bool]:
         """The snapshot assignment serves for experiment ``name`` and whether it is stale: when the
@@ -237,6 +243,7 @@ class ExperimentCache:
             serving=serving,
             serving_cumulative=cumulative_probabilities(serving),
             hasher=PrefixHasher(experiment.seed, experiment.round_index),
+            archived_at=experiment.archived_at,
             **segmented,
         )
 

@@ -23,6 +23,9 @@ DATABASE_TIMEOUTS = {
     "PASTO_DATABASE_POOL_TIMEOUT": 5.0,        # waiting for a free connection of the pool
     "PASTO_SQLITE_BUSY_TIMEOUT": 10.0,         # waiting for SQLite's write lock
     "PASTO_HEALTHZ_TIMEOUT": 1.5,              # /healthz answers 503 when its check takes longer
+    # After a failed connection (down, unreachable, stalled) a process refuses database work at once
+    # for this long, then lets one request try again: one wait per window, not one per access.
+    "PASTO_DATABASE_FAIL_FAST": 2.0,
 }
 
 #: ``Retry-After`` (seconds) of a 503 ``database_unavailable``.
@@ -63,8 +66,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     scrape needs a token with the ``metrics`` role or higher),
     ``PASTO_DASHBOARD_POLL_SECONDS`` (how often the dashboard re-reads the API, default 5),
     ``PASTO_DATABASE_CONNECT_TIMEOUT`` / ``PASTO_DATABASE_STATEMENT_TIMEOUT`` /
-    ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` (seconds,
-    defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
+    ``PASTO_DATABASE_POOL_TIMEOUT`` / ``PASTO_SQLITE_BUSY_TIMEOUT`` / ``PASTO_HEALTHZ_TIMEOUT`` /
+    ``PASTO_DATABASE_FAIL_FAST`` (seconds, defaults in :data:`DATABASE_TIMEOUTS`), ``PASTO_DATABASE_RETRY_AFTER`` (the ``Retry-After`` of a 503
     when the database is unavailable, whole seconds, default 5), ``PASTO_AUTH_FAILURE_LIMIT`` (invalid
     tokens one client address may send per minute before it is refused 429, default 20),
     ``PASTO_METRICS_TOP_ARMS`` (``/metrics`` has per-arm series for this many arms of each

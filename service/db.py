@@ -41,6 +41,12 @@ class DatabaseUnreachable(RuntimeError):
     port, credentials or database name, an SQLite file that cannot be opened)."""
 
 
+class DatabaseFailingFast(DatabaseUnreachable):
+    """Refused without trying: this process lost its connection to the database less than
+    ``PASTO_DATABASE_FAIL_FAST`` seconds ago, or another request is finding out whether it is back
+    (:meth:`DatabaseStatus.admit`)."""
+
+
 @dataclass(frozen=True)
 class DatabaseTimeouts:
     """Deadlines, in seconds, of every wait on the database (defaults: ``service.config.DATABASE_TIMEOUTS``).
@@ -55,13 +61,21 @@ class DatabaseTimeouts:
     statement: float = DATABASE_TIMEOUTS["PASTO_DATABASE_STATEMENT_TIMEOUT"]
     pool: float = DATABASE_TIMEOUTS["PASTO_DATABASE_POOL_TIMEOUT"]
     sqlite_busy: float = DATABASE_TIMEOUTS["PASTO_SQLITE_BUSY_TIMEOUT"]
+    fail_fast: float = DATABASE_TIMEOUTS["PASTO_DATABASE_FAIL_FAST"]
 
     @classmethod
     def from_config(cls, config) -> DatabaseTimeouts:
         return cls(connect=config["PASTO_DATABASE_CONNECT_TIMEOUT"],
                    statement=config["PASTO_DATABASE_STATEMENT_TIMEOUT"],
                    pool=config["PASTO_DATABASE_POOL_TIMEOUT"],
-                   sqlite_busy=config["PASTO_SQLITE_BUSY_TIMEOUT"])
+                   sqlite_busy=config["PASTO_SQLITE_BUSY_TIMEOUT"],
+                   fail_fast=config["PASTO_DATABASE_FAIL_FAST"])
+
+    @property
+    def longest_attempt(self) -> float:
+        """The longest one attempt to use the database can wait: a connection's ping (or a statement)
+        up to its client-side deadline, then a new connection up to its connect timeout."""
+        return self.statement + CLIENT_DEADLINE_MARGIN + self.connect
 
 
 #: How much longer than ``statement_timeout`` the client waits for an answer before it gives the
@@ -101,12 +115,19 @@ class DatabaseStatus:
     while reads still succeed) logs at most one outage per :data:`OUTAGE_LOG_INTERVAL_SECONDS`; a
     failure in a period not logged yet is logged once that interval has passed."""
 
-    def __init__(self) -> None:
+    def __init__(self, fail_fast_seconds: float = DATABASE_TIMEOUTS["PASTO_DATABASE_FAIL_FAST"],
+                 probe_seconds: float = 60.0) -> None:
         self.up = True
         self._lock = threading.Lock()
         self._logged_outage_start: float | None = None  # set while a logged outage is not over
         self._last_logged = -OUTAGE_LOG_INTERVAL_SECONDS
         self._failures = 0
+        # Fail-fast (a circuit breaker): set by lost(), cleared by succeeded().
+        self.fail_fast_seconds = fail_fast_seconds
+        self.probe_seconds = probe_seconds
+        self._lost = False
+        self._lost_at = 0.0
+        self._probe_until = 0.0
 
     def failed(self, error: BaseException) -> None:
         """Record a request (or scheduler run) that failed because the database is unavailable."""
@@ -121,8 +142,58 @@ class DatabaseStatus:
         log.error("The database is unavailable (%s); answering 503 database_unavailable until it is back.",
                   _one_line(error))
 
+    def lost(self) -> None:
+        """Record a connection that failed or broke (down, unreachable, stalled past its deadline):
+        from now on :meth:`admit` refuses database work in this process for ``fail_fast_seconds``.
+        Errors that leave the connection usable (SQLite's write lock, a statement cancelled by the
+        server's ``statement_timeout``) do not count: the database still answers."""
+        with self._lock:
+            self._lost = True
+            self._lost_at = time.monotonic()
+            self._probe_until = 0.0
+
+    def admit(self, connecting: bool = False) -> bool:
+        """Raise :class:`DatabaseFailingFast` instead of letting the caller wait for a database this
+        process knows is away; free (no lock) while the connection is not lost. True when the caller
+        is the one let through to try (it calls :meth:`probe_done` when it has finished).
+
+        Within ``fail_fast_seconds`` of :meth:`lost` everything is refused. After that one caller at a
+        time is let through to find out whether the database is back (others are refused while it
+        tries, for at most ``probe_seconds``): its success ends the refusals (:meth:`succeeded`), its
+        failure starts a new window. ``connecting``: a new connection (the pool replacing a broken one
+        inside the current attempt), refused only within the window, so the caller let through can
+        connect, but an attempt whose ping just failed does not wait for a connect timeout as well.
+        """
+        if not self._lost:
+            return False
+        with self._lock:
+            if not self._lost:
+                return False
+            now = time.monotonic()
+            if now - self._lost_at < self.fail_fast_seconds:
+                raise DatabaseFailingFast(
+                    f"The connection to the database failed {now - self._lost_at:.1f} s ago; not trying again "
+                    f"for {self.fail_fast_seconds:g} s (PASTO_DATABASE_FAIL_FAST).")
+            if connecting:
+                return False
+            if now < self._probe_until:
+                raise DatabaseFailingFast("The connection to the database failed; another request is finding "
+                                          "out whether it is back.")
+            self._probe_until = now + self.probe_seconds
+            return True
+
+    def probe_done(self) -> None:
+        """The caller :meth:`admit` let through has finished (succeeded, failed, or never needed the
+        database): the next caller after the window may try."""
+        with self._lock:
+            self._probe_until = 0.0
+
     def succeeded(self) -> None:
         """Record a statement that completed: the database is usable (cheap when it already was)."""
+        if self._lost:
+            with self._lock:
+                self._lost = False
+                self._probe_until = 0.0
         if self.up:
             return
         with self._lock:
@@ -166,15 +237,27 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[Session]:
-        """A session for reading; rolled back and closed on exit."""
-        with self.read_sessions() as session:
-            yield session
+        """A session for reading; rolled back and closed on exit. :class:`DatabaseFailingFast` at once
+        while this process knows the database is away (:meth:`DatabaseStatus.admit`)."""
+        probe = self.status.admit()
+        try:
+            with self.read_sessions() as session:
+                yield session
+        finally:
+            if probe:
+                self.status.probe_done()
 
     @contextmanager
     def write(self) -> Iterator[Session]:
-        """A session in one write transaction: committed on success, rolled back on any exception."""
-        with self.write_sessions() as session, session.begin():
-            yield session
+        """A session in one write transaction: committed on success, rolled back on any exception.
+        :class:`DatabaseFailingFast` at once while this process knows the database is away."""
+        probe = self.status.admit()
+        try:
+            with self.write_sessions() as session, session.begin():
+                yield session
+        finally:
+            if probe:
+                self.status.probe_done()
 
 
 _URL_EXAMPLES = "sqlite:///path/to/pasto.sqlite or postgresql+psycopg://user:password@host/database"
@@ -280,10 +363,11 @@ def _deadline_connection_class(seconds: float) -> type:
                 return super().wait(gen, interval=interval, timeout=limit)
             except errors._WaitTimeout:  # psycopg's (internal) wait timeout: give the connection up
                 self.close()
-                raise psycopg.OperationalError(
+                error = psycopg.OperationalError(
                     f"The database server did not answer within {limit:g} s (PASTO_DATABASE_STATEMENT_TIMEOUT "
-                    f"+ {CLIENT_DEADLINE_MARGIN:g} s); the connection was closed."
-                ) from None
+                    f"+ {CLIENT_DEADLINE_MARGIN:g} s); the connection was closed.")
+                error.pasto_deadline = True  # a stalled server, not a dead connection (init_app's handle_error)
+                raise error from None
 
     return DeadlineConnection
 
@@ -321,17 +405,39 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
 def init_app(app: Flask) -> Database:
     """Create the application's engine from ``PASTO_DATABASE_URL`` (deadlines from the
     ``PASTO_DATABASE_*`` settings) and register it."""
-    engine = make_engine(app.config["PASTO_DATABASE_URL"], DatabaseTimeouts.from_config(app.config))
+    timeouts = DatabaseTimeouts.from_config(app.config)
+    engine = make_engine(app.config["PASTO_DATABASE_URL"], timeouts)
     database = Database(
         engine=engine,
         read_sessions=sessionmaker(bind=engine, expire_on_commit=False),
         write_sessions=sessionmaker(bind=engine.execution_options(pasto_write=True), expire_on_commit=False),
+        status=DatabaseStatus(timeouts.fail_fast, timeouts.longest_attempt),
     )
     status = database.status
 
     @sa.event.listens_for(engine, "after_cursor_execute")
     def statement_completed(*_):
         status.succeeded()
+
+    @sa.event.listens_for(engine, "checkout")
+    def connection_checked_out(*_):
+        status.succeeded()  # a new connection, or a pooled one whose ping the server answered
+
+    @sa.event.listens_for(engine, "handle_error")
+    def connection_lost(context: sa.engine.ExceptionContext) -> None:
+        # A broken connection, the client-side deadline, a failed connect (no connection yet): the
+        # database is away, not merely slow on one statement. A ping that failed at once is not: after
+        # a restart every pooled connection is dead, and the pool replaces each one (a failed connect
+        # then counts); a ping that met the deadline is a server that does not answer.
+        if context.is_pre_ping:
+            if getattr(context.original_exception, "pasto_deadline", False):
+                status.lost()
+        elif context.is_disconnect or context.connection is None:
+            status.lost()
+
+    @sa.event.listens_for(engine, "do_connect", insert=True)  # before make_engine's, which connects
+    def before_connecting(*_):
+        status.admit(connecting=True)  # returns None: the dialect (or make_engine's handler) connects
     app.extensions[_EXTENSION] = database
     return database
 

@@ -83,6 +83,18 @@ class Experiment(Base):
     version: Mapped[int]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
+    archived_at: Mapped[datetime | None]  # archived: stopped, and left out of listings and /metrics
+
+
+class DeletedExperiment(Base):
+    """An experiment deleted with all its rows (``DELETE /api/v1/experiments/<name>``). Its id is kept
+    so that no id is given out twice (``service.store.create_experiment``; migration 0010)."""
+
+    __tablename__ = "deleted_experiments"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(sa.String(64))
+    deleted_at: Mapped[datetime]
 
 
 class Arm(Base):

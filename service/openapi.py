@@ -34,7 +34,8 @@ _ERRORS = {
     "403": "The token's role is too low for this operation.",
     "404": "No experiment with this name.",
     "409": "The experiment's state does not allow this (duplicate name, stopped, paused, round already closed, "
-           "a statistics batch id sent with other content, data for a round whose ids retention pruned).",
+           "a statistics batch id sent with other content, data for a round whose ids retention pruned, "
+           "not archived).",
     "413": "The request body is larger than the server accepts.",
     "415": "The body is not JSON (Content-Type must be application/json).",
     "422": "The body is JSON but invalid; the message and details name the offending item.",
@@ -49,6 +50,11 @@ _NAME_PARAMETER = {
 _SINCE_PARAMETER = {
     "name": "since", "in": "query", "required": False, "description": "First round index to return (default 0).",
     "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
+}
+_ARCHIVED_PARAMETER = {
+    "name": "archived", "in": "query", "required": False,
+    "description": "false (default): the experiments not archived; true: the archived ones.",
+    "schema": {"type": "string", "enum": ["true", "false"]},
 }
 _LIMIT_PARAMETER = {
     "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default 200,000 / K, from 1 to 1,000).",
@@ -103,15 +109,21 @@ def _paths() -> dict[str, Any]:
                                              "content": {"application/json": {"schema": {"type": "object"}}}}},
             path_name=False)},
         "/api/v1/experiments": {
-            "get": _operation("List experiments.", "read",
-                              {"200": _json(_ref("ExperimentList"), "Every experiment, oldest first.")},
-                              path_name=False),
+            "get": {**_operation("List experiments (archived ones only with archived=true).", "read",
+                                 {"200": _json(_ref("ExperimentList"), "The experiments, oldest first.")},
+                                 ("422",), path_name=False),
+                    "parameters": [_ARCHIVED_PARAMETER]},
             "post": _operation("Create an experiment.", "admin",
                                {"201": _json(_ref("Experiment"), "Created.")}, ("409",),
                                body=_ref("ExperimentCreate"), path_name=False),
         },
-        "/api/v1/experiments/{name}": {"get": _operation("Configuration and state of an experiment.", "read",
-                                                         experiment)},
+        "/api/v1/experiments/{name}": {
+            "get": _operation("Configuration and state of an experiment.", "read", experiment),
+            "delete": _operation(
+                "Delete an archived experiment and every row of it, in one transaction (409 unless archived). "
+                "Its id is never given out again.", "admin",
+                {"200": _json(_ref("ExperimentDeleted"), "Deleted; rows deleted per table.")}, ("409",)),
+        },
         "/api/v1/experiments/{name}/assign": {"post": _operation(
             "Assign one unit ({unit}) or up to 10,000 ({units}) to arms for the current round (sticky).", "ingest",
             {"200": _json({"oneOf": [_ref("Assignment"), _ref("AssignmentBatch")]},
@@ -157,6 +169,9 @@ def _paths() -> dict[str, Any]:
         "/api/v1/experiments/{name}/stop": {"post": _operation(
             "Stop: assignment serves the deployed mixture, ingestion is closed (409).", "admin", experiment,
             ("409",))},
+        "/api/v1/experiments/{name}/archive": {"post": _operation(
+            "Archive: stop the experiment (if it is not) and leave it out of listings and /metrics; assignment "
+            "keeps serving the deployed mixture. Needed before a delete.", "admin", experiment)},
     }
 
 

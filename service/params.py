@@ -81,6 +81,18 @@ def query_integer(name: str, default: int | None, minimum: int, maximum: int | N
     return number
 
 
+def query_flag(name: str, default: bool) -> bool:
+    """The query parameter ``name`` as a boolean (``true`` or ``false``); ``default`` when absent,
+    a 422 naming the parameter otherwise."""
+    text = request.args.get(name)
+    if text is None:
+        return default
+    if text in ("true", "false"):
+        return text == "true"
+    shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
+    raise invalid(name, f"Must be true or false, got {shown!r}.")
+
+
 def init_app(app: Flask) -> None:
     """Install the path converter (before any route is added) and the query check."""
     app.url_map.converters["default"] = PathSegmentConverter

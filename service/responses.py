@@ -88,12 +88,20 @@ class Experiment(_Response):
                                           "probabilities and deployed above are then their traffic-weighted aggregate.")
     created_at: Timestamp
     updated_at: Timestamp
+    archived_at: OptionalTimestamp = Field(
+        None, description="When the experiment was archived (null: not archived). An archived experiment is stopped.")
     source: dict[str, Any] | None = Field(
         default=None, description="The metric source the experiment was created with (docs/scaling.md), or null.")
 
 
 class ExperimentList(_Response):
     experiments: list[Experiment]
+
+
+class ExperimentDeleted(_Response):
+    name: str
+    deleted_rows: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        description="Rows deleted per table, the experiment's own row under `experiments`.")
 
 
 class Assignment(_Response):
@@ -338,8 +346,8 @@ class Health(_Response):
 
 
 #: Every response model, for the OpenAPI document (``service.openapi``).
-MODELS = (Error, Experiment, ExperimentList, Assignment, AssignmentBatch, IngestResult, StatisticsResult, RoundClosed,
-          RoundList, Diagnostics, Health, ExperimentEventList)
+MODELS = (Error, Experiment, ExperimentList, ExperimentDeleted, Assignment, AssignmentBatch, IngestResult,
+          StatisticsResult, RoundClosed, RoundList, Diagnostics, Health, ExperimentEventList)
 
 
 def assignments(units: list[str], arms: list[int], probabilities: list[float], arm_names: tuple[str, ...],

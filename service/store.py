@@ -31,9 +31,10 @@ from sqlalchemy.orm import Session
 from pasto.estimators import Statistics
 
 from .db import Database
-from .models import (Arm, ArmRoundCount, Experiment, ExperimentEvent, LateStatistic, ObservationId, PooledStatistic,
-                     Round, RoundStatistic, RoundUnit, SchedulerHeartbeat, SegmentLateStatistic, SegmentPooledStatistic,
-                     SegmentRoundStatistic, SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch)
+from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
+                     ObservationId, PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat,
+                     SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic, SegmentValueUnit, SourceCell,
+                     SourceStatus, SourceUnits, StatisticsBatch)
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -184,8 +185,9 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
         if exists is not None:
             raise ExperimentExists(name)
         experiment = Experiment(
-            name=name, config=config, status="running", seed=seed, round_index=0, applied_rounds=0,
-            state=state, segment_state=segment_state, version=1, created_at=now, updated_at=now,
+            id=_next_sqlite_experiment_id(session), name=name, config=config, status="running", seed=seed,
+            round_index=0, applied_rounds=0, state=state, segment_state=segment_state, version=1, created_at=now,
+            updated_at=now,
         )
         session.add(experiment)
         session.flush()
@@ -203,25 +205,89 @@ def create_experiment(session: Session, *, name: str, config: dict[str, Any], se
         raise ExperimentExists(name) from None
 
 
-def experiment_names(session: Session) -> list[str]:
-    return list(session.execute(sa.select(Experiment.name).order_by(Experiment.id)).scalars())
+def _next_sqlite_experiment_id(session: Session) -> int | None:
+    """On SQLite, an id above every experiment's, deleted ones included (None: the database's own).
+
+    SQLite gives a table without AUTOINCREMENT the largest id present plus one, so it would reuse the
+    id of the newest experiment once that is deleted, and a worker still holding the deleted
+    experiment's cached snapshot would ingest into the new one. Writes on SQLite are serialised
+    (``BEGIN IMMEDIATE``), so two creations cannot pick the same id. PostgreSQL's sequence never
+    goes back."""
+    if session.get_bind().dialect.name != "sqlite":
+        return None
+    highest = session.execute(sa.select(sa.func.max(sa.func.coalesce(
+        sa.select(sa.func.max(Experiment.id)).scalar_subquery(), 0), sa.func.coalesce(
+        sa.select(sa.func.max(DeletedExperiment.id)).scalar_subquery(), 0)))).scalar_one()
+    return int(highest) + 1
+
+
+def experiment_names(session: Session, archived: bool = False) -> list[str]:
+    """Names of the experiments not archived (``archived``: of the archived ones), oldest first."""
+    archived_at = Experiment.archived_at.is_not(None) if archived else Experiment.archived_at.is_(None)
+    return list(session.execute(sa.select(Experiment.name).where(archived_at).order_by(Experiment.id)).scalars())
+
+
+def archive_experiment(session: Session, experiment: sa.Row, now: datetime) -> None:
+    """Archive a locked experiment: stopped (it serves its deployed mixture and closes no more
+    rounds) and marked archived; a new version, so every worker's cached snapshot is refreshed."""
+    session.execute(sa.update(_experiments).where(_experiments.c.id == experiment.id)
+                    .values(status="stopped", archived_at=now, version=_experiments.c.version + 1, updated_at=now))
+
+
+def _tables_of_an_experiment() -> list[sa.Table]:
+    """Every table with rows of one experiment (an ``experiment_id`` column), those that refer to
+    others first: whatever tables are added to ``service.models``, a delete reaches them all."""
+    return [table for table in reversed(Base.metadata.sorted_tables)
+            if "experiment_id" in table.c and table is not _experiments]
+
+
+def delete_experiment(session: Session, experiment: sa.Row, now: datetime) -> dict[str, int]:
+    """Delete a locked experiment and every row of it, and record its id in ``deleted_experiments``
+    (never given out again); the number of rows deleted per table.
+
+    Each table is deleted from explicitly: ``observation_ids`` and ``round_units`` have no foreign
+    key to ``experiments`` (migration 0003), and SQLite only cascades with ``PRAGMA foreign_keys``.
+    """
+    deleted = {}
+    for table in _tables_of_an_experiment():
+        deleted[table.name] = session.execute(
+            sa.delete(table).where(table.c.experiment_id == experiment.id)).rowcount
+    deleted["experiments"] = session.execute(sa.delete(_experiments).where(_experiments.c.id == experiment.id)).rowcount
+    session.execute(sa.insert(DeletedExperiment.__table__).values(id=experiment.id, name=experiment.name,
+                                                                  deleted_at=now))
+    return deleted
+
+
+def experiment_row_counts(session: Session, experiment_id: int) -> dict[str, int]:
+    """Rows of experiment ``experiment_id`` per table (its ``experiments`` row included)."""
+    counts = {table.name: session.execute(sa.select(sa.func.count()).select_from(table)
+                                          .where(table.c.experiment_id == experiment_id)).scalar_one()
+              for table in _tables_of_an_experiment()}
+    counts["experiments"] = session.execute(sa.select(sa.func.count()).select_from(_experiments)
+                                            .where(_experiments.c.id == experiment_id)).scalar_one()
+    return counts
 
 
 def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
     """``(id, version)`` of experiment ``name``, or None. The hottest query of the service: plain DBAPI,
     no ORM or SQL compilation on the way."""
-    connection = database.engine.raw_connection()
+    probe = database.status.admit()  # as Database.read() does: no wait for a database known to be away
     try:
-        cursor = connection.cursor()
+        connection = database.engine.raw_connection()
         try:
-            cursor.execute(f"SELECT id, version FROM experiments WHERE name = {_placeholder(database.engine)}",
-                           (name,))
-            row = cursor.fetchone()
+            cursor = connection.cursor()
+            try:
+                cursor.execute(f"SELECT id, version FROM experiments WHERE name = {_placeholder(database.engine)}",
+                               (name,))
+                row = cursor.fetchone()
+            finally:
+                cursor.close()
+            connection.rollback()
         finally:
-            cursor.close()
-        connection.rollback()
+            connection.close()
     finally:
-        connection.close()
+        if probe:
+            database.status.probe_done()
     return None if row is None else (int(row[0]), int(row[1]))
 
 
@@ -255,6 +321,18 @@ def round_probabilities(database: Database, experiment_id: int, round_index: int
         ).scalar_one_or_none()
 
 
+def round_probabilities_text(session: Session, experiment_id: int, round_indices: Sequence[int]) -> list[tuple[int, str]]:
+    """``(index, propensities as JSON text)`` of the given rounds: the caller parses the K numbers
+    itself (``numpy``), several times faster than a JSON column's decoding at K = 10,000."""
+    rows: list[tuple[int, str]] = []
+    indices = sorted(round_indices)
+    for start in range(0, len(indices), 100):
+        rows.extend(tuple(row) for row in session.connection().execute(
+            sa.select(Round.index, sa.cast(Round.probabilities, sa.Text))
+            .where(Round.experiment_id == experiment_id, Round.index.in_(indices[start:start + 100]))))
+    return rows
+
+
 def round_segment_probabilities(database: Database, experiment_id: int, round_index: int) -> list[Any] | None:
     """The per-segment propensities (S x K) served in a round of a segmented experiment (None: no such round)."""
     with database.read() as session:
@@ -285,10 +363,11 @@ def set_status(session: Session, experiment: sa.Row, status: str, now: datetime,
 
 
 # ------------------------------------------------------------------------------ ingestion
-def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row:
-    """``(status, applied_rounds, pruned_rounds)`` under a share lock on the experiment's row.
+def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row | None:
+    """``(status, applied_rounds, pruned_rounds)`` under a share lock on the experiment's row (None:
+    deleted).
 
-    Shares the row lock with other ingestion requests and excludes a concurrent round close or
+    Shares the row lock with other ingestion requests and excludes a concurrent round close, delete or
     retention's advance of ``pruned_rounds``, so "late" and "pruned" are decided against the rounds as
     they are when this transaction commits.
     """
@@ -296,7 +375,7 @@ def lock_for_ingestion(session: Session, experiment_id: int) -> sa.Row:
         sa.select(Experiment.status, Experiment.applied_rounds, Experiment.pruned_rounds)
         .where(Experiment.id == experiment_id)
         .with_for_update(read=True)
-    ).one()
+    ).one_or_none()
 
 
 def insert_observation_ids(session: Session, experiment_id: int, rows: list[tuple[str, int, int]],
@@ -803,35 +882,64 @@ def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:
     return counts, round_probabilities
 
 
-def monitoring_rows(session: Session) -> dict[str, Any]:
-    """What a metrics scrape reads, for every experiment at once."""
-    experiments = session.execute(
+def monitoring_versions(session: Session) -> list[sa.Row]:
+    """One small row per experiment not archived, what a metrics scrape reads every time: ``id, name,
+    status, round_index, applied_rounds, version, updated_at`` and ``summarized`` (whether the latest
+    applied round's summary is stored: it is written after the close, without a new version)."""
+    latest = sa.select(Round.summary.is_not(None)).where(
+        Round.experiment_id == Experiment.id, Round.index == Experiment.applied_rounds - 1).scalar_subquery()
+    return session.execute(
         sa.select(Experiment.id, Experiment.name, Experiment.status, Experiment.round_index,
-                  Experiment.applied_rounds, Experiment.config, Experiment.state,
-                  Experiment.updated_at).order_by(Experiment.id)
+                  Experiment.applied_rounds, Experiment.version, Experiment.updated_at,
+                  sa.func.coalesce(latest, False).label("summarized"))
+        .where(Experiment.archived_at.is_(None)).order_by(Experiment.id)
     ).all()
-    # Rounds still open or waiting for their update (usually one or two per experiment), and
-    # the latest applied one, whose summary holds the newest estimates.
+
+
+def monitoring_rows(session: Session, experiment_ids: Sequence[int]) -> dict[str, Any]:
+    """What a metrics scrape needs of experiments ``experiment_ids`` that changes only with their
+    version (and the latest summary): configuration and state, the rounds still open or waiting for
+    their update and the latest applied one (whose summary holds the newest estimates), the regret
+    summed over the rounds, the arm names."""
+    experiments = session.execute(
+        sa.select(Experiment.id, Experiment.config, Experiment.state).where(Experiment.id.in_(experiment_ids))
+    ).all()
     rounds = session.execute(
         sa.select(Round.experiment_id, Round.index, Round.ends_at, Round.probabilities, Round.summary)
         .join(Experiment, Experiment.id == Round.experiment_id)
-        .where(Round.index >= Experiment.applied_rounds - 1)
+        .where(Round.index >= Experiment.applied_rounds - 1, Experiment.id.in_(experiment_ids))
     ).all()
     regret_sums = dict(session.execute(
         sa.select(Round.experiment_id, sa.func.sum(Round.summary["regret"].as_float()))
-        .group_by(Round.experiment_id)
-    ).all())
-    stored = dict(session.execute(
-        sa.select(ArmRoundCount.experiment_id, sa.func.sum(ArmRoundCount.observations))
-        .group_by(ArmRoundCount.experiment_id)
+        .where(Round.experiment_id.in_(experiment_ids)).group_by(Round.experiment_id)
     ).all())
     names: dict[int, list[str]] = {}
     for experiment_id, arm_name in session.execute(
-        sa.select(Arm.experiment_id, Arm.name).order_by(Arm.experiment_id, Arm.position)
+        sa.select(Arm.experiment_id, Arm.name).where(Arm.experiment_id.in_(experiment_ids))
+        .order_by(Arm.experiment_id, Arm.position)
     ):
         names.setdefault(experiment_id, []).append(arm_name)
-    return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
+    return {"experiments": {row.id: row for row in experiments}, "rounds": rounds, "regret_sums": regret_sums,
             "arm_names": names}
+
+
+def round_totals(session: Session, experiment_ids: Sequence[int]) -> list[sa.Row]:
+    """``(experiment_id, round_index, units, observations, late_observations)`` summed over the arms,
+    per experiment and round: the counts a scrape reads each time (they change with every batch)."""
+    return session.connection().execute(
+        sa.select(ArmRoundCount.experiment_id, ArmRoundCount.round_index, sa.func.sum(ArmRoundCount.units),
+                  sa.func.sum(ArmRoundCount.observations), sa.func.sum(ArmRoundCount.late_observations))
+        .where(ArmRoundCount.experiment_id.in_(experiment_ids))
+        .group_by(ArmRoundCount.experiment_id, ArmRoundCount.round_index)
+    ).all()
+
+
+def arm_units(session: Session, experiment_id: int) -> list[sa.Row]:
+    """``(arm_index, units)``: distinct observed units per arm, summed over the rounds."""
+    return session.connection().execute(
+        sa.select(ArmRoundCount.arm_index, sa.func.sum(ArmRoundCount.units))
+        .where(ArmRoundCount.experiment_id == experiment_id).group_by(ArmRoundCount.arm_index)
+    ).all()
 
 
 # ------------------------------------------------------------------------------ scheduler

@@ -6,7 +6,7 @@ their earlier pauses and restarts were never recorded and cannot be recovered. T
 the table (the events are a record, nothing else reads them).
 
 Revision ID: 0011
-Revises: 0009
+Revises: 0010
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = '0011'
-down_revision = '0009'
+down_revision = '0010'
 branch_labels = None
 depends_on = None
 

@@ -1,4 +1,12 @@
-"""Experiments: create, list, show, pause, resume, stop, and what an experiment runs.
+"""Experiments: create, list, show, pause, resume, stop, archive, delete, and what an experiment runs.
+
+Archiving puts a finished experiment away: it is stopped (no more rounds, ingestion refused with
+409) and left out of listings and ``/metrics`` unless asked for. Assignment keeps answering with the
+deployed mixture, as for any stopped experiment: archiving is bookkeeping, and a production caller
+that still asks should keep getting the setting the experiment concluded on, not an error that turns a
+tidy-up into an outage. Deleting removes every row of an archived experiment in one transaction;
+only then do its routes answer 404. An experiment must be archived before it can be deleted, so a
+running one cannot be deleted by a single mistaken request.
 
 What an experiment stores is exactly what it runs: ``config["algorithm"]`` is the complete resolved
 ``AlgorithmConfig.to_dict()`` (the preset the request named is resolved at creation and not stored).
@@ -197,10 +205,10 @@ def create(body: ExperimentCreate) -> Snapshot:
     return get_cache().get(body.name, fresh=True)
 
 
-def list_all() -> list[Snapshot]:
-    """Every experiment, oldest first."""
+def list_all(archived: bool = False) -> list[Snapshot]:
+    """Every experiment not archived (``archived``: every archived one), oldest first."""
     with get_db().read() as session:
-        names = store.experiment_names(session)
+        names = store.experiment_names(session, archived=archived)
     cache = get_cache()
     snapshots = []
     for name in names:
@@ -246,3 +254,36 @@ def set_status(name: str, target: str) -> Snapshot:
             store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
             store.add_event(session, experiment.id, _EVENT_KINDS[target], experiment.round_index, now)
     return get_cache().get(name, fresh=True)
+
+
+def archive(name: str) -> Snapshot:
+    """Archive experiment ``name`` (stopping it if it is not); archiving an archived one changes nothing."""
+    snapshot = get_cache().get(name)
+    with get_db().write() as session:
+        experiment = store.lock_experiment(session, snapshot.id)
+        if experiment is None:
+            raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
+        if experiment.archived_at is None:
+            now = utcnow()
+            store.archive_experiment(session, experiment, now)
+            if experiment.status != "stopped":  # archiving stopped it: the time axis shows that as any stop
+                store.add_event(session, experiment.id, _EVENT_KINDS["stopped"], experiment.round_index, now)
+    return get_cache().get(name, fresh=True)
+
+
+def delete(name: str) -> dict[str, int]:
+    """Delete archived experiment ``name`` with every row of it, in one transaction; the rows deleted
+    per table. 409 when it is not archived."""
+    cache = get_cache()
+    snapshot = cache.get(name, fresh=True)
+    with get_db().write() as session:
+        experiment = store.lock_experiment(session, snapshot.id)
+        if experiment is None:
+            cache.forget(name)
+            raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
+        if experiment.archived_at is None:
+            raise ApiError(409, "conflict", f"Experiment {name!r} is not archived; archive it "
+                                            f"(POST /api/v1/experiments/{name}/archive) before deleting it.")
+        deleted = store.delete_experiment(session, experiment, utcnow())
+    cache.forget(name)
+    return deleted

@@ -191,6 +191,9 @@ def _store(database: Database, snapshot: Snapshot, batch: list[Observation], arm
     arms = arm_indices.tolist()
     with database.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
+        if row is None:  # deleted since this process cached the snapshot
+            get_cache().forget(snapshot.name)
+            raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
             raise stopped_error(snapshot.name)
         oldest = min(batch[position].round for position in first_of_id.values())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, seg
 
 from .. import store
 from ..cache import Snapshot, get_cache
-from ..db import Database, get_db, is_unavailable_error
+from ..db import Database, DatabaseUnreachable, get_db, is_unavailable_error
 from ..models import utcnow
 from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
@@ -139,7 +140,8 @@ def diagnostics(name: str) -> Diagnostics:
         algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
         pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
         summaries = store.round_summaries(session, snapshot.id)
-        units, late, srm = traffic_report(session, snapshot.id, n_arms)
+        units, late, srm = running_traffic(get_db(), session, snapshot.id, n_arms,
+                                           (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
         segmented = segmented_config(snapshot.config, algorithm)
         if segmented is not None:
@@ -164,7 +166,9 @@ def diagnostics(name: str) -> Diagnostics:
 
 def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
     """Observed units per arm (K,), late observations, and the sample-ratio-mismatch test against the
-    split expected from each round's logged probabilities (also read by ``service.monitoring``)."""
+    split expected from each round's logged probabilities, computed from every round's rows: the
+    definition :func:`running_traffic` (what diagnostics and ``/metrics`` use) keeps up to date
+    without reading every round again."""
     counts, round_probabilities = store.traffic_rows(session, experiment_id)
     units = np.zeros(n_arms)
     expected = np.zeros(n_arms)
@@ -258,16 +262,183 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
 
 
 # ------------------------------------------------------------------------------ monitoring, health
+@dataclass(frozen=True)
+class MonitoredExperiment:
+    """The row of one experiment a scrape reports (the attributes ``service.monitoring`` reads)."""
+
+    id: int
+    name: str
+    status: str
+    round_index: int
+    applied_rounds: int
+    updated_at: datetime
+    config: dict[str, Any]
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _VersionedMetrics:
+    """What a scrape reports of one experiment that changes only with its version and latest summary."""
+
+    key: tuple[int, bool]  # (version, latest applied round summarized)
+    config: dict[str, Any]
+    state: dict[str, Any]
+    rounds: list[Any]
+    regret_sum: float | None
+    arm_names: list[str]
+
+
+class _Traffic:
+    """Units per arm, the split they were expected in and the sample-ratio test, kept between scrapes.
+
+    The expected split is ``sum over rounds r of n_r * p_r`` (``n_r`` units observed in round ``r``,
+    ``p_r`` its propensities, K floats each): summed from scratch it reads every round's
+    propensities, 80 MB of JSON after 1,000 rounds at K = 10,000. Kept as a running sum, a scrape
+    reads ``p_r`` only for rounds whose ``n_r`` changed since the last one (usually the current round,
+    whose propensities the versioned part holds already). Counts only grow, so when no round's
+    ``n_r`` changed neither did the units per arm: the test is not run again.
+    """
+
+    def __init__(self, n_arms: int) -> None:
+        self.round_units: dict[int, float] = {}
+        self.expected = np.zeros(n_arms)
+        self.units = np.zeros(n_arms)
+        self.srm: dict[str, Any] = {"statistic": None, "p_value": None, "ok": True}
+
+    def update(self, session, experiment_id: int, round_units: dict[int, float],
+               current: tuple[int, Any] | None) -> None:
+        changes = {round_index: units - self.round_units.get(round_index, 0.0)
+                   for round_index, units in round_units.items() if units != self.round_units.get(round_index, 0.0)}
+        propensities: dict[int, np.ndarray] = {}
+        if current is not None and current[0] in changes:
+            propensities[current[0]] = np.asarray(current[1], dtype=np.float64)
+        wanted = [round_index for round_index in changes if round_index not in propensities]
+        for round_index, text in store.round_probabilities_text(session, experiment_id, wanted):
+            propensities[round_index] = np.fromstring(text.strip()[1:-1], sep=",")
+        changed = False
+        for round_index, change in changes.items():
+            probabilities = propensities.get(round_index)
+            if probabilities is None or probabilities.shape != self.expected.shape:
+                continue
+            self.expected += change * probabilities
+            self.round_units[round_index] = round_units[round_index]
+            changed = True
+        if not changed:
+            return
+        units = np.zeros(len(self.expected))
+        for arm_index, arm_units in store.arm_units(session, experiment_id):
+            units[arm_index] = arm_units or 0
+        self.units = units
+        if units.sum() > 0:
+            self.srm = json_safe(sample_ratio_mismatch(units, self.expected / self.expected.sum()))
+
+
+class _ScrapeCache:
+    """Per process and database: the versioned part and the traffic sums of each experiment."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.versioned: dict[int, _VersionedMetrics] = {}
+        self.traffic: dict[int, _Traffic] = {}
+
+
+_scrape_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _ScrapeCache
+
+
+def _scrape_cache(database: Database) -> _ScrapeCache:
+    with _cache_lock:
+        return _scrape_caches.setdefault(database.engine, _ScrapeCache())
+
+
+def running_traffic(database: Database, session, experiment_id: int, n_arms: int,
+                    current: tuple[int, Any] | None) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """:func:`traffic_report` of one experiment from this process's running sums (:class:`_Traffic`):
+    it reads the per-round count totals and only the propensities of rounds whose units changed, not
+    every round's (38 s of a diagnostics request after 1,000 rounds at K = 10,000). ``current``:
+    ``(index, propensities)`` of the current round, which the caller has at hand."""
+    cache = _scrape_cache(database)
+    round_units: dict[int, float] = {}
+    late = 0
+    for _, round_index, units, _, round_late in store.round_totals(session, [experiment_id]):
+        round_units[round_index] = float(units or 0)
+        late += int(round_late or 0)
+    with cache.lock:
+        running = cache.traffic.get(experiment_id)
+        if running is None or running.expected.shape != (n_arms,):
+            running = cache.traffic[experiment_id] = _Traffic(n_arms)
+        running.update(session, experiment_id, round_units, current)
+        return running.units.copy(), late, running.srm
+
+
 def controller_metrics(database: Database) -> dict[str, Any]:
-    """What a ``/metrics`` scrape reports about every experiment: the store's rows plus each
-    experiment's traffic report ``(units, late observations, srm)`` under ``"traffic"``."""
-    with database.read() as session:
-        data = store.monitoring_rows(session)
-        data["traffic"] = {row.id: traffic_report(session, row.id, len(data["arm_names"].get(row.id, ())))
-                           for row in data["experiments"]}
-        data["last_heartbeat"] = store.last_heartbeat(session)
-        data["sources"] = store.source_statuses(session)
-    return data
+    """What a ``/metrics`` scrape reports about every experiment not archived: ``experiments``
+    (:class:`MonitoredExperiment`), ``rounds`` (the open ones and the latest applied), ``regret_sums``,
+    ``stored`` (observations), ``arm_names`` and ``traffic``: ``(units per arm, late observations,
+    srm)`` as :func:`traffic_report` computes them.
+
+    A scrape reads one small row per experiment and the count totals; state, configuration, rounds,
+    arm names and the regret sum are read again only when the experiment's version changed or its
+    latest summary arrived (cached per process), so a scrape at K = 10,000 does not parse the
+    controller state and K names every time (docs/benchmarks.md, ``bench/metrics_scrape.py``).
+    """
+    cache = _scrape_cache(database)
+    with cache.lock, database.read() as session:
+        rows = store.monitoring_versions(session)
+        keys = {row.id: (row.version, bool(row.summarized)) for row in rows}
+        changed = [row.id for row in rows if row.id not in cache.versioned or cache.versioned[row.id].key != keys[row.id]]
+        if changed:
+            loaded = store.monitoring_rows(session, changed)
+            rounds_of: dict[int, list[Any]] = {experiment_id: [] for experiment_id in changed}
+            for round_row in loaded["rounds"]:
+                rounds_of[round_row.experiment_id].append(round_row)
+            for experiment_id in changed:
+                heavy = loaded["experiments"].get(experiment_id)
+                if heavy is None:  # deleted meanwhile
+                    continue
+                cache.versioned[experiment_id] = _VersionedMetrics(
+                    key=keys[experiment_id], config=heavy.config, state=heavy.state, rounds=rounds_of[experiment_id],
+                    regret_sum=loaded["regret_sums"].get(experiment_id),
+                    arm_names=loaded["arm_names"].get(experiment_id, []))
+        for gone in set(cache.versioned) - set(keys):  # archived or deleted
+            cache.versioned.pop(gone)
+            cache.traffic.pop(gone, None)
+        totals = store.round_totals(session, list(keys))
+        last_beat = store.last_heartbeat(session)
+        sources = store.source_statuses(session)
+        experiments, rounds, regret_sums, arm_names, traffic, stored = [], [], {}, {}, {}, {}
+        round_units: dict[int, dict[int, float]] = {}
+        observations: dict[int, int] = {}
+        late: dict[int, int] = {}
+        for experiment_id, round_index, units, round_observations, round_late in totals:
+            round_units.setdefault(experiment_id, {})[round_index] = float(units or 0)
+            observations[experiment_id] = observations.get(experiment_id, 0) + int(round_observations or 0)
+            late[experiment_id] = late.get(experiment_id, 0) + int(round_late or 0)
+        for row in rows:
+            versioned = cache.versioned.get(row.id)
+            if versioned is None:
+                continue
+            experiments.append(MonitoredExperiment(
+                id=row.id, name=row.name, status=row.status, round_index=row.round_index,
+                applied_rounds=row.applied_rounds, updated_at=row.updated_at, config=versioned.config,
+                state=versioned.state))
+            rounds.extend(versioned.rounds)
+            if versioned.regret_sum is not None:
+                regret_sums[row.id] = versioned.regret_sum
+            arm_names[row.id] = versioned.arm_names
+            n_arms = len(versioned.arm_names)
+            stored[row.id] = observations.get(row.id, 0)
+            current = next(((round_row.index, round_row.probabilities) for round_row in versioned.rounds
+                            if round_row.index == row.round_index), None)
+            running = cache.traffic.get(row.id)
+            if running is None or running.expected.shape != (n_arms,):
+                running = cache.traffic[row.id] = _Traffic(n_arms)
+            running.update(session, row.id, round_units.get(row.id, {}), current)
+            traffic[row.id] = (running.units, late.get(row.id, 0), running.srm)
+    return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
+            "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat, "sources": sources}
+
+
+_cache_lock = threading.Lock()
 
 
 def last_heartbeat(database: Database) -> datetime | None:
@@ -339,7 +510,7 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
     except FutureTimeout:
         return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
                             current=None, head=head, alive=False, last_heartbeat=None)
-    except sa.exc.SQLAlchemyError as error:
+    except (sa.exc.SQLAlchemyError, DatabaseUnreachable) as error:
         if is_unavailable_error(error):
             database.status.failed(error)
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,

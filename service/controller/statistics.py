@@ -163,6 +163,9 @@ def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsR
     database = get_db()
     with database.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
+        if row is None:  # deleted since this process cached the snapshot
+            get_cache().forget(snapshot.name)
+            raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
             raise stopped_error(snapshot.name)
         if first_round < row.pruned_rounds:

@@ -1,4 +1,5 @@
-"""``/api/v1/experiments``: create, list, show, pause, resume, stop, and the events of an experiment."""
+"""``/api/v1/experiments``: create, list, show, pause, resume, stop, archive, delete, and the events of an
+experiment."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from flask import Blueprint
 from ..auth import require_role
 from ..cache import Snapshot
 from ..controller import experiments
-from ..params import query_integer
-from ..responses import (ArmView, Experiment, ExperimentEvent, ExperimentEventList, ExperimentList, RoundTimes,
-                         SegmentsView, respond)
+from ..params import query_flag, query_integer
+from ..responses import (ArmView, Experiment, ExperimentDeleted, ExperimentEvent, ExperimentEventList, ExperimentList,
+                         RoundTimes, SegmentsView, respond)
 from ..schemas import ExperimentCreate, json_body, parse
 
 bp = Blueprint("experiments", __name__, url_prefix="/api/v1/experiments")
@@ -50,6 +51,7 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         deployed=snapshot.deployed.tolist(),
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
+        archived_at=iso(snapshot.archived_at),
         source=config.get("source"),
         **({"segments": segments_view(snapshot)} if snapshot.segmented else {}),  # unsegmented: no key at all
     )
@@ -77,7 +79,9 @@ def create():
 @bp.get("")
 @require_role("read")
 def list_experiments():
-    return respond(ExperimentList(experiments=[experiment_view(snapshot) for snapshot in experiments.list_all()]))
+    archived = query_flag("archived", False)  # true: the archived experiments instead of the others
+    return respond(ExperimentList(experiments=[experiment_view(snapshot)
+                                               for snapshot in experiments.list_all(archived=archived)]))
 
 
 @bp.get("/<name>")
@@ -102,6 +106,18 @@ def resume(name: str):
 @require_role("admin")
 def stop(name: str):
     return respond(experiment_view(experiments.set_status(name, "stopped")))
+
+
+@bp.post("/<name>/archive")
+@require_role("admin")
+def archive(name: str):
+    return respond(experiment_view(experiments.archive(name)))
+
+
+@bp.delete("/<name>")
+@require_role("admin")
+def delete(name: str):
+    return respond(ExperimentDeleted(name=name, deleted_rows=experiments.delete(name)))
 
 
 @bp.get("/<name>/events")

@@ -134,3 +134,19 @@ def test_base_url_must_be_http(base_url):
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="timeout"):
         Client("http://127.0.0.1:8000", "token", timeout=0)
+
+
+def test_archive_list_archived_and_delete(server, admin, create_experiment):
+    name = create_experiment()
+    with pytest.raises(PastoAPIError) as refused:
+        admin.delete(name)
+    assert refused.value.status == 409
+    archived = admin.archive(name)
+    assert archived["status"] == "stopped" and archived["archived_at"] is not None
+    assert name not in [e["name"] for e in admin.list_experiments()]
+    assert name in [e["name"] for e in admin.list_experiments(archived=True)]
+    deleted = admin.delete(name)
+    assert deleted["name"] == name and deleted["deleted_rows"]["experiments"] == 1
+    with pytest.raises(PastoAPIError) as gone:
+        admin.get_experiment(name)
+    assert gone.value.status == 404

@@ -54,6 +54,9 @@ MUTATING_ROLES = {
     ("POST", "/api/v1/experiments/<name>/pause"): "admin",
     ("POST", "/api/v1/experiments/<name>/resume"): "admin",
     ("POST", "/api/v1/experiments/<name>/stop"): "admin",
+    ("POST", "/api/v1/experiments/<name>/archive"): "admin",
+    ("DELETE", "/api/v1/experiments/<name>"): "admin",
+    ("POST", "/api/v1/experiments/<name>/statistics"): "ingest",
 }
 
 #: A body each route would accept, so that a refusal can only be the token's doing.
@@ -63,6 +66,8 @@ VALID_BODIES = {
     "/api/v1/experiments/<name>/observations": {
         "observations": [{"id": "o-1", "unit": "u-1", "round": 0, "values": {"x": 1.0, "y": 0.5}}]},
     "/api/v1/experiments/<name>/rounds": {"round": 0},
+    "/api/v1/experiments/<name>/statistics": {"batch_id": "b-1", "cells": [
+        {"round": 0, "arm": "a", "metric": "x", "count": 1, "sum": 1.0, "sum_of_squares": 1.0}]},
 }
 
 

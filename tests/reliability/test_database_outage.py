@@ -260,13 +260,13 @@ def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluste
     assert sum(1 for line in log_lines(server.log()) if "The database is unavailable" in line) == 1
 
 
-#: The stall. The issue's probe stopped PostgreSQL for 45 s against gunicorn's default 30 s timeout;
-#: here gunicorn runs with a 20 s timeout and the stall lasts 25 s: still longer than the worker
-#: timeout, so a request that waited for the database the whole stall would get its worker killed,
-#: and 20 s shorter. The longest wait a request can have is the pool's ping (statement timeout + 1 s)
-#: then a connect attempt (connect timeout): 11 + 3 = 14 s with the defaults.
-STALL_SECONDS = 25
-GUNICORN_TIMEOUT = 20
+#: The stall: the issue's probe stopped PostgreSQL for 45 s against gunicorn's default 30 s worker
+#: timeout. A request that waited for the database the whole stall would get its worker killed. The
+#: longest wait one request has is one attempt: the pool's ping (statement timeout + 1 s = 11 s), after
+#: which the process fails fast (PASTO_DATABASE_FAIL_FAST): the reconnect and every later access in
+#: the window are refused at once, and after it one request at a time tries again.
+STALL_SECONDS = 45
+GUNICORN_TIMEOUT = 30
 
 
 @pytest.mark.postgres
@@ -296,6 +296,7 @@ def test_postgres_stalled_healthz_answers_and_no_worker_is_killed(cluster, clust
     finally:
         cluster.signal_server(signal.SIGCONT)
 
+    resumed_at = time.monotonic()
     assert health and all(status == 503 for status, _ in health), health
     # Tolerance: PASTO_HEALTHZ_TIMEOUT (1.5 s) plus 0.5 s for the request itself on a loaded 2-core machine
     # (a /healthz answer takes ~5 ms idle); a /healthz that waited for the stalled database would take 11 s or
@@ -305,6 +306,12 @@ def test_postgres_stalled_healthz_answers_and_no_worker_is_killed(cluster, clust
     assert not thread.is_alive(), "the stream did not finish after the database came back"
     assert stream.error is None, repr(stream.error)
     assert assert_only_503_with_retry_after(stream) >= 1
+    # The stream was refused while the database was stopped, not only around its end: no request of
+    # it waited out the stall (the longest attempt is 11 s of a 45 s stall).
+    refused_in_stall = [answer for answer in stream.answers
+                        if answer[2] == 503 and stalled_at < answer[0] < resumed_at]
+    assert refused_in_stall, [answer for answer in stream.answers if stalled_at < answer[0]][:20]
+    assert stream.acknowledged == 40
     server.wait_healthy(30)
 
     log = server.log()

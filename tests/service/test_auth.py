@@ -28,12 +28,17 @@ ROUTES = [
     ("GET", "/api/v1/experiments/setup-a", "read", None),
     ("POST", "/api/v1/experiments/setup-a/assign", "ingest", {"unit": "u1"}),
     ("POST", "/api/v1/experiments/setup-a/observations", "ingest", OBSERVATION),
+    ("POST", "/api/v1/experiments/setup-a/statistics", "ingest",
+     {"batch_id": "b-1", "cells": [{"round": 0, "arm": "a", "metric": "x", "count": 1, "sum": 1.0, "sum_of_squares": 1.0}]}),
     ("GET", "/api/v1/experiments/setup-a/rounds", "read", None),
     ("POST", "/api/v1/experiments/setup-a/rounds", "admin", None),
     ("GET", "/api/v1/experiments/setup-a/diagnostics", "read", None),
+    ("GET", "/api/v1/experiments/setup-a/events", "read", None),
     ("POST", "/api/v1/experiments/setup-a/pause", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/resume", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/stop", "admin", None),
+    ("POST", "/api/v1/experiments/setup-a/archive", "admin", None),
+    ("DELETE", "/api/v1/experiments/setup-a", "admin", None),  # 409 for the admin: not archived
 ]
 PUBLIC = [("GET", "/healthz"), ("GET", "/api/v1/openapi.json")]
 

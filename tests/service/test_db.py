@@ -54,3 +54,87 @@ def test_sqlite_connections_checkpoint_the_wal_every_ten_thousand_pages(tmp_path
                 assert pragma("PRAGMA synchronous").scalar() == 1  # NORMAL
     finally:
         engine.dispose()
+
+
+def test_after_a_lost_connection_the_process_fails_fast_then_lets_one_request_try_again(monkeypatch):
+    import service.db as db_module
+    from service.db import DatabaseFailingFast
+
+    clock = [1000.0]
+    monkeypatch.setattr(db_module.time, "monotonic", lambda: clock[0])
+    status = db_module.DatabaseStatus(fail_fast_seconds=2.0, probe_seconds=14.0)
+    status.admit()  # nothing lost: admitted
+    status.lost()
+    for connecting in (False, True):
+        try:
+            status.admit(connecting=connecting)
+        except DatabaseFailingFast as refused:
+            assert "PASTO_DATABASE_FAIL_FAST" in str(refused)
+        else:
+            raise AssertionError("admitted within the fail-fast window")
+    clock[0] += 2.5
+    status.admit()  # the window is over: this caller finds out whether the database is back
+    status.admit(connecting=True)  # ... and may open a connection to do so
+    try:
+        status.admit()  # another caller meanwhile is refused
+    except DatabaseFailingFast as refused:
+        assert "another request" in str(refused)
+    else:
+        raise AssertionError("two callers were let through while the database is away")
+    status.lost()  # the try failed: a new window
+    clock[0] += 1.0
+    try:
+        status.admit(connecting=True)
+    except DatabaseFailingFast:
+        pass
+    else:
+        raise AssertionError("admitted within the new fail-fast window")
+    clock[0] += 14.0 + 2.0  # a try that neither succeeded nor failed (its request ended otherwise)
+    status.admit()
+    status.succeeded()  # the database answered: everyone is admitted again
+    status.admit()
+    status.admit()
+
+
+def test_a_stalled_server_costs_one_connect_timeout_then_requests_fail_fast(tmp_path):
+    """A PostgreSQL "server" that accepts TCP connections and never answers (what a stopped server
+    looks like on loopback): the first access waits for the connect timeout, the next ones within
+    ``PASTO_DATABASE_FAIL_FAST`` are refused at once, and the first one after it tries again."""
+    import socket
+    import time
+
+    from service import create_app
+    from service.db import DatabaseFailingFast, DatabaseUnreachable, get_db, is_unavailable_error
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # the kernel completes the handshakes; nobody ever reads or answers
+    port = listener.getsockname()[1]
+    try:
+        app = create_app({"PASTO_DATABASE_URL": f"postgresql+psycopg://pasto:x@127.0.0.1:{port}/pasto",
+                          "PASTO_CHECK_SCHEMA": False, "PASTO_DATABASE_CONNECT_TIMEOUT": 2,
+                          "PASTO_DATABASE_FAIL_FAST": 3})
+        database = get_db(app)
+
+        def attempt() -> tuple[BaseException, float]:
+            started = time.monotonic()
+            try:
+                with database.read() as session:
+                    session.execute(sa.text("SELECT 1"))
+            except Exception as error:  # noqa: BLE001 - what it is is asserted by the caller
+                return error, time.monotonic() - started
+            raise AssertionError("a server that never answers answered")
+
+        first, waited = attempt()
+        assert is_unavailable_error(first) and not isinstance(first, DatabaseUnreachable), repr(first)
+        assert waited >= 1.5, waited
+        for _ in range(5):
+            refused, waited = attempt()
+            assert isinstance(refused, DatabaseFailingFast) and is_unavailable_error(refused), repr(refused)
+            assert waited < 0.5, waited
+        time.sleep(3.2)
+        retried, waited = attempt()
+        assert not isinstance(retried, DatabaseFailingFast) and waited >= 1.5, (repr(retried), waited)
+        database.engine.dispose()
+    finally:
+        listener.close()

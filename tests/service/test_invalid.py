@@ -48,15 +48,16 @@ def test_unknown_url_is_a_json_404(api):
 
 
 def test_wrong_method_is_a_json_405(api, created):
-    error = error_of(api("DELETE", "/api/v1/experiments/setup-a"), 405)
+    error = error_of(api("PUT", "/api/v1/experiments/setup-a"), 405)  # DELETE is allowed (admin): delete
     assert error["code"] == "method_not_allowed"
-    assert "GET" in error["details"]["allowed_methods"]
+    assert {"GET", "DELETE"} <= set(error["details"]["allowed_methods"])
 
 
 @pytest.mark.parametrize("method, suffix", [
     ("GET", ""), ("POST", "/assign"), ("POST", "/observations"), ("POST", "/statistics"), ("GET", "/rounds"),
     ("POST", "/rounds"),
-    ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"),
+    ("GET", "/diagnostics"), ("POST", "/pause"), ("POST", "/resume"), ("POST", "/stop"), ("POST", "/archive"),
+    ("DELETE", ""),
 ])
 def test_unknown_experiment_is_404(api, method, suffix):
     bodies = {"/assign": {"unit": "u"}, "/observations": {"observations": [observation()]},

@@ -16,16 +16,48 @@ EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
 #: Added by 0009 (per-segment statistics): absent after any downgrade below it.
 SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics",
                   "segment_value_units"}
-#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0009 segments, 0011 experiment
-#: events): gone whenever the round trip below downgrades to 0006 or earlier.
-TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status",
+#: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0009 segments, 0010 deleted
+#: experiments, 0011 experiment events): gone whenever the round trip below downgrades to 0006 or earlier.
+TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status", "deleted_experiments",
                      "experiment_events"} | SEGMENT_TABLES
+TABLES_AFTER_0009 = {"deleted_experiments", "experiment_events"}  # 0010, 0011
 
 
 def _tables(url: str) -> set[str]:
     engine = sa.create_engine(url)
     try:
         return set(sa.inspect(engine).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+
+
+def _check_experiment_lifecycle_round_trip(url: str) -> None:
+    """0010: experiments gain archived_at and deleted_experiments appears; the downgrade (to 0009) drops the
+    column in place (an archived experiment stays, stopped) without touching the rows that refer
+    to the experiment (a rebuilt table's DROP would cascade into them on SQLite)."""
+    engine = sa.create_engine(url)
+    try:
+        assert "archived_at" in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
+        with engine.begin() as connection:
+            connection.execute(sa.text(
+                "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, state, version, "
+                "created_at, updated_at, archived_at) VALUES (41, 'kept', '{}', 'stopped', 1, 0, 0, '{}', 1, "
+                "'2026-01-01', '2026-01-01', '2026-01-02')"))
+            connection.execute(sa.text(
+                "INSERT INTO arms (experiment_id, position, name, params) VALUES (41, 0, 'a', '{}')"))
+    finally:
+        engine.dispose()
+    migrations.downgrade(url, "0009")
+    engine = sa.create_engine(url)
+    try:
+        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0009
+        assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
+        with engine.begin() as connection:
+            assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
+            connection.execute(sa.text("DELETE FROM arms"))
+            connection.execute(sa.text("DELETE FROM experiments"))
     finally:
         engine.dispose()
 
@@ -72,6 +104,7 @@ def _check_round_trip(url: str) -> None:
         _check_retention_schema(inspector)
     finally:
         engine.dispose()
+    _check_experiment_lifecycle_round_trip(url)  # down to 0009
     migrations.downgrade(url, "0006")  # 0007 alone: the batch table, pruned_rounds and the index go
     engine = sa.create_engine(url)
     try:

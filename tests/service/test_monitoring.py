@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.controller import reports
 from service.controller.rounds import close_due_rounds
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
@@ -49,11 +50,12 @@ def value(samples: dict[str, list], name: str, **match: str) -> float:
     return found[0]
 
 
-def play_rounds(api, name: str, rounds: int, units: int = 60) -> dict[str, int]:
-    """Assign, observe (setup A means) and close ``rounds`` rounds; returns units assigned per arm."""
+def play_rounds(api, name: str, rounds: int, units: int = 60, first: int = 0) -> dict[str, int]:
+    """Assign, observe (setup A means) and close ``rounds`` rounds (unit ids numbered from round
+    ``first`` on); returns units assigned per arm."""
     assigned: dict[str, int] = {}
     means = {"a": (2.0, -2.0), "b": (0.0, 2.0)}
-    for round_position in range(rounds):
+    for round_position in range(first, first + rounds):
         units_ids = [f"{name}-r{round_position}-u{i}" for i in range(units)]
         response = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest", json={"units": units_ids})
         assert response.status_code == 200
@@ -329,3 +331,77 @@ def test_an_unusable_top_arms_setting_is_refused(setting, sqlite_url):
 
     with pytest.raises(ConfigurationError, match="PASTO_METRICS_TOP_ARMS must be a positive whole number of arms"):
         make_app(sqlite_url, PASTO_METRICS_TOP_ARMS=setting)
+
+
+def _check_against_the_api(api, name: str, observed: int, late: int) -> None:
+    experiment = api("GET", f"/api/v1/experiments/{name}", role="read").get_json()
+    diagnostics = api("GET", f"/api/v1/experiments/{name}/diagnostics", role="read").get_json()
+    samples = scrape(api)
+    arm_names = [arm["name"] for arm in experiment["arms"]]
+    assert value(samples, "pasto_round_index", experiment=name) == experiment["round"]["index"]
+    assert value(samples, "pasto_applied_rounds", experiment=name) == experiment["applied_rounds"]
+    assert by_label(samples["pasto_arm_probability"], "arm", experiment=name) == dict(
+        zip(arm_names, experiment["probabilities"]))
+    assert by_label(samples["pasto_arm_deployed_probability"], "arm", experiment=name) == dict(
+        zip(arm_names, experiment["deployed"]))
+    status = by_label(samples["pasto_experiment_status"], "status", experiment=name)
+    assert status[experiment["status"]] == 1.0
+    if diagnostics["srm"]["p_value"] is None:
+        assert not [s for s in samples.get("pasto_srm_p_value", []) if s.labels["experiment"] == name]
+    else:
+        assert value(samples, "pasto_srm_p_value", experiment=name) == pytest.approx(
+            diagnostics["srm"]["p_value"], rel=1e-9, abs=1e-300)
+    assert value(samples, "pasto_observations_stored", experiment=name) == observed
+    assert value(samples, "pasto_late_observations", experiment=name) == diagnostics["late_observations"] == late
+    # Both read this process's running sums: check them against the sums over every round's rows.
+    app = api.client.application
+    with app.app_context(), get_db(app).read() as session:
+        experiment_id = session.execute(sa.select(Experiment.id).where(Experiment.name == name)).scalar_one()
+        units, late_from_rows, srm = reports.traffic_report(session, experiment_id, len(arm_names))
+    assert diagnostics["units"] == units.astype(int).tolist() and late_from_rows == late
+    if srm["p_value"] is None:
+        assert diagnostics["srm"]["p_value"] is None
+    else:
+        assert diagnostics["srm"]["p_value"] == pytest.approx(srm["p_value"], rel=1e-9, abs=1e-300)
+    if experiment["applied_rounds"]:
+        assert math.isclose(value(samples, "pasto_regret_cumulative_estimate", experiment=name),
+                            diagnostics["regret"]["cumulative"], rel_tol=1e-9)
+
+
+def test_scrapes_between_changes_agree_with_the_api_as_a_first_scrape_does(backend_api, backend_url, setup_a):
+    """A process keeps what only changes with an experiment's version between scrapes, and the
+    traffic sums as running totals (``controller.reports.controller_metrics``): after each kind of
+    change (observations, a round, late data, a pause, a summary stored after the close) a scrape
+    still reports what the API says."""
+    api = backend_api
+    name = "cached"
+    assert api("POST", "/api/v1/experiments", json=setup_a(name)).status_code == 201
+    _check_against_the_api(api, name, observed=0, late=0)
+    play_rounds(api, name, rounds=1)
+    _check_against_the_api(api, name, observed=60, late=0)
+    late_units = [f"late-u{i}" for i in range(30)]
+    assigned = api("POST", f"/api/v1/experiments/{name}/assign", role="ingest",
+                   json={"units": late_units}).get_json()["assignments"]
+    api("POST", "/api/v1/experiments/{}/observations".format(name), role="ingest", json={"observations": [
+        {"id": f"late-{i}", "unit": a["unit"], "round": 0, "values": {"x": 1.0, "y": 1.0}}
+        for i, a in enumerate(assigned)]})
+    _check_against_the_api(api, name, observed=90, late=30)
+    for played in (2, 3):
+        play_rounds(api, name, rounds=1, first=played - 1)
+        _check_against_the_api(api, name, observed=90 + 60 * (played - 1), late=30)
+    assert api("POST", f"/api/v1/experiments/{name}/pause").status_code == 200
+    _check_against_the_api(api, name, observed=210, late=30)
+
+    # The latest summary is written after the close's transaction, without a new version: a scrape
+    # in between has no objective; the next one has it.
+    engine = sa.create_engine(backend_url)
+    try:
+        with engine.begin() as connection:
+            summary = connection.execute(sa.select(Round.summary).where(Round.index == 2)).scalar_one()
+            connection.execute(sa.update(Round).where(Round.index == 2).values(summary=sa.null()))
+        assert "pasto_objective_estimate" not in {name for name, samples in scrape(api).items() if samples}
+        with engine.begin() as connection:
+            connection.execute(sa.update(Round).where(Round.index == 2).values(summary=summary))
+    finally:
+        engine.dispose()
+    assert value(scrape(api), "pasto_objective_estimate", experiment=name, mixture="served") == summary["objective"]

@@ -120,5 +120,9 @@ def test_every_response_matches_its_published_schema(api, setup_a):
     check("POST", f"{one}/pause")
     check("POST", f"{one}/resume")
     check("POST", f"{one}/stop")
+    check("DELETE", one)  # 409: not archived
+    check("POST", f"{one}/archive")
+    check("GET", experiments, path=f"{experiments}?archived=true", role="read")
+    check("DELETE", one)
     check("GET", "/healthz", role=None)
     assert {status for _, _, status in checked} == {200, 201, 202, 404, 409, 422}
