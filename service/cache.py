@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -96,7 +97,7 @@ class ExperimentCache:
         self.database = database
         self.check_seconds = check_seconds
         self._snapshots: dict[str, tuple[Snapshot, float]] = {}
-        self._round_probabilities: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._round_probabilities: OrderedDict[tuple[int, int, str], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
         self._stale_until: dict[str, float] = {}  # name -> monotonic time of the next check in an outage
 
@@ -151,32 +152,26 @@ class ExperimentCache:
         """The propensities served in ``round_index`` (immutable once the round exists)."""
         if round_index == snapshot.round_index:
             return snapshot.probabilities
-        key = (snapshot.id, round_index)
-        cached = self._round_probabilities.get(key)
-        if cached is not None:
-            return cached
-        probabilities = store.round_probabilities(self.database, snapshot.id, round_index)
-        if probabilities is None:
-            raise LookupError(f"Round {round_index} of {snapshot.name!r} does not exist.")
-        array = np.asarray(probabilities, dtype=np.float64)
-        with self._lock:
-            self._round_probabilities[key] = array
-            while len(self._round_probabilities) > _ROUND_CACHE_SIZE:
-                self._round_probabilities.popitem(last=False)
-        return array
+        return self._round_array(snapshot, round_index, "probabilities", store.round_probabilities)
 
     def round_segment_probabilities(self, snapshot: Snapshot, round_index: int) -> np.ndarray:
         """The per-segment propensities (S, K) served in ``round_index`` of a segmented experiment."""
         if round_index == snapshot.round_index:
             return snapshot.segment_probabilities
-        key = (snapshot.id, -1 - round_index)  # beside round_probabilities' keys, never equal to one
+        return self._round_array(snapshot, round_index, "segment_probabilities", store.round_segment_probabilities)
+
+    def _round_array(self, snapshot: Snapshot, round_index: int, kind: str,
+                     read: Callable[[Database, int, int], list | None]) -> np.ndarray:
+        """A past round's array of ``kind``, read once with ``read(database, experiment_id, round_index)``
+        and kept in a small LRU cache (a round's propensities never change once it exists)."""
+        key = (snapshot.id, round_index, kind)
         cached = self._round_probabilities.get(key)
         if cached is not None:
             return cached
-        probabilities = store.round_segment_probabilities(self.database, snapshot.id, round_index)
-        if probabilities is None:
+        values = read(self.database, snapshot.id, round_index)
+        if values is None:
             raise LookupError(f"Round {round_index} of {snapshot.name!r} does not exist.")
-        array = np.asarray(probabilities, dtype=np.float64)
+        array = np.asarray(values, dtype=np.float64)
         with self._lock:
             self._round_probabilities[key] = array
             while len(self._round_probabilities) > _ROUND_CACHE_SIZE:
