@@ -618,6 +618,7 @@ def update(
         control-variate baseline for the next round).
     propensities : ndarray, shape (..., K), optional
         The p served when ``round_statistics`` were sampled; defaults to ``state.probabilities``.
+        With the ``ips`` and ``control_variate`` estimators an arm with observations must have p > 0.
 
     Returns
     -------
@@ -638,8 +639,12 @@ def update(
         raise ValueError(
             f"propensities must have shape {batch_shape + (n_arms,)}, got {propensities.shape}."
         )
-    if np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
-        raise ValueError("An arm has observations in the round but a served probability of 0.")
+    # Only the inverse-propensity estimators divide by p: the pooled estimator takes an unserved arm's
+    # data as what it is (pushed statistics and warehouse sources can carry such cells, and under safe
+    # serving most arms have p = 0).
+    if config.estimator != "pooled" and np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
+        raise ValueError("An arm has observations in the round but a served probability of 0, which the "
+                         f"{config.estimator!r} estimator cannot weight (it divides by the probability).")
 
     # Metrics of absurd scale may overflow intermediate values (f, its gradient, variances);
     # every such value is sanitised below, so the warnings carry no information.

@@ -194,6 +194,21 @@ def test_update_rejects_observations_on_arm_with_zero_propensity():
         update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([1.0, 0.0]))
 
 
+def test_the_pooled_estimator_takes_observations_of_an_unserved_arm():
+    # Pushed statistics and warehouse sources can carry cells of an arm served with p = 0 (most arms
+    # under safe serving); only the inverse-propensity estimators divide by p.
+    stats = _one_query_round(1, np.array([0.0, 1.0]))
+    for serving in ("safe", "exploration"):
+        config = AlgorithmConfig.from_preset("default", serving=serving)
+        state = update(config, OBJECTIVE_A, initial_state(config, 2, 2), stats, stats,
+                       propensities=np.array([1.0, 0.0]))
+        assert state.round_index == 1 and np.isclose(state.probabilities.sum(), 1.0)
+    for estimator in ("ips", "control_variate"):
+        config = AlgorithmConfig.from_preset("default", estimator=estimator)
+        with pytest.raises(ValueError, match=f"probability of 0, which the '{estimator}' estimator"):
+            update(config, OBJECTIVE_A, initial_state(config, 2, 2), stats, stats, propensities=np.array([1.0, 0.0]))
+
+
 def test_default_preset_learns_setup_a_mixture():
     """A short noiseless-ish run: the deployed mixture approaches p* = [0.5125, 0.4875]."""
     config = AlgorithmConfig.from_preset("default")
