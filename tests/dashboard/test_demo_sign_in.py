@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.pgcluster import free_port
+from tests.signals import as_in_a_terminal
 
 pytestmark = pytest.mark.chromium
 
@@ -24,7 +25,7 @@ def start_demo(instance: Path, port: int, output: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "pasto.cli", "demo", "--headless", "--instance", str(instance),
              "--port", str(port), "--round-seconds", "1", "--rounds", "1000", "--sessions-per-second", "100"],
-            stdout=sink, stderr=subprocess.STDOUT,
+            stdout=sink, stderr=subprocess.STDOUT, preexec_fn=as_in_a_terminal,
         )
 
 

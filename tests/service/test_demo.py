@@ -35,6 +35,7 @@ from service.demo.groundtruth import (
 )
 from service.demo.setup import prepare_database
 from tests.pgcluster import free_port
+from tests.signals import as_in_a_terminal
 
 
 def port_is_closed(port: int) -> bool:
@@ -75,7 +76,7 @@ def start_demo_and_find_its_server(tmp_path: Path, port: int) -> tuple[subproces
     output = tmp_path / "demo-output.txt"
     with open(output, "w") as sink:
         demo = subprocess.Popen(demo_command(tmp_path, port, rounds=1000, sessions_per_second=50),
-                                stdout=sink, stderr=subprocess.STDOUT)
+                                stdout=sink, stderr=subprocess.STDOUT, preexec_fn=as_in_a_terminal)
     # Hang guard, not a tolerance: the demo starts in 5-36 s (36 s on a fresh clone); 120 s only ends a failing
     # run.
     deadline = time.monotonic() + 120
@@ -282,7 +283,7 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
     # Second run: resumes the same experiment; read through the API in WINDOW_ROUNDS rounds (see
     # above), then stopped with Ctrl-C (SIGINT).
     second = subprocess.Popen(demo_command(tmp_path, port, rounds=1000), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, preexec_fn=as_in_a_terminal)
     try:
         with Client(f"http://127.0.0.1:{port}", tokens["read"], timeout=10) as reader:
             # Hang guard, not a tolerance: WINDOW_ROUNDS rounds of the demo take about a minute; rounds missed by
@@ -401,6 +402,7 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
     pid, terminal = pty.fork()
     if pid == 0:  # the child: stderr to a file (it outlives the terminal), then the demo
         try:
+            as_in_a_terminal()
             os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
             os.execve(command[0], command, environment)
         finally:
