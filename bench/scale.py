@@ -26,9 +26,9 @@ about 10 minutes with 10^8 events on 2 cores, and about 2.5 GB of Parquet in ``-
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -270,16 +270,11 @@ READING = [
 ]
 
 
-def write_section(section: str, path: Path) -> None:
-    """Replace the ``## Scale`` section of ``path`` (up to the next ``## `` heading), or append it."""
-    heading = section.split("\n", 1)[0]
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    path.write_text(text.rstrip("\n") + "\n")
+# One section writer for every bench script: bench/client.py's (bench/serve.py uses it too).
+_spec = importlib.util.spec_from_file_location("pasto_bench_client", Path(__file__).with_name("client.py"))
+_client_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_client_bench)
+write_section = _client_bench.write_section
 
 
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict:

@@ -27,6 +27,7 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -124,16 +125,11 @@ def _commit() -> str:
         return "unknown"
 
 
-def write_section(section: str, path: Path | None = None) -> None:
-    """Replace the ``## Segments`` section of ``path`` (default ``DOCS``) or append it."""
-    path = DOCS if path is None else path
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## Segments\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    path.write_text(text.rstrip("\n") + "\n")
+# One section writer for every bench script: bench/client.py's (bench/serve.py uses it too).
+_spec = importlib.util.spec_from_file_location("pasto_bench_client", Path(__file__).with_name("client.py"))
+_client_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_client_bench)
+write_section = _client_bench.write_section
 
 
 ROWS_ONE = (("joint LP, z = 2 (default)", {}), ("plug-in constraints, z = 0", {"confidence_z": 0.0}))
@@ -233,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     section = "\n".join(lines) + "\n"
     print(section)
     if not args.print_only:
-        write_section(section)
+        write_section(section, DOCS)
     return 0
 
 

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -215,17 +214,11 @@ def render(results: dict[str, dict], command: str, repeats: int, elapsed: float,
     return "\n".join(lines)
 
 
-def write_section(section: str, path: Path) -> None:
-    """Replace the section of ``path`` that starts with ``section``'s heading (up to the next ``## ``), or
-    append it."""
-    heading = section.split("\n", 1)[0]
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    path.write_text(text.rstrip("\n") + "\n")
+# One section writer for every bench script: bench/client.py's (bench/serve.py uses it too).
+_spec = importlib.util.spec_from_file_location("pasto_bench_client", Path(__file__).with_name("client.py"))
+_client_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_client_bench)
+write_section = _client_bench.write_section
 
 
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict:
