@@ -764,8 +764,8 @@ def best_arm_probabilities(values: np.ndarray, errors: np.ndarray, rng: np.rando
     The arms' values are independent N(values_k, errors_k^2); ``_BEST_ARM_DRAWS`` joint draws per
     run estimate P(arm k is the best), each share with a standard error of at most
     0.5 / sqrt(_BEST_ARM_DRAWS) = 0.031 (Thompson sampling averaged over the draws, so the traffic
-    follows the probabilities, not one draw). Arms with value -inf (not allowed) never win; when no
-    arm of a run is allowed, every arm gets 1 / K.
+    follows the probabilities, not one draw). Every run of the batch uses the same draws. Arms with
+    value -inf (not allowed) never win; when no arm of a run is allowed, every arm gets 1 / K.
 
     Parameters
     ----------
@@ -784,7 +784,9 @@ def best_arm_probabilities(values: np.ndarray, errors: np.ndarray, rng: np.rando
     errors = np.asarray(errors, dtype=float)
     n_arms = values.shape[-1]
     allowed = np.isfinite(values)
-    noise = rng.standard_normal((_BEST_ARM_DRAWS,) + values.shape)
+    # The same standard-normal draws for every run of a batch, so that a batched call equals
+    # per-run calls with generators in the same state.
+    noise = rng.standard_normal((_BEST_ARM_DRAWS,) + (1,) * (values.ndim - 1) + (n_arms,))
     draws = np.where(allowed, np.where(allowed, values, 0.0) + errors * noise, -np.inf)
     winners = np.argmax(draws, axis=-1)  # (S, ...)
     shares = np.mean(winners[..., None] == np.arange(n_arms), axis=0)
