@@ -1,7 +1,8 @@
 """Speed-ups of the segmented simulation keep its figures: scenario 1 (segments-global-guardrail),
 two runs of 120 rounds for two seeds, against values recorded from the code before them (commit
-0296036, before safe serving skipped the largest-slack LP when the hopeful mixture already meets every
-bound).
+0296036: before safe serving skipped the largest-slack LP when the hopeful mixture already meets every
+bound, and before the segmented update stopped having safe serving choose mixtures its joint step
+replaces).
 
 Tolerance: 1e-12 absolute, not exact equality, because a matrix product may differ in its last bits
 between BLAS kernels on other CPUs; on the recording machine the figures are bit-identical, and any
