@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-import migrations
+from tests.migrated import upgrade_to_head
 import service.controller.experiments as experiments_controller
 import service.scheduler as scheduler_module
 from service import create_app
@@ -175,7 +175,7 @@ class Run:
         self.clock = Clock()
         monkeypatch.setattr(scheduler_module, "utcnow", self.clock)
         monkeypatch.setattr(experiments_controller, "utcnow", self.clock)
-        migrations.upgrade(database_url)
+        upgrade_to_head(database_url)
         self.app = create_app({"PASTO_DATABASE_URL": database_url, "PASTO_ADMIN_TOKEN": ADMIN, "TESTING": True,
                                "PASTO_VERSION_CHECK_SECONDS": 0})
         with get_db(self.app).write() as session:
