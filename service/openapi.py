@@ -63,7 +63,7 @@ _LIMIT_PARAMETER = {
 
 _ARMS_PARAMETER = {
     "name": "arms", "in": "query", "required": False,
-    "description": "Summarise per-arm arrays for large K: keep the N arms of largest deployed probability (largest "
+    "description": "Summarise per-arm arrays for large K: keep the N arms of largest max(p_t, deployed) (largest "
                    "first, ties by position; listed in arm_summary) and sum the others into rest. Without it, or "
                    "with N >= K, every arm in arm order (and no arm_summary or rest).",
     "schema": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},

@@ -60,8 +60,8 @@ class ArmSummary(_Response):
     """Which arms a summarised response (``?arms=N``, N < K) keeps in its per-arm arrays."""
 
     arms: list[int] = Field(description=(
-        "Positions (0-based, in the experiment's arm order) of the N arms kept: the largest of the deployed "
-        "mixture when the response was made, largest first, ties by position. Every per-arm array of the "
+        "Positions (0-based, in the experiment's arm order) of the N arms kept: those of largest weight "
+        "max(p_t, deployed) when the response was made, largest first, ties by position. Every per-arm array of the "
         "response (also per round and per segment) holds these arms, in this order."))
     names: list[str] = Field(description="The kept arms' names, in the same order.")
     rest_arms: int = Field(description="Arms left out (K - N); each `rest` object sums them.")

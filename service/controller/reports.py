@@ -128,7 +128,7 @@ class ArmSelection:
     Attributes
     ----------
     kept : ndarray of int, shape (N,)
-        Positions of the N arms with the largest deployed probability, largest first, ties by position.
+        Positions of the N arms of largest weight, largest first, ties by position.
     rest : ndarray of int, shape (K - N,)
         Positions of the other arms, ascending.
     """
@@ -153,13 +153,18 @@ class ArmSelection:
         return float(np.sum(weights[used] * values[used]))
 
 
-def select_arms(deployed: np.ndarray, count: int | None) -> ArmSelection | None:
-    """The :class:`ArmSelection` of the ``count`` largest arms of ``deployed`` (K,), or None (the
-    response keeps every arm in order) when ``count`` is None or at least K."""
-    deployed = np.asarray(deployed, dtype=np.float64)
-    if count is None or count >= deployed.shape[0]:
+def select_arms(probabilities: np.ndarray, deployed: np.ndarray, count: int | None) -> ArmSelection | None:
+    """The :class:`ArmSelection` of the ``count`` arms of largest weight ``max(probabilities, deployed)``
+    (both (K,): p_t and the deployed mixture), or None (the response keeps every arm in order) when
+    ``count`` is None or at least K.
+
+    By the larger of the two, so that the arms a reader ranks by either (the dashboard's stacked p_t
+    and its deployed bars) are kept: an arm can be served much (exploration, or p_t moving ahead of
+    the deployed average) while its deployed weight is still small, and the other way round."""
+    weight = np.maximum(np.asarray(probabilities, dtype=np.float64), np.asarray(deployed, dtype=np.float64))
+    if count is None or count >= weight.shape[0]:
         return None
-    order = np.argsort(-deployed, kind="stable")  # stable: equal probabilities stay in arm order
+    order = np.argsort(-weight, kind="stable")  # stable: equal weights stay in arm order
     return ArmSelection(kept=order[:count], rest=np.sort(order[count:]))
 
 

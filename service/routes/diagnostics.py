@@ -18,13 +18,13 @@ bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 @bp.get("/<name>/diagnostics")
 @require_role("read")
 def diagnostics(name: str):
-    """How the experiment is doing; ``?arms=N`` keeps the N arms of largest deployed probability in
+    """How the experiment is doing; ``?arms=N`` keeps the N arms of largest max(p_t, deployed) in
     every per-arm array and sums the others into ``rest`` (:func:`.experiments.summary_arms`)."""
     arms = summary_arms()
     diagnostics = reports.diagnostics(name)
     snapshot, report = diagnostics.snapshot, diagnostics.report
     metrics = snapshot.metrics
-    selection = select_arms(snapshot.deployed, arms)
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
 
     def per_arm(values) -> list:
         return values.tolist() if selection is None else selection.keep(values)

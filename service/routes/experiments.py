@@ -40,7 +40,7 @@ MAX_SUMMARY_ARMS = 2**31 - 1
 
 def summary_arms() -> int | None:
     """``?arms=N`` of a read (experiment, experiments, rounds, diagnostics): keep the N arms of largest
-    deployed probability in every per-arm array and sum the others into ``rest``; None without it."""
+    max(p_t, deployed) in every per-arm array and sum the others into ``rest``; None without it."""
     return query_integer("arms", None, 1, MAX_SUMMARY_ARMS)
 
 
@@ -51,7 +51,7 @@ def arm_summary_view(snapshot: Snapshot, selection: ArmSelection) -> ArmSummary:
 
 def experiment_view(snapshot: Snapshot, arms: int | None = None) -> Experiment:
     """The experiment's JSON; with ``arms`` (``?arms=N``) its per-arm arrays summarised (:func:`summary_arms`)."""
-    selection = select_arms(snapshot.deployed, arms)
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
     config = snapshot.config
     positions = range(snapshot.n_arms) if selection is None else selection.kept.tolist()
 

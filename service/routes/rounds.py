@@ -56,7 +56,7 @@ def close_current_round(name: str):
 def list_rounds(name: str):
     """Rounds oldest first, one page from ``?since=<index>`` (0): ``?limit=<n>`` rounds, by default
     :func:`default_page_rounds`; ``next_since`` is the cursor of the next page (null after the last).
-    ``?arms=N``: every round's per-arm arrays keep the same N arms, those of largest deployed probability
+    ``?arms=N``: every round's per-arm arrays keep the same N arms, those of largest max(p_t, deployed)
     now (:func:`.experiments.summary_arms`); the default page size then counts N arms, not K."""
     since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
     limit = query_integer("limit", None, 1)
@@ -66,7 +66,7 @@ def list_rounds(name: str):
         limit = default_page_rounds(n_arms if arms is None else min(arms, n_arms))
     history = reports.round_history(name, since, limit)
     snapshot = history.snapshot
-    selection = select_arms(snapshot.deployed, arms)
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
 
     def per_arm(values) -> list | None:
         if values is None or selection is None:

@@ -1,5 +1,5 @@
 """``?arms=N`` on the experiment, experiments, rounds and diagnostics reads (per-arm arrays cut to the
-N arms of largest deployed probability plus one summed ``rest``), and the diagnostics' cached optimum.
+N arms of largest max(p_t, deployed) plus one summed ``rest``), and the diagnostics' cached optimum.
 
 Every summarised response is checked against the full response of the same state: the kept arms'
 entries are the full arrays' entries, ``rest`` is the sum over the others, and every other field is
@@ -58,9 +58,9 @@ def get(api: Api, path: str) -> dict:
     return answer.get_json()
 
 
-def kept_arms(deployed: list[float], count: int) -> list[int]:
-    """The documented order: largest deployed first, ties by arm position."""
-    return sorted(range(len(deployed)), key=lambda k: (-deployed[k], k))[:count]
+def kept_arms(probabilities: list[float], deployed: list[float], count: int) -> list[int]:
+    """The documented order: largest max(p_t, deployed) first, ties by arm position."""
+    return sorted(range(len(deployed)), key=lambda k: (-max(probabilities[k], deployed[k]), k))[:count]
 
 
 def rest_sum(values: list, kept: list[int]) -> float:
@@ -77,7 +77,7 @@ def without(response: dict, *fields: str) -> dict:
 
 
 def check_experiment(full: dict, summary: dict, count: int) -> list[int]:
-    kept = kept_arms(full["deployed"], count)
+    kept = kept_arms(full["probabilities"], full["deployed"], count)
     assert summary["arm_summary"] == {"arms": kept, "names": [full["arms"][k]["name"] for k in kept],
                                       "rest_arms": N_ARMS - count}
     check_arrays(full, summary, kept, ("arms", "probabilities", "deployed"))
