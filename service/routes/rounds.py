@@ -57,13 +57,13 @@ def list_rounds(name: str):
     """Rounds oldest first, one page from ``?since=<index>`` (0): ``?limit=<n>`` rounds, by default
     :func:`default_page_rounds`; ``next_since`` is the cursor of the next page (null after the last).
     ``?arms=N``: every round's per-arm arrays keep the same N arms, those of largest max(p_t, deployed)
-    now (:func:`.experiments.summary_arms`); the default page size then counts N arms, not K."""
+    now (:func:`.experiments.summary_arms`). The default page size counts K arms either way: the server
+    reads every arm of each round (the summary is cut from them), so that is what bounds its memory."""
     since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
     limit = query_integer("limit", None, 1)
     arms = summary_arms()
     if limit is None:
-        n_arms = reports.arm_count(name)
-        limit = default_page_rounds(n_arms if arms is None else min(arms, n_arms))
+        limit = default_page_rounds(reports.arm_count(name))
     history = reports.round_history(name, since, limit)
     snapshot = history.snapshot
     selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)

@@ -178,14 +178,17 @@ def test_summaries_keep_the_top_deployed_arms_and_sum_the_rest(api):
     check_all_reads(api)
 
 
-def test_a_summarised_rounds_page_counts_n_arms_per_round(api, monkeypatch):
+def test_a_summarised_rounds_page_has_the_default_page_size_of_k_arms(api, monkeypatch):
+    """The server reads every arm of a round to cut the summary: the page size still counts K."""
     monkeypatch.setattr("service.routes.rounds.PAGE_ARM_ROUNDS", 2 * N_ARMS)
     assert api("POST", "/api/v1/experiments", json=body()).status_code == 201
     for round_position in range(4):
         play(api, f"p{round_position}-", units=30)
-    assert len(get(api, f"{PATH}/rounds")["rounds"]) == 2  # 2K cells a page: 2 rounds of K arms
+    full = get(api, f"{PATH}/rounds")
     page = get(api, f"{PATH}/rounds?arms=3")
-    assert len(page["rounds"]) == 5 and page["next_since"] is None  # 2K / 3 = 8 rounds; 5 exist
+    assert len(full["rounds"]) == len(page["rounds"]) == 2 and full["next_since"] == page["next_since"] == 2
+    last = get(api, f"{PATH}/rounds?arms=3&since=4")
+    assert [entry["index"] for entry in last["rounds"]] == [4] and last["next_since"] is None
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "1.5", "", "9" * 30, "2147483648"])
