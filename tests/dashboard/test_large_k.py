@@ -187,3 +187,28 @@ def test_at_large_k_the_page_reads_summaries_and_draws_what_the_full_api_says(wi
         page, "formatInteger", sum(sum(entry["counts"]) for entry in rounds))
     assert console.problems == []
     context.close()
+
+
+def test_a_long_history_is_drawn_page_by_page_as_it_arrives(wide_server, browser, monkeypatch):
+    """The first read of a paged history draws after each page (the rounds so far), not after the last."""
+    from service.routes import rounds as rounds_route
+
+    monkeypatch.setattr(rounds_route, "PAGE_ARM_ROUNDS", 2 * N_ARMS)  # pages of 2 rounds
+    _, rounds, _ = full_reads(wide_server)
+    assert len(rounds) >= 5
+    context, page, console = open_page(browser, "desktop")
+    # Every value the page gives data-rounds, in order (set on each draw).
+    page.add_init_script("""
+        window.roundsDrawn = [];
+        new MutationObserver(() => {
+          const value = document.getElementById("experiment")?.dataset.rounds;
+          if (value !== undefined && window.roundsDrawn.at(-1) !== Number(value)) window.roundsDrawn.push(Number(value));
+        }).observe(document, { attributes: true, subtree: true, attributeFilter: ["data-rounds"] });
+    """)
+    page.goto(f"{wide_server.base_url}/experiments/{NAME}")
+    page.wait_for_selector(f'#experiment[data-rounds="{len(rounds)}"]')
+    drawn = page.evaluate("window.roundsDrawn")
+    assert drawn[:len(rounds) // 2 + 1] == [*range(2, len(rounds), 2), len(rounds)], drawn
+    assert chart_data(page, "chart-mixture")[0]["x"] == [entry["index"] for entry in rounds]
+    assert console.problems == []
+    context.close()

@@ -593,7 +593,9 @@ function render() {
 // count of late observations moved. The server pages the history: follow next_since to the end.
 let history = { rounds: [], late: null };
 
-async function roundsFrom(since) {
+// `onPage(rounds so far)` after each page but the last: a long history's first read (at K = 10,000,
+// 1,000 rounds are 50 pages) is drawn as it arrives instead of after the last page.
+async function roundsFrom(since, onPage = null) {
   const rounds = [];
   let cursor = since;
   while (cursor !== null && cursor !== undefined) {
@@ -602,6 +604,7 @@ async function roundsFrom(since) {
     const armPositions = page.arm_summary?.arms ?? null;
     rounds.push(...(armPositions ? page.rounds.map((round) => ({ ...round, armPositions })) : page.rounds));
     cursor = page.next_since;
+    if (onPage && cursor !== null && cursor !== undefined) onPage(rounds);
   }
   return rounds;
 }
@@ -628,12 +631,20 @@ async function refresh() {
   let since = history.rounds.findIndex((entry) => entry.applied_at === null || entry.best_mixture === null);
   if (since < 0) since = history.rounds.length;
   if (diagnosticsRead.late_observations !== history.late) since = 0;
-  const fresh = await roundsFrom(since);
-  const read = history.rounds.slice(0, since).concat(fresh);
+  const known = history.rounds.slice(0, since);
+  const draw = (read) => {
+    const { diagnostics, rounds } = alignToExperiment(experiment, diagnosticsRead, read);
+    latest = { experiment, rounds, diagnostics, events };
+    render();
+  };
+  const fresh = await roundsFrom(since, (partial) => {
+    draw(known.concat(partial));
+    document.getElementById("refresh-state").textContent =
+      `Reading the history: ${formatInteger(known.length + partial.length)} of ${formatInteger(experiment.round.index + 1)} rounds…`;
+  });
+  const read = known.concat(fresh);
   history = { rounds: read, late: diagnosticsRead.late_observations };
-  const { diagnostics, rounds } = alignToExperiment(experiment, diagnosticsRead, read);
-  latest = { experiment, rounds, diagnostics, events };
-  render();
+  draw(read);
 }
 
 poll(refresh);
