@@ -257,3 +257,48 @@ def test_the_cached_optimum_equals_a_fresh_solve_after_every_kind_of_change(sqli
     cached_equals_fresh("resumed, another round")
     assert api("POST", f"{PATH}/stop").status_code == 200
     cached_equals_fresh("stopped")
+
+
+def test_a_segmented_experiments_per_segment_arrays_keep_the_same_arms(api):
+    segments = ["new", "returning"]
+    segmented = {**body(), "segments": {"names": segments, "shares": [0.6, 0.4]},
+                 "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]}}
+    assert api("POST", "/api/v1/experiments", json=segmented).status_code == 201
+    rng = np.random.default_rng(4)
+    for round_index in range(2):
+        units = [f"s{round_index}-{i}" for i in range(200)]
+        unit_segments = [segments[i % 2] for i in range(200)]
+        assigned = api("POST", f"{PATH}/assign", role="ingest",
+                       json={"units": units, "segments": unit_segments}).get_json()["assignments"]
+        observations = [{"id": a["unit"], "unit": a["unit"], "round": a["round"], "segment": a["segment"],
+                         "values": {"x": float(MEANS_X[int(a["arm"][3:])] + rng.normal()),
+                                    "y": float(MEANS_Y[int(a["arm"][3:])] + rng.normal())}} for a in assigned]
+        assert api("POST", f"{PATH}/observations", role="ingest",
+                   json={"observations": observations}).status_code == 202
+        assert api("POST", f"{PATH}/rounds").status_code == 200
+    full = get(api, PATH)
+    summary = get(api, f"{PATH}?arms=4")
+    kept = check_experiment({key: value for key, value in full.items() if key != "segments"},
+                            {key: value for key, value in summary.items() if key != "segments"}, 4)
+    for field in ("probabilities", "deployed"):
+        assert summary["segments"][field] == {name: [values[k] for k in kept]
+                                              for name, values in full["segments"][field].items()}
+    assert without(summary["segments"], "probabilities", "deployed") == without(
+        full["segments"], "probabilities", "deployed")
+    full_rounds, cut_rounds = get(api, f"{PATH}/rounds"), get(api, f"{PATH}/rounds?arms=4")
+    for whole, cut in zip(full_rounds["rounds"], cut_rounds["rounds"], strict=True):
+        assert cut["segments"]["probabilities"] == {name: [values[k] for k in kept]
+                                                    for name, values in whole["segments"]["probabilities"].items()}
+        assert cut["segments"]["observations"] == whole["segments"]["observations"]
+        assert cut["segments"]["summary"] == whole["segments"]["summary"]
+    full_diagnostics, cut_diagnostics = get(api, f"{PATH}/diagnostics"), get(api, f"{PATH}/diagnostics?arms=4")
+    for whole, cut in zip(full_diagnostics["segments"]["segments"], cut_diagnostics["segments"]["segments"],
+                          strict=True):
+        for field in ("probabilities", "deployed"):
+            assert cut[field] == [whole[field][k] for k in kept], field
+        assert without(cut, "probabilities", "deployed") == without(whole, "probabilities", "deployed")
+    assert cut_diagnostics["segments"]["global_mixture"] == {
+        **full_diagnostics["segments"]["global_mixture"],
+        "probabilities": [full_diagnostics["segments"]["global_mixture"]["probabilities"][k] for k in kept]}
+    assert without(cut_diagnostics["segments"], "segments", "global_mixture") == without(
+        full_diagnostics["segments"], "segments", "global_mixture")
