@@ -17,6 +17,7 @@ Everything is on the estimate, not the truth: the values are what the controller
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from pasto.diagnostics import Z_95, guardrail_report
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
 
-__all__ = ["Lift", "MixtureReport", "RoundReport", "baseline_lift", "round_report"]
+__all__ = ["Lift", "MixtureReport", "Optimum", "RoundReport", "baseline_lift", "round_report", "solve_optimum"]
 
 
 @dataclass(frozen=True)
@@ -210,12 +211,44 @@ class RoundReport:
     baseline_arm: int | None = None
 
 
+@dataclass(frozen=True)
+class Optimum:
+    """The best mixture and the best single arm on one estimate (the expensive part of a report).
+
+    Attributes
+    ----------
+    best_mixture : ndarray, shape (K,)
+        p* = argmax_p f(V p) (:func:`pasto.optimum.best_mixture`).
+    best_mixture_value : float
+        f(V p*).
+    best_single_arm : int
+        Index of argmax_k f(V e_k).
+    best_single_value : float
+        Its value.
+    """
+
+    best_mixture: np.ndarray
+    best_mixture_value: float
+    best_single_arm: int
+    best_single_value: float
+
+
+def solve_optimum(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
+    """:class:`Optimum` of ``objective`` on ``means`` (M, K) with guardrail ``thresholds`` (G,)
+    (:func:`pasto.optimum.best_mixture` and :func:`pasto.optimum.best_single`)."""
+    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
+    best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
+    return Optimum(best_mixture=np.asarray(best_probabilities, dtype=float), best_mixture_value=float(best_value),
+                   best_single_arm=int(best_arm), best_single_value=float(best_single_value))
+
+
 def round_report(
     config: AlgorithmConfig,
     objective: Objective,
     state: ControllerState,
     pooled_statistics: Statistics,
     served: np.ndarray | None = None,
+    solve: Callable[[Objective, np.ndarray, np.ndarray], Optimum] = solve_optimum,
 ) -> RoundReport:
     """Report on an experiment's state under the algorithm's current estimate.
 
@@ -232,6 +265,9 @@ def round_report(
         The served mixture to report on; defaults to ``state.probabilities`` (the p being served
         now). A round summary written right after round t's update passes the p_t that round t's
         traffic was served with (``state.probabilities`` is then already p_{t+1}).
+    solve : callable, optional
+        ``solve(objective, means (M, K), thresholds (G,)) -> Optimum``; :func:`solve_optimum` by
+        default. The service passes one that reuses the optimum of an unchanged estimate.
 
     Returns
     -------
@@ -261,8 +297,9 @@ def round_report(
     current = estimate(config, state, pooled_statistics)
     means = current.means
     thresholds = objective.thresholds(means)
-    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
-    best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
+    best = solve(objective, means, thresholds)
+    best_probabilities, best_value = best.best_mixture, best.best_mixture_value
+    best_arm, best_single_value = best.best_single_arm, best.best_single_value
 
     baseline = objective.baseline_index
 

@@ -61,6 +61,14 @@ _LIMIT_PARAMETER = {
     "schema": {"type": "integer", "minimum": 1},
 }
 
+_ARMS_PARAMETER = {
+    "name": "arms", "in": "query", "required": False,
+    "description": "Summarise per-arm arrays for large K: keep the N arms of largest max(p_t, deployed) (largest "
+                   "first, ties by position; listed in arm_summary) and sum the others into rest. Without it, or "
+                   "with N >= K, every arm in arm order (and no arm_summary or rest).",
+    "schema": {"type": "integer", "minimum": 1, "maximum": 2**31 - 1},
+}
+
 _EVENT_SINCE_PARAMETER = {
     "name": "since", "in": "query", "required": False, "description": "First event id to return (default 0).",
     "schema": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1},
@@ -112,13 +120,14 @@ def _paths() -> dict[str, Any]:
             "get": {**_operation("List experiments (archived ones only with archived=true).", "read",
                                  {"200": _json(_ref("ExperimentList"), "The experiments, oldest first.")},
                                  ("422",), path_name=False),
-                    "parameters": [_ARCHIVED_PARAMETER]},
+                    "parameters": [_ARCHIVED_PARAMETER, _ARMS_PARAMETER]},
             "post": _operation("Create an experiment.", "admin",
                                {"201": _json(_ref("Experiment"), "Created.")}, ("409",),
                                body=_ref("ExperimentCreate"), path_name=False),
         },
         "/api/v1/experiments/{name}": {
-            "get": _operation("Configuration and state of an experiment.", "read", experiment),
+            "get": {**_operation("Configuration and state of an experiment.", "read", experiment, ("422",)),
+                    "parameters": [_NAME_PARAMETER, _ARMS_PARAMETER]},
             "delete": _operation(
                 "Delete an archived experiment and every row of it, in one transaction (409 unless archived). "
                 "Its id is never given out again.", "admin",
@@ -144,7 +153,7 @@ def _paths() -> dict[str, Any]:
             "get": {**_operation("One page of rounds, oldest first, from since (default 0); limit rounds, by "
                                  "default 200,000 / K (1 to 1,000); next_since is the next page's cursor.", "read",
                                  {"200": _json(_ref("RoundList"), "The rounds.")}, ("422",)),
-                    "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER]},
+                    "parameters": [_NAME_PARAMETER, _SINCE_PARAMETER, _LIMIT_PARAMETER, _ARMS_PARAMETER]},
             "post": _operation(
                 "Close the current round now and run the update (optionally only if it is round {round}).",
                 "admin", {"200": _json(_ref("RoundClosed"), "The new round.")}, ("409", "502"),
@@ -157,9 +166,10 @@ def _paths() -> dict[str, Any]:
                          "started), oldest first, each with its round; next_since is the next page's cursor.",
                          "read", {"200": _json(_ref("ExperimentEventList"), "The events.")}, ("422",)),
             "parameters": [_NAME_PARAMETER, _EVENT_SINCE_PARAMETER, _EVENT_LIMIT_PARAMETER]}},
-        "/api/v1/experiments/{name}/diagnostics": {"get": _operation(
+        "/api/v1/experiments/{name}/diagnostics": {"get": {**_operation(
             "Objective, best mixture and single arm, regret, guardrails, sample-ratio mismatch, late data.",
-            "read", {"200": _json(_ref("Diagnostics"), "Diagnostics on the current estimate.")})},
+            "read", {"200": _json(_ref("Diagnostics"), "Diagnostics on the current estimate.")}, ("422",)),
+            "parameters": [_NAME_PARAMETER, _ARMS_PARAMETER]}},
         "/api/v1/experiments/{name}/pause": {"post": _operation(
             "Pause: assignment keeps serving the current mixture, rounds stop advancing.", "admin", experiment,
             ("409",))},

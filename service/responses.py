@@ -56,6 +56,35 @@ class ArmView(_Response):
     params: dict[str, Any]
 
 
+class ArmSummary(_Response):
+    """Which arms a summarised response (``?arms=N``, N < K) keeps in its per-arm arrays."""
+
+    arms: list[int] = Field(description=(
+        "Positions (0-based, in the experiment's arm order) of the N arms kept: those of largest weight "
+        "max(p_t, deployed) when the response was made, largest first, ties by position. Every per-arm array of the "
+        "response (also per round and per segment) holds these arms, in this order."))
+    names: list[str] = Field(description="The kept arms' names, in the same order.")
+    rest_arms: int = Field(description="Arms left out (K - N); each `rest` object sums them.")
+
+
+class ArmRest(_Response):
+    """The arms a summarised response leaves out, as one aggregate entry beside its per-arm arrays; each
+    response sets the fields of the arrays it has."""
+
+    arms: int = Field(description="How many arms are summed here (K - N).")
+    probabilities: Finite = Field(default=None, description="Their summed probability in `probabilities`.")
+    deployed: Finite = Field(default=None, description="Their summed probability in `deployed` (null where that "
+                                                       "array is null).")
+    counts: int | None = Field(default=None, description="Their summed observations (`counts`).")
+    units: int | None = Field(default=None, description="Their summed distinct units (`units`).")
+    best_mixture: Finite = Field(default=None, description="Their summed probability in the best mixture.")
+    deployed_means: dict[str, Finite] | None = Field(default=None, description=(
+        "Per metric, the sum over these arms of deployed probability x estimated mean (arms of zero "
+        "deployed probability left out; null when one of the others has no estimate)."))
+    deployed_variances: dict[str, Finite] | None = Field(default=None, description=(
+        "Per metric, the sum over these arms of (deployed probability x standard error)^2, likewise."))
+
+
 class SegmentsView(_Response):
     names: list[str] = Field(description="The segments with a mixture of their own, in order; an open set's "
                                          "first is \"(other)\", the long tail.")
@@ -92,6 +121,10 @@ class Experiment(_Response):
         None, description="When the experiment was archived (null: not archived). An archived experiment is stopped.")
     source: dict[str, Any] | None = Field(
         default=None, description="The metric source the experiment was created with (docs/scaling.md), or null.")
+    arm_summary: ArmSummary | None = Field(
+        default=None, description="`?arms=N` with N < K only: the arms kept in `arms`, `probabilities`, `deployed` "
+                                  "and the segments' arrays.")
+    rest: ArmRest | None = Field(default=None, description="`?arms=N` with N < K only: the arms left out, summed.")
 
 
 class ExperimentList(_Response):
@@ -225,6 +258,8 @@ class RoundView(_Response):
         default=None, description="Lift of the served and deployed mixtures over the baseline arm, on the "
                                   "estimate right after the round's update (null without a baseline arm, or "
                                   "for rounds stored before this was recorded).")
+    rest: ArmRest | None = Field(default=None, description="`?arms=N` with N < K only: the arms left out of this "
+                                                           "round's per-arm arrays, summed (not `means`).")
 
 
 class SourceErrorView(_Response):
@@ -243,6 +278,9 @@ class RoundList(_Response):
         description="The `since` of the next page, or null when this page ends with the current round.")
     source_error: SourceErrorView | None = Field(
         default=None, description="Null unless the experiment's metric source is failing (its round stays open).")
+    arm_summary: ArmSummary | None = Field(
+        default=None, description="`?arms=N` with N < K only: the arms every round's per-arm arrays keep (chosen "
+                                  "once for the page, so rounds line up).")
 
 
 class ExperimentEvent(_Response):
@@ -309,6 +347,10 @@ class Diagnostics(_Response):
         "Segmented experiments only: per segment (name, share, observations, probabilities, deployed, objective, "
         "guardrails), the platform-wide guardrails, the best global mixture and the gain of segmenting over it "
         "with a 95% interval (docs/segments.md)."))
+    arm_summary: ArmSummary | None = Field(
+        default=None, description="`?arms=N` with N < K only: the arms kept in `best_mixture`, `units`, `estimate` "
+                                  "and the segments' arrays.")
+    rest: ArmRest | None = Field(default=None, description="`?arms=N` with N < K only: the arms left out, summed.")
 
 
 class HealthDatabase(_Response):

@@ -8,6 +8,7 @@ best mixture, best single arm, regret, guardrails.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,7 @@ from pasto.algorithm import AlgorithmConfig, ControllerState
 from pasto.diagnostics import sample_ratio_mismatch
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
-from pasto.report import RoundReport, round_report
+from pasto.report import Optimum, RoundReport, round_report, solve_optimum
 from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
 
 from .. import store
@@ -119,6 +120,54 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+# ------------------------------------------------------------------------------ summarised per-arm arrays
+@dataclass(frozen=True)
+class ArmSelection:
+    """The arms a summarised read keeps (``?arms=N``) and the rest it sums.
+
+    Attributes
+    ----------
+    kept : ndarray of int, shape (N,)
+        Positions of the N arms of largest weight, largest first, ties by position.
+    rest : ndarray of int, shape (K - N,)
+        Positions of the other arms, ascending.
+    """
+
+    kept: np.ndarray
+    rest: np.ndarray
+
+    def keep(self, values) -> list:
+        """``values`` (K,) at the kept arms, as a list in their order."""
+        return np.asarray(values)[self.kept].tolist()
+
+    def rest_sum(self, values) -> float:
+        """The sum of ``values`` (K,) over the rest (nan propagates)."""
+        return float(np.asarray(values, dtype=np.float64)[self.rest].sum())
+
+    def rest_weighted(self, weights, values) -> float:
+        """``sum over the rest of weights[k] * values[k]`` over the arms of positive weight (both (K,));
+        nan when one of those has no value (an arm of zero weight adds nothing, known or not)."""
+        weights = np.asarray(weights, dtype=np.float64)[self.rest]
+        values = np.asarray(values, dtype=np.float64)[self.rest]
+        used = weights > 0
+        return float(np.sum(weights[used] * values[used]))
+
+
+def select_arms(probabilities: np.ndarray, deployed: np.ndarray, count: int | None) -> ArmSelection | None:
+    """The :class:`ArmSelection` of the ``count`` arms of largest weight ``max(probabilities, deployed)``
+    (both (K,): p_t and the deployed mixture), or None (the response keeps every arm in order) when
+    ``count`` is None or at least K.
+
+    By the larger of the two, so that the arms a reader ranks by either (the dashboard's stacked p_t
+    and its deployed bars) are kept: an arm can be served much (exploration, or p_t moving ahead of
+    the deployed average) while its deployed weight is still small, and the other way round."""
+    weight = np.maximum(np.asarray(probabilities, dtype=np.float64), np.asarray(deployed, dtype=np.float64))
+    if count is None or count >= weight.shape[0]:
+        return None
+    order = np.argsort(-weight, kind="stable")  # stable: equal weights stay in arm order
+    return ArmSelection(kept=order[:count], rest=np.sort(order[count:]))
+
+
 # ------------------------------------------------------------------------------ diagnostics
 @dataclass(frozen=True)
 class Diagnostics:
@@ -157,11 +206,56 @@ def diagnostics(name: str) -> Diagnostics:
         shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config,
                                                                                         loaded.n_segments))
         segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)
-    report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities)
+    report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities,
+                          solve=cached_solver(get_db(), snapshot.id, snapshot.version))
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
                        units=units, late_observations=late, srm=srm, source_error=source_error,
                        segments=segments)
+
+
+class _OptimumCache:
+    """Per process and database: each experiment's latest :class:`pasto.report.Optimum` and its key."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, tuple[tuple, Optimum]] = {}
+
+
+_optimum_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _OptimumCache
+
+
+def cached_solver(database: Database, experiment_id: int, version: int):
+    """A ``solve`` for :func:`pasto.report.round_report` that reuses this process's last optimum of the
+    experiment when its inputs are the same.
+
+    The key is the experiment's version (configuration, state, round) and a digest of the exact inputs
+    (the objective, the M x K means and the G thresholds): ingestion changes the estimate without a new
+    version, and then the optimum is solved again. A poll between rounds with no new data (the
+    dashboard's, every few seconds) reuses it: the best mixture is a linear program over K arms.
+    """
+    with _cache_lock:
+        cache = _optimum_caches.setdefault(database.engine, _OptimumCache())
+
+    def solve(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
+        digest = hashlib.sha256()
+        digest.update(repr(objective.to_spec()).encode())
+        for array in (means, thresholds):
+            array = np.ascontiguousarray(array, dtype=np.float64)
+            digest.update(repr(array.shape).encode())
+            digest.update(array.tobytes())
+        key = (version, digest.digest())
+        with cache.lock:
+            entry = cache.entries.get(experiment_id)
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        fresh = solve_optimum(objective, means, thresholds)
+        fresh.best_mixture.flags.writeable = False  # shared by the requests that reuse it
+        with cache.lock:
+            cache.entries[experiment_id] = (key, fresh)
+        return fresh
+
+    return solve
 
 
 def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:

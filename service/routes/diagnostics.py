@@ -6,9 +6,11 @@ from flask import Blueprint
 
 from ..auth import require_role
 from ..controller import reports
-from ..controller.reports import json_safe, lift_summary
-from ..responses import (BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
+from ..controller.reports import ArmSelection, json_safe, lift_summary, select_arms
+from ..responses import (ArmRest, BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
                          Regret, SampleRatioMismatch, SourceErrorView, respond)
+
+from .experiments import arm_summary_view, summary_arms
 
 bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 
@@ -16,13 +18,21 @@ bp = Blueprint("diagnostics", __name__, url_prefix="/api/v1/experiments")
 @bp.get("/<name>/diagnostics")
 @require_role("read")
 def diagnostics(name: str):
+    """How the experiment is doing; ``?arms=N`` keeps the N arms of largest max(p_t, deployed) in
+    every per-arm array and sums the others into ``rest`` (:func:`.experiments.summary_arms`)."""
+    arms = summary_arms()
     diagnostics = reports.diagnostics(name)
     snapshot, report = diagnostics.snapshot, diagnostics.report
     metrics = snapshot.metrics
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
+
+    def per_arm(values) -> list:
+        return values.tolist() if selection is None else selection.keep(values)
+
     return respond(Diagnostics(
         round=snapshot.round_index,
         objective=MixtureValues(probabilities=report.served.value, deployed=report.deployed.value),
-        best_mixture=BestMixture(probabilities=report.best_mixture.tolist(), value=report.best_mixture_value),
+        best_mixture=BestMixture(probabilities=per_arm(report.best_mixture), value=report.best_mixture_value),
         best_single=BestSingle(arm=snapshot.arm_names[report.best_single_arm], value=report.best_single_value),
         mixing_gain=report.mixing_gain,
         regret=Regret(cumulative=float(sum(value for value in diagnostics.regret_per_round if value is not None)),
@@ -33,11 +43,39 @@ def diagnostics(name: str):
         lift=Lift.from_summary(lift_summary(report), snapshot.arm_names),
         srm=SampleRatioMismatch(**diagnostics.srm),
         late_observations=diagnostics.late_observations,
-        units=diagnostics.units.astype(int).tolist(),
+        units=per_arm(diagnostics.units.astype(int)),
         estimate=EstimateView(
-            means={metric: report.estimate.means[m].tolist() for m, metric in enumerate(metrics)},
-            standard_errors={metric: report.estimate.standard_errors[m].tolist() for m, metric in enumerate(metrics)},
+            means={metric: per_arm(report.estimate.means[m]) for m, metric in enumerate(metrics)},
+            standard_errors={metric: per_arm(report.estimate.standard_errors[m]) for m, metric in enumerate(metrics)},
         ),
         source_error=None if diagnostics.source_error is None else SourceErrorView(**diagnostics.source_error),
-        **({"segments": diagnostics.segments} if diagnostics.segments is not None else {}),
+        **({"segments": segments_kept(diagnostics.segments, selection)} if diagnostics.segments is not None else {}),
+        **({} if selection is None else {
+            "arm_summary": arm_summary_view(snapshot, selection),
+            "rest": _rest(selection, snapshot.deployed, report, diagnostics.units, metrics)}),
     ))
+
+
+def _rest(selection: ArmSelection, deployed, report, units, metrics) -> ArmRest:
+    """The arms ``selection`` leaves out of the diagnostics, summed: enough for the deployed mixture's
+    estimate and its interval (``sum p_k mean_k`` and ``sum (p_k se_k)^2`` per metric)."""
+    means, errors = report.estimate.means, report.estimate.standard_errors
+    return ArmRest(
+        arms=len(selection.rest), best_mixture=selection.rest_sum(report.best_mixture),
+        units=int(selection.rest_sum(units)),
+        deployed_means={metric: selection.rest_weighted(deployed, means[m]) for m, metric in enumerate(metrics)},
+        deployed_variances={metric: selection.rest_weighted(deployed ** 2, errors[m] ** 2)
+                            for m, metric in enumerate(metrics)},
+    )
+
+
+def segments_kept(segments: dict, selection: ArmSelection | None) -> dict:
+    """The diagnostics' segment report with its per-arm arrays (each segment's probabilities and deployed,
+    the global mixture) cut to the kept arms."""
+    if selection is None:
+        return segments
+    return {**segments,
+            "segments": [{**segment, "probabilities": selection.keep(segment["probabilities"]),
+                          "deployed": selection.keep(segment["deployed"])} for segment in segments["segments"]],
+            "global_mixture": {**segments["global_mixture"],
+                               "probabilities": selection.keep(segments["global_mixture"]["probabilities"])}}

@@ -10,8 +10,9 @@ from flask import Blueprint
 from ..auth import require_role
 from ..cache import Snapshot
 from ..controller import experiments
+from ..controller.reports import ArmSelection, select_arms
 from ..params import query_flag, query_integer
-from ..responses import (ArmView, Experiment, ExperimentDeleted, ExperimentEvent, ExperimentEventList, ExperimentList,
+from ..responses import (ArmRest, ArmSummary, ArmView, Experiment, ExperimentDeleted, ExperimentEvent, ExperimentEventList, ExperimentList,
                          RoundTimes, SegmentsView, respond)
 from ..schemas import ExperimentCreate, json_body, parse
 
@@ -33,12 +34,34 @@ def round_times(snapshot: Snapshot) -> RoundTimes:
                       ends_at=iso(snapshot.round_ends_at))
 
 
-def experiment_view(snapshot: Snapshot) -> Experiment:
+#: Largest ``?arms=`` a request may give (more than any experiment's K keeps every arm anyway).
+MAX_SUMMARY_ARMS = 2**31 - 1
+
+
+def summary_arms() -> int | None:
+    """``?arms=N`` of a read (experiment, experiments, rounds, diagnostics): keep the N arms of largest
+    max(p_t, deployed) in every per-arm array and sum the others into ``rest``; None without it."""
+    return query_integer("arms", None, 1, MAX_SUMMARY_ARMS)
+
+
+def arm_summary_view(snapshot: Snapshot, selection: ArmSelection) -> ArmSummary:
+    return ArmSummary(arms=selection.kept.tolist(), names=[snapshot.arm_names[k] for k in selection.kept],
+                      rest_arms=len(selection.rest))
+
+
+def experiment_view(snapshot: Snapshot, arms: int | None = None) -> Experiment:
+    """The experiment's JSON; with ``arms`` (``?arms=N``) its per-arm arrays summarised (:func:`summary_arms`)."""
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
     config = snapshot.config
+    positions = range(snapshot.n_arms) if selection is None else selection.kept.tolist()
+
+    def per_arm(values) -> list:
+        return values.tolist() if selection is None else selection.keep(values)
+
     return Experiment(
         name=snapshot.name,
         status=snapshot.status,
-        arms=[ArmView(name=name, params=params) for name, params in zip(snapshot.arm_names, snapshot.arm_params)],
+        arms=[ArmView(name=snapshot.arm_names[k], params=snapshot.arm_params[k]) for k in positions],
         metrics=list(snapshot.metrics),
         objective=config["objective"],
         algorithm=config["algorithm"],
@@ -47,17 +70,21 @@ def experiment_view(snapshot: Snapshot) -> Experiment:
         seed=snapshot.seed,
         round=round_times(snapshot),
         applied_rounds=snapshot.applied_rounds,
-        probabilities=snapshot.probabilities.tolist(),
-        deployed=snapshot.deployed.tolist(),
+        probabilities=per_arm(snapshot.probabilities),
+        deployed=per_arm(snapshot.deployed),
         created_at=iso(snapshot.created_at),
         updated_at=iso(snapshot.updated_at),
         archived_at=iso(snapshot.archived_at),
         source=config.get("source"),
-        **({"segments": segments_view(snapshot)} if snapshot.segmented else {}),  # unsegmented: no key at all
+        **({"segments": segments_view(snapshot, selection)} if snapshot.segmented else {}),  # unsegmented: no key
+        **({} if selection is None else {  # unsummarised: no keys at all
+            "arm_summary": arm_summary_view(snapshot, selection),
+            "rest": ArmRest(arms=len(selection.rest), probabilities=selection.rest_sum(snapshot.probabilities),
+                            deployed=selection.rest_sum(snapshot.deployed))}),
     )
 
 
-def segments_view(snapshot: Snapshot) -> SegmentsView | None:
+def segments_view(snapshot: Snapshot, selection: ArmSelection | None = None) -> SegmentsView | None:
     if not snapshot.segmented:
         return None
     spec = snapshot.config["segments"]
@@ -65,8 +92,10 @@ def segments_view(snapshot: Snapshot) -> SegmentsView | None:
         names=list(snapshot.segment_names), by=spec.get("by"), min_units=spec.get("min_units"),
         max_segments=spec.get("max_segments"), shares=spec["shares"], scopes=spec["scopes"], shrink=spec["shrink"],
         confidence_z=spec["confidence_z"],
-        probabilities={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_probabilities)},
-        deployed={name: row.tolist() for name, row in zip(snapshot.segment_names, snapshot.segment_deployed)},
+        probabilities={name: row.tolist() if selection is None else selection.keep(row)
+                       for name, row in zip(snapshot.segment_names, snapshot.segment_probabilities)},
+        deployed={name: row.tolist() if selection is None else selection.keep(row)
+                  for name, row in zip(snapshot.segment_names, snapshot.segment_deployed)},
     )
 
 
@@ -80,14 +109,16 @@ def create():
 @require_role("read")
 def list_experiments():
     archived = query_flag("archived", False)  # true: the archived experiments instead of the others
-    return respond(ExperimentList(experiments=[experiment_view(snapshot)
+    arms = summary_arms()
+    return respond(ExperimentList(experiments=[experiment_view(snapshot, arms)
                                                for snapshot in experiments.list_all(archived=archived)]))
 
 
 @bp.get("/<name>")
 @require_role("read")
 def show(name: str):
-    return respond(experiment_view(experiments.show(name)))
+    arms = summary_arms()
+    return respond(experiment_view(experiments.show(name), arms))
 
 
 @bp.post("/<name>/pause")

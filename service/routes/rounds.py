@@ -6,12 +6,13 @@ from flask import Blueprint, request
 
 from ..auth import require_role
 from ..controller import reports, rounds
+from ..controller.reports import select_arms
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import (BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
+from ..responses import (ArmRest, BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
                          SourceErrorView, respond)
 from ..schemas import json_body
-from .experiments import iso, round_times
+from .experiments import arm_summary_view, iso, round_times, summary_arms
 
 bp = Blueprint("rounds", __name__, url_prefix="/api/v1/experiments")
 
@@ -54,30 +55,46 @@ def close_current_round(name: str):
 @require_role("read")
 def list_rounds(name: str):
     """Rounds oldest first, one page from ``?since=<index>`` (0): ``?limit=<n>`` rounds, by default
-    :func:`default_page_rounds`; ``next_since`` is the cursor of the next page (null after the last)."""
+    :func:`default_page_rounds`; ``next_since`` is the cursor of the next page (null after the last).
+    ``?arms=N``: every round's per-arm arrays keep the same N arms, those of largest max(p_t, deployed)
+    now (:func:`.experiments.summary_arms`). The default page size counts K arms either way: the server
+    reads every arm of each round (the summary is cut from them), so that is what bounds its memory."""
     since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
     limit = query_integer("limit", None, 1)
+    arms = summary_arms()
     if limit is None:
         limit = default_page_rounds(reports.arm_count(name))
     history = reports.round_history(name, since, limit)
     snapshot = history.snapshot
+    selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
+
+    def per_arm(values) -> list | None:
+        if values is None or selection is None:
+            return values.tolist() if hasattr(values, "tolist") else values
+        return selection.keep(values)
+
     entries = []
     for round_row in history.rounds:
         position = round_row.index - since
         summary = round_row.summary or {}
         best_single = summary.get("best_single")
+        rest = {} if selection is None else {"rest": ArmRest(
+            arms=len(selection.rest), probabilities=selection.rest_sum(round_row.probabilities),
+            deployed=None if round_row.deployed is None else selection.rest_sum(round_row.deployed),
+            counts=int(history.counts[position][selection.rest].sum()),
+            units=int(history.units[position][selection.rest].sum()))}
         entries.append(RoundView(
             index=round_row.index,
             started_at=iso(round_row.started_at),
             ends_at=iso(round_row.ends_at),
             closed_at=iso(round_row.closed_at),
             applied_at=iso(round_row.applied_at),
-            probabilities=round_row.probabilities,
-            deployed=round_row.deployed,
-            counts=history.counts[position].tolist(),
-            units=history.units[position].tolist(),
+            probabilities=per_arm(round_row.probabilities),
+            deployed=per_arm(round_row.deployed),
+            counts=per_arm(history.counts[position]),
+            units=per_arm(history.units[position]),
             late_observations=int(history.late[position]),
-            means={metric: history.means[position, m].tolist() for m, metric in enumerate(snapshot.metrics)},
+            means={metric: per_arm(history.means[position, m]) for m, metric in enumerate(snapshot.metrics)},
             objective=summary.get("objective"),
             objective_deployed=summary.get("objective_deployed"),
             best_mixture=summary.get("best_mixture"),
@@ -88,19 +105,22 @@ def list_rounds(name: str):
             guardrails_served=_guardrails(summary.get("guardrails")),
             guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
             **({} if history.segment_observations is None else {"segments": RoundSegments(
-                probabilities=dict(zip(snapshot.segment_names, round_row.segment_probabilities)),
+                probabilities={segment: per_arm(row) for segment, row in
+                               zip(snapshot.segment_names, round_row.segment_probabilities)},
                 # The segments the round served (an open set's later ones had no mixture of their own yet).
                 observations=dict(zip(snapshot.segment_names[:len(round_row.segment_probabilities)],
                                       history.segment_observations[position].tolist())),
                 summary=summary.get("segments"),
             )}),
             lift=Lift.from_summary(summary.get("lift"), snapshot.arm_names),
+            **rest,
         ))
     last = since + limit - 1
     next_since = last + 1 if last < history.snapshot.round_index else None
     return respond(RoundList(rounds=entries, next_since=next_since,
                              source_error=None if history.source_error is None else
-                             SourceErrorView(**history.source_error)))
+                             SourceErrorView(**history.source_error),
+                             **({} if selection is None else {"arm_summary": arm_summary_view(snapshot, selection)})))
 
 
 def _guardrails(stored: list[dict] | None) -> list[Guardrail] | None:

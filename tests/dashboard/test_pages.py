@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
@@ -386,7 +387,7 @@ def test_a_refresh_reads_only_the_rounds_that_can_still_change(live_server, brow
     name = live_server.experiment
     context, page, console = open_page(browser, "desktop")
     asked: list[int] = []
-    page.on("request", lambda request: asked.append(int(request.url.rsplit("since=", 1)[1]))
+    page.on("request", lambda request: asked.append(int(parse_qs(urlsplit(request.url).query)["since"][0]))
             if f"/experiments/{name}/rounds?since=" in request.url else None)
     page.goto(f"{live_server.base_url}/experiments/{name}")
     before = live_server.api("GET", f"/experiments/{name}/rounds?limit=1000", role="read").json()["rounds"]

@@ -11,7 +11,7 @@ import pytest
 from pasto.algorithm import AlgorithmConfig, initial_state, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
-from pasto.report import baseline_lift, round_report
+from pasto.report import Optimum, baseline_lift, round_report, solve_optimum
 
 # f(x) = x_0 - 5 min(0, x_1)^2. With p = (q, 1 - q): x = (2q, 2 - 4q); for q > 1/2 the guardrail is
 # short by 4q - 2, f = 2q - 5 (4q - 2)^2, maximal at 4q - 2 = 0.05: p* = (0.5125, 0.4875), f = 1.0125.
@@ -202,3 +202,32 @@ def test_round_report_gives_lifts_only_with_a_baseline():
     no_baseline = Objective.from_spec(["watch", "likes"], {"primary": "watch"}, arm_names=["a", "b", "c"])
     report = round_report(config, no_baseline, state, pooled)
     assert report.baseline_arm is None and report.served.lift is None and report.deployed.lift is None
+
+
+def test_the_optimum_comes_from_the_solve_given():
+    """``solve`` is what a report's best mixture, best single arm, mixing gain and regrets are made of
+    (the service passes one that reuses an unchanged estimate's optimum)."""
+    config = AlgorithmConfig.from_preset("default")
+    state = dataclasses.replace(initial_state(config, 2, 2), deployed=np.array([0.6, 0.4]))
+    pooled = _exact_statistics(MU, 101)
+    seen = []
+
+    def given(objective, means, thresholds):
+        seen.append((means.copy(), thresholds.copy()))
+        return Optimum(best_mixture=np.array([0.25, 0.75]), best_mixture_value=3.0, best_single_arm=0,
+                       best_single_value=2.5)
+
+    report = round_report(config, OBJECTIVE, state, pooled, solve=given)
+    (means, thresholds), = seen
+    np.testing.assert_allclose(means, MU)
+    np.testing.assert_allclose(thresholds, [0.0])
+    np.testing.assert_array_equal(report.best_mixture, [0.25, 0.75])
+    assert (report.best_mixture_value, report.best_single_arm, report.best_single_value) == (3.0, 0, 2.5)
+    assert report.mixing_gain == 0.5
+    assert report.served.regret == pytest.approx(3.0 - report.served.value)
+    # The default solve is solve_optimum, the best mixture and single arm of pasto.optimum.
+    default = round_report(config, OBJECTIVE, state, pooled)
+    solved = solve_optimum(OBJECTIVE, MU, np.array([0.0]))
+    np.testing.assert_array_equal(default.best_mixture, solved.best_mixture)
+    assert (default.best_mixture_value, default.best_single_arm, default.best_single_value) == (
+        solved.best_mixture_value, solved.best_single_arm, solved.best_single_value)

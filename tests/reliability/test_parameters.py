@@ -70,6 +70,7 @@ def test_bad_path_and_query_parameters_are_4xx_on_every_route(backend_url):  # n
         assert len(routes) >= 15, routes  # every operation of the service, not a shrunken map
         assert any(" path name=nul" in what for _, _, what in cases)
         assert any(" query since=huge-integer" in what for _, _, what in cases)
+        assert any("GET /api/v1/experiments/<name>/diagnostics query arms=huge-integer" in what for _, _, what in cases)
         failures = []
         for method, url, what in cases:
             response = client.open(url, method=method, json={}, headers=headers)

@@ -3,14 +3,20 @@ import {
   OTHER_COLOUR, PALETTE, apiGet, badge, element, formatInteger, formatNumber, formatPercent, poll, withAlpha,
 } from "./pasto.js";
 import {
-  armEstimates, armSamples, cumulativeRegret, deployedBars, eventMarkers, guardrailSeries, guardrailSummary, guardrailVerdict, hasData,
-  liftOf, mixtureSeries, objectiveRange, objectiveSeries, observationsSeries, primaryEstimate, primaryLabel,
+  alignToExperiment, armCount, armEstimates, armSamples, cumulativeRegret, deployedBars, eventMarkers, guardrailSeries, guardrailSummary,
+  guardrailVerdict, hasData, liftOf, mixtureSeries, objectiveRange, objectiveSeries, observationsSeries, observationsTotal,
+  primaryEstimate, primaryLabel,
 } from "./model.js";
 
 const name = document.getElementById("experiment").dataset.name;
 const path = `/experiments/${encodeURIComponent(name)}`;
 const TOP_ARMS = PALETTE.length - 1;
 const TABLE_ROWS = 100;
+// Above this many arms the page reads summaries: every read asks for ?arms=SUMMARY_ARMS, and the
+// server keeps the SUMMARY_ARMS arms of largest max(p_t, deployed) in the per-arm arrays and sums
+// the others into one rest entry (docs/api.md); with at most this many arms it answers in full. At
+// K = 10,000 a full poll was about 3 MB, a summarised one tens of kilobytes.
+const SUMMARY_ARMS = 100;
 const UNRANKED_COLOUR = "#5b6575";
 
 Chart.defaults.font.family = getComputedStyle(document.documentElement).fontFamily;
@@ -347,9 +353,14 @@ let showAllArms = false;
 
 function armRows(experiment, rounds, diagnostics) {
   const estimates = armEstimates(experiment, diagnostics);
-  const samples = armSamples(experiment, rounds);
+  // Summarised (K > SUMMARY_ARMS): an arm's observations in the rounds are known only for the rounds
+  // read while it was among the kept arms, so the column shows its distinct units over every round
+  // (diagnostics), which is known exactly.
+  const samples = experiment.arm_summary ? diagnostics.units : armSamples(experiment, rounds);
   return experiment.arms.map((arm, position) => ({
     position,
+    // The arm's position among all K (a summarised response holds some arms only): ties sort by it.
+    armPosition: experiment.arm_summary ? experiment.arm_summary.arms[position] : position,
     name: arm.name,
     params: Object.entries(arm.params).map(([key, value]) => `${key}=${JSON.stringify(value)}`).join(", "),
     probability: experiment.probabilities[position],
@@ -366,7 +377,7 @@ function sortValue(row, key) {
 function compareRows(a, b) {
   const left = sortValue(a, sort.key);
   const right = sortValue(b, sort.key);
-  if (left === right) return a.position - b.position;
+  if (left === right) return a.armPosition - b.armPosition;
   if (left === null) return 1; // arms without data last, in either direction
   if (right === null) return -1;
   const order = typeof left === "string" ? left.localeCompare(right, undefined, { numeric: true }) : left - right;
@@ -379,7 +390,7 @@ function drawArms(experiment, rounds, diagnostics, colourOf) {
     { key: "params", label: "Params" },
     { key: "probability", label: "p_t", numeric: true },
     { key: "deployed", label: "Deployed", numeric: true },
-    { key: "samples", label: "Observations", numeric: true },
+    { key: "samples", label: experiment.arm_summary ? "Units" : "Observations", numeric: true },
     ...experiment.metrics.map((metric) => ({ key: `mean:${metric}`, label: metric, numeric: true })),
   ];
   document.getElementById("arms-head").replaceChildren(...columns.map((column) => {
@@ -397,6 +408,17 @@ function drawArms(experiment, rounds, diagnostics, colourOf) {
 
   const rows = armRows(experiment, rounds, diagnostics).sort(compareRows);
   const shown = showAllArms ? rows : rows.slice(0, TABLE_ROWS);
+  // Summarised: the arms the server left out, as one last row whatever the sort.
+  const rest = experiment.rest && element(
+    "tr", { class: "other", dataset: { arm: "(other)" } },
+    element("td", { class: "arm-name" }, element("span", { class: "swatch", style: `background:${OTHER_COLOUR}` }),
+      `other (${formatInteger(experiment.rest.arms)} arms)`),
+    element("td", { class: "params" }, `the ${formatInteger(experiment.rest.arms)} arms of smallest p_t and deployed probability, summed`),
+    element("td", { class: "num" }, formatPercent(experiment.rest.probabilities)),
+    element("td", { class: "num" }, formatPercent(experiment.rest.deployed)),
+    element("td", { class: "num" }, formatInteger(diagnostics.rest?.units ?? 0)),
+    ...experiment.metrics.map(() => element("td", { class: "num" }, "–")),
+  );
   document.getElementById("arms-body").replaceChildren(...shown.map((row) => element(
     "tr", { dataset: { arm: row.name } },
     element("td", { class: "arm-name" }, element("span", { class: "swatch", style: `background:${colourOf(row.position)}` }), row.name),
@@ -409,7 +431,7 @@ function drawArms(experiment, rounds, diagnostics, colourOf) {
       return element("td", { class: "num" }, formatNumber(mean),
         interval && element("span", { class: "interval" }, `[${formatNumber(interval[0])}, ${formatNumber(interval[1])}]`));
     }),
-  )));
+  )), ...(rest ? [rest] : []));
   document.getElementById("arms-note").hidden = rows.length <= TABLE_ROWS;
   document.getElementById("arms-show-all").textContent = showAllArms
     ? `Show the first ${TABLE_ROWS} only` : `Show all ${rows.length} arms (${TABLE_ROWS} shown)`;
@@ -513,7 +535,7 @@ function drawFigures(experiment, rounds, diagnostics) {
   const { srm } = diagnostics;
   const srmKnown = srm.p_value !== null;
   show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));
-  show("fig-observations", formatInteger(armSamples(experiment, rounds).reduce((sum, count) => sum + count, 0)));
+  show("fig-observations", formatInteger(observationsTotal(rounds)));
   show("fig-late", formatInteger(diagnostics.late_observations));
   show("fig-srm-p", srmKnown ? formatNumber(srm.p_value, 2) : "–");
   show("fig-srm-stat", srmKnown ? formatNumber(srm.statistic) : "–");
@@ -561,6 +583,8 @@ function render() {
   drawFigures(experiment, rounds, diagnostics);
   // Tells a reader (and the browser test) which response the page shows.
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
+  document.getElementById("experiment").dataset.summarised = String(Boolean(experiment.arm_summary));
+  document.getElementById("experiment").dataset.arms = String(armCount(experiment));
 }
 
 // The round history, fetched incrementally: a round whose update has run and whose summary is
@@ -569,13 +593,18 @@ function render() {
 // count of late observations moved. The server pages the history: follow next_since to the end.
 let history = { rounds: [], late: null };
 
-async function roundsFrom(since) {
+// `onPage(rounds so far)` after each page but the last: a long history's first read (at K = 10,000,
+// 1,000 rounds are 50 pages) is drawn as it arrives instead of after the last page.
+async function roundsFrom(since, onPage = null) {
   const rounds = [];
   let cursor = since;
   while (cursor !== null && cursor !== undefined) {
-    const page = await apiGet(`${path}/rounds?since=${cursor}`);
-    rounds.push(...page.rounds);
+    const page = await apiGet(`${path}/rounds?since=${cursor}&arms=${SUMMARY_ARMS}`);
+    // A summarised page: its rounds' arrays hold the arms of page.arm_summary (alignToExperiment).
+    const armPositions = page.arm_summary?.arms ?? null;
+    rounds.push(...(armPositions ? page.rounds.map((round) => ({ ...round, armPositions })) : page.rounds));
     cursor = page.next_since;
+    if (onPage && cursor !== null && cursor !== undefined) onPage(rounds);
   }
   return rounds;
 }
@@ -596,16 +625,26 @@ async function eventsAfter(known) {
 }
 
 async function refresh() {
-  const [experiment, diagnostics, allEvents] = await Promise.all([apiGet(path), apiGet(`${path}/diagnostics`), eventsAfter(events)]);
+  const [experiment, diagnosticsRead, allEvents] = await Promise.all([
+    apiGet(`${path}?arms=${SUMMARY_ARMS}`), apiGet(`${path}/diagnostics?arms=${SUMMARY_ARMS}`), eventsAfter(events)]);
   events = allEvents;
   let since = history.rounds.findIndex((entry) => entry.applied_at === null || entry.best_mixture === null);
   if (since < 0) since = history.rounds.length;
-  if (diagnostics.late_observations !== history.late) since = 0;
-  const fresh = await roundsFrom(since);
-  const rounds = history.rounds.slice(0, since).concat(fresh);
-  history = { rounds, late: diagnostics.late_observations };
-  latest = { experiment, rounds, diagnostics, events };
-  render();
+  if (diagnosticsRead.late_observations !== history.late) since = 0;
+  const known = history.rounds.slice(0, since);
+  const draw = (read) => {
+    const { diagnostics, rounds } = alignToExperiment(experiment, diagnosticsRead, read);
+    latest = { experiment, rounds, diagnostics, events };
+    render();
+  };
+  const fresh = await roundsFrom(since, (partial) => {
+    draw(known.concat(partial));
+    document.getElementById("refresh-state").textContent =
+      `Reading the history: ${formatInteger(known.length + partial.length)} of ${formatInteger(experiment.round.index + 1)} rounds…`;
+  });
+  const read = known.concat(fresh);
+  history = { rounds: read, late: diagnosticsRead.late_observations };
+  draw(read);
 }
 
 poll(refresh);

@@ -31,7 +31,70 @@ export function armEstimates(experiment, diagnostics) {
 
 // Whether any unit has been observed: before that, estimates are the estimator's fallback values.
 export function hasData(diagnostics) {
-  return diagnostics.units.some((count) => count > 0);
+  return diagnostics.units.some((count) => count > 0) || (diagnostics.rest?.units ?? 0) > 0;
+}
+
+// K: every arm of the experiment, those a summarised response (?arms=N) left out included.
+export function armCount(experiment) {
+  return experiment.arms.length + (experiment.rest?.arms ?? 0);
+}
+
+const total = (values) => values.reduce((sum, value) => sum + value, 0);
+const sameArms = (from, to) => from.length === to.length && from.every((position, k) => position === to[k]);
+
+// `values` aligned with the arm positions `from`, realigned with the positions `to`: an arm `from`
+// does not hold gets `fill`.
+function realign(values, from, to, fill) {
+  if (sameArms(from, to)) return values;
+  const at = new Map(from.map((position, k) => [position, k]));
+  return to.map((position) => (at.has(position) ? values[at.get(position)] : fill));
+}
+
+// Summarised responses (docs/api.md, "?arms=N") in one frame of arms: the experiment's kept arms.
+// The diagnostics and each round were summarised on the arms of largest max(p_t, deployed) when
+// they were read, which can be another set (the mixture moves every round, and a round is read once):
+// their arrays are realigned to the experiment's arms, an arm they left out counting 0, and each
+// round's rest recomputed so that kept arms plus rest is still the round's whole. Each round carries
+// `armPositions`, its page's arm_summary.arms (set by the page). Unsummarised responses pass as they are.
+export function alignToExperiment(experiment, diagnostics, rounds) {
+  if (!experiment.arm_summary) return { diagnostics, rounds };
+  const to = experiment.arm_summary.arms;
+  const alignedRounds = rounds.map((round) => {
+    if (!round.armPositions) return round;
+    const probabilities = realign(round.probabilities, round.armPositions, to, 0);
+    const counts = realign(round.counts, round.armPositions, to, 0);
+    if (probabilities === round.probabilities && counts === round.counts) return round;
+    return {
+      ...round, probabilities, counts,
+      rest: {
+        ...round.rest,
+        probabilities: total(round.probabilities) + round.rest.probabilities - total(probabilities),
+        counts: total(round.counts) + round.rest.counts - total(counts),
+      },
+    };
+  });
+  const from = diagnostics.arm_summary?.arms;
+  if (!from || sameArms(from, to)) return { diagnostics, rounds: alignedRounds };
+  const perMetric = (arrays) => Object.fromEntries(Object.entries(arrays).map(([metric, values]) => [metric, realign(values, from, to, null)]));
+  const units = realign(diagnostics.units, from, to, 0);
+  const segments = diagnostics.segments && {
+    ...diagnostics.segments,
+    segments: diagnostics.segments.segments.map((segment) => ({
+      ...segment, probabilities: realign(segment.probabilities, from, to, 0), deployed: realign(segment.deployed, from, to, 0),
+    })),
+  };
+  return {
+    rounds: alignedRounds,
+    diagnostics: {
+      ...diagnostics,
+      units,
+      estimate: { means: perMetric(diagnostics.estimate.means), standard_errors: perMetric(diagnostics.estimate.standard_errors) },
+      ...(segments ? { segments } : {}),
+      // The rest's deployed sums are over the arms the diagnostics left out, not the experiment's:
+      // the deployed mixture's estimate is unknown for this poll (the next one reads both anew).
+      rest: { ...diagnostics.rest, units: total(diagnostics.units) + diagnostics.rest.units - total(units), deployed_means: null, deployed_variances: null },
+    },
+  };
 }
 
 // The primary metric under a mixture, with a 95% interval treating arms' estimates as independent;
@@ -48,6 +111,14 @@ export function primaryEstimate(experiment, diagnostics, probabilities) {
       if (means[arm] === null) return null;
       estimate += weight * probabilities[arm] * means[arm];
       variance = errors[arm] === null || variance === null ? null : variance + (weight * probabilities[arm] * errors[arm]) ** 2;
+    }
+    // A summarised response: the arms left out, summed by the server under the deployed mixture.
+    if (diagnostics.rest) {
+      const rest = diagnostics.rest;
+      if (probabilities !== experiment.deployed || !rest.deployed_means || rest.deployed_means[metric] === null) return null;
+      estimate += weight * rest.deployed_means[metric];
+      const restVariance = rest.deployed_variances[metric];
+      variance = restVariance === null || variance === null ? null : variance + weight ** 2 * restVariance;
     }
   }
   const half = variance === null ? null : Z_95 * Math.sqrt(variance);
@@ -81,8 +152,11 @@ export function guardrailVerdict(summary) {
 
 // Indices of the `count` arms with the largest probabilities, largest first; all of them when at most
 // one arm would be left over (an "other" band of one arm hides its name for nothing).
-export function topArms(probabilities, count) {
-  const order = probabilities.map((_, arm) => arm).sort((a, b) => probabilities[b] - probabilities[a] || a - b);
+// Ties go by arm position: `positions` maps an index of a summarised response's arrays to its arm's
+// position (experiment.arm_summary.arms), so a tie is broken as in the full response.
+export function topArms(probabilities, count, positions = null) {
+  const position = positions ? (index) => positions[index] : (index) => index;
+  const order = probabilities.map((_, arm) => arm).sort((a, b) => probabilities[b] - probabilities[a] || position(a) - position(b));
   return order.length <= count + 1 ? order : order.slice(0, count);
 }
 
@@ -92,11 +166,11 @@ function sumOf(values, indices) {
 
 // Stacked-area series of p_t: the top arms by current probability, then "other".
 export function mixtureSeries(experiment, rounds, count) {
-  const top = topArms(experiment.probabilities, count);
+  const top = topArms(experiment.probabilities, count, experiment.arm_summary?.arms);
   const series = top.map((arm) => ({
     arm, label: experiment.arms[arm].name, data: rounds.map((round) => round.probabilities[arm]),
   }));
-  const rest = experiment.arms.length - top.length;
+  const rest = armCount(experiment) - top.length;
   if (rest > 0) {
     series.push({
       arm: null,
@@ -108,9 +182,9 @@ export function mixtureSeries(experiment, rounds, count) {
 }
 
 export function deployedBars(experiment, count) {
-  const top = topArms(experiment.deployed, count);
+  const top = topArms(experiment.deployed, count, experiment.arm_summary?.arms);
   const bars = top.map((arm) => ({ arm, label: experiment.arms[arm].name, value: experiment.deployed[arm] }));
-  const rest = experiment.arms.length - top.length;
+  const rest = armCount(experiment) - top.length;
   if (rest > 0) {
     bars.push({ arm: null, label: `other (${rest})`, value: Math.max(0, 1 - sumOf(experiment.deployed, top)) });
   }
@@ -182,7 +256,7 @@ export function guardrailSeries(experiment, rounds, diagnostics) {
 // the round still being served (not closed) is its own series: its count so far is not a finished
 // round's traffic, and drawn like one it reads as a drop.
 export function observationsSeries(rounds) {
-  const totals = rounds.map((round) => round.counts.reduce((sum, count) => sum + count, 0));
+  const totals = rounds.map(roundObservations);
   const open = rounds.map((round) => round.closed_at === null);
   return {
     onTime: totals.map((total, position) => (open[position] ? null : total - rounds[position].late_observations)),
@@ -191,7 +265,17 @@ export function observationsSeries(rounds) {
   };
 }
 
-// Observations per arm over every round.
+// A round's observations: every arm's, those a summarised round sums in its rest included.
+export function roundObservations(round) {
+  return total(round.counts) + (round.rest?.counts ?? 0);
+}
+
+// Observations over every round, of every arm.
+export function observationsTotal(rounds) {
+  return rounds.reduce((sum, round) => sum + roundObservations(round), 0);
+}
+
+// Observations per arm over every round (of a summarised history: over the rounds that kept the arm).
 export function armSamples(experiment, rounds) {
   const samples = experiment.arms.map(() => 0);
   for (const round of rounds) round.counts.forEach((count, arm) => { samples[arm] += count; });
