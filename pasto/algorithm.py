@@ -42,6 +42,7 @@ from pasto.estimators import (
 )
 from pasto.objectives import Objective
 from pasto.optimum import mirror_ascent
+from pasto.serving import UNDECIDED_RULES
 
 __all__ = [
     "AlgorithmConfig",
@@ -132,6 +133,10 @@ class AlgorithmConfig:
         1-6 and the ``deploy`` rule (the ``paper`` preset).
     serving_level : float
         One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
+    serving_undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
+        With ``serving = "safe"`` and soft guardrails: where the anchored traffic of a run whose
+        mixture cannot yet be defended against the best single arm goes
+        (:class:`pasto.serving.ServingConfig`'s ``undecided``; experimental, default unchanged).
     change_level : float
         With ``serving = "safe"``: family-wise false-alarm probability of each change test
         (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
@@ -158,6 +163,7 @@ class AlgorithmConfig:
     dual_step: float = 1.0
     serving: str = "safe"
     serving_level: float = 0.95
+    serving_undecided: str = "conservative"
     change_level: float = 1e-4
     change_every: int = 25
 
@@ -170,6 +176,7 @@ class AlgorithmConfig:
             ("solve_objective", SOLVE_OBJECTIVES),
             ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
             ("serving", SERVING_RULES),
+            ("serving_undecided", UNDECIDED_RULES),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -784,7 +791,10 @@ def _safe_advance(
         batch = max(1, int(np.prod(state.batch_shape)))
         observations = float(round_statistics.counts[..., 0, :].sum()) / batch
         rule = serving.ServingConfig(
-            level=config.serving_level, change_level=config.change_level, change_every=config.change_every
+            level=config.serving_level,
+            change_level=config.change_level,
+            change_every=config.change_every,
+            undecided=config.serving_undecided,
         )
         probabilities, deployed, log_weights = serving.choose(
             rule, objective, statistics, t, state.log_weights, observations, state.deployed

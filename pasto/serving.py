@@ -31,10 +31,12 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    whose optimistic gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the
    optimum's level; each gets 1 / (n sqrt(t)) of the traffic (n observations per round), so the
    exploration vanishes as soon as no arm outside the support can still improve the objective.
-   While no mixture is defended (step 5), half of the anchored traffic follows a best-arm bandit
-   instead: each arm gets it in proportion to its posterior probability of being the best single
-   arm (:func:`best_arm_probabilities`), so that the single arm deployed at high noise is found as
-   fast as Thompson sampling finds it.
+   While no mixture is defended (step 5), the option ``undecided`` (experimental, issue 14's noise
+   rows) may send the anchored traffic elsewhere: half of it after a best-arm bandit
+   (``best_arm``: each arm in proportion to its posterior probability of being the best single
+   arm, :func:`best_arm_probabilities`), or all of it to the optimum of one posterior draw of the
+   means (``mixture_draw``: Thompson sampling over mixtures, :func:`drawn_mixture`). The default
+   (``conservative``) keeps the conservative path.
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
@@ -77,6 +79,7 @@ __all__ = [
     "has_hard_guardrails",
     "arm_posterior",
     "best_arm_probabilities",
+    "drawn_mixture",
     "change_detected",
     "choose",
     "hard_constraints",
@@ -85,6 +88,8 @@ __all__ = [
     "served_lp",
 ]
 
+# What an undecided run's anchored traffic is (ServingConfig.undecided).
+UNDECIDED_RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half")
 # Prior degrees of freedom pooling an arm's own noise variance with the metric's pooled one.
 _VARIANCE_PRIOR_DF = 5.0
 # A probability below this in a plug-in optimum counts as outside its support.
@@ -116,6 +121,16 @@ class ServingConfig:
         Rounds per change-test block.
     mirror_steps : int
         Mirror-ascent steps of the plug-in solve (soft guardrails).
+    undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
+        What the anchored traffic of an *undecided* run is (soft guardrails only: its plug-in
+        optimum is a mixture the data cannot yet defend against the best single arm).
+        ``conservative`` (the default): the conservative path to the plug-in mixture.
+        ``best_arm``: half of it follows each arm's posterior probability of being the best single
+        arm (:func:`best_arm_probabilities`), half the conservative path. ``mixture_draw``:
+        Thompson sampling over mixtures, all of it goes to the optimum of one posterior draw of
+        the arms' means (:func:`drawn_mixture`); ``mixture_draw_half``: half of it that way, half
+        the conservative path. Experimental: issue 14's noise rows
+        (docs/benchmarks.md, "Noise rows: Thompson sampling over mixtures").
     """
 
     level: float = 0.95
@@ -126,8 +141,13 @@ class ServingConfig:
     change_level: float = 1e-4
     change_every: int = 25
     mirror_steps: int = 50
+    undecided: str = "conservative"
 
     def __post_init__(self) -> None:
+        if self.undecided not in UNDECIDED_RULES:
+            raise ValueError(
+                f"Serving option 'undecided' must be one of {list(UNDECIDED_RULES)}, got {self.undecided!r}."
+            )
         for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -731,7 +751,7 @@ def choose(
         # single arm. (When the plug-in is that arm itself, as with no guardrails, there is no
         # choice to hedge and the traffic follows it.)
         undecided = ~defended & (np.abs(plug_in - chosen).sum(axis=-1) > 1e-6)
-        if undecided.any():
+        if undecided.any() and config.undecided == "best_arm":
             # No mixture is confidently better than the best single arm yet: half of the anchored
             # traffic goes where a best-arm bandit would send it (each arm in proportion to its
             # posterior probability of being the best single arm, as Thompson sampling does), so
@@ -744,6 +764,21 @@ def choose(
             # The draws are seeded by the round, so a round's choice is reproducible.
             best_arm = best_arm_probabilities(arm_values, arm_errors, np.random.default_rng([t, 14]))
             anchored = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * anchored, anchored)
+        elif undecided.any() and config.undecided in ("mixture_draw", "mixture_draw_half"):
+            # Thompson sampling over mixtures: the data cannot yet tell the plug-in mixture from
+            # the best single arm, so the traffic goes to the optimum of one posterior draw of the
+            # means. The arms of the optimal mixture are in that optimum with the posterior
+            # probability that they belong there, which aims the exploration at the support the
+            # median r needs (issue 14: on main only 61% of the observations at sigma 1.0 land
+            # there). Seeded by the round, so a round's choice is reproducible.
+            start = np.log(0.5 * plug_in + 0.5 / n_arms)
+            draw = drawn_mixture(
+                objective, flat_means, flat_errors, start, 2 * config.mirror_steps, np.random.default_rng([t, 15])
+            )
+            if config.undecided == "mixture_draw_half":
+                # The top-two split of best_arm: half the draw's mixture, half the conservative path.
+                draw = 0.5 * draw + 0.5 * anchored
+            anchored = np.where(undecided[:, None], draw, anchored)
         served = (1.0 - share[:, None]) * anchored + share[:, None] * directed
         served = fixed + (1.0 - fixed.sum()) * served
     served = np.maximum(served, 0.0)
@@ -795,6 +830,50 @@ def best_arm_probabilities(values: np.ndarray, errors: np.ndarray, rng: np.rando
     winners = np.argmax(draws, axis=-1)  # (S, ...)
     shares = np.mean(winners[..., None] == np.arange(n_arms), axis=0)
     return np.where(allowed.any(axis=-1, keepdims=True), shares, 1.0 / n_arms)
+
+
+def drawn_mixture(
+    objective: Objective,
+    means: np.ndarray,
+    errors: np.ndarray,
+    log_weights: np.ndarray,
+    steps: int,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """The optimum of f(mu p) for one posterior draw mu ~ N(means, errors^2) per run; (..., K).
+
+    Thompson sampling over mixtures: each entry of mu is drawn independently; the mixture maximises
+    the objective under the draw (mirror ascent from ``log_weights``, ``steps`` iterations; shares
+    below ``_NEGLIGIBLE`` of the largest are 0). Every run of a batch uses the same standard-normal
+    draws (scaled by its own errors), so that a batched call equals per-run calls with generators
+    in the same state.
+
+    Parameters
+    ----------
+    objective : Objective
+    means : ndarray, shape (..., M, K)
+        Posterior means.
+    errors : ndarray, shape (..., M, K)
+        Posterior standard deviations (>= 0, finite).
+    log_weights : ndarray, shape (..., K)
+        Warm start of the solve (finite).
+    steps : int
+        Mirror-ascent iterations.
+    rng : numpy.random.Generator
+
+    Returns
+    -------
+    ndarray, shape (..., K)
+        A mixture: non-negative, summing to 1 along the last axis.
+    """
+    means = np.asarray(means, dtype=float)
+    errors = np.asarray(errors, dtype=float)
+    noise = rng.standard_normal(means.shape[-2:])
+    drawn = means + errors * noise
+    log_p = mirror_ascent(objective, drawn, objective.thresholds(drawn), np.asarray(log_weights, dtype=float), steps)
+    mixture = np.exp(log_p - log_p.max(axis=-1, keepdims=True))
+    mixture = np.where(mixture < _NEGLIGIBLE, 0.0, mixture)
+    return mixture / mixture.sum(axis=-1, keepdims=True)
 
 
 def _meets(mixture: np.ndarray, constraints: HardConstraints) -> bool:

@@ -1,0 +1,94 @@
+"""Issue 14's noise rows with the experimental ``serving_undecided`` rules, on the same runs.
+
+Setup B at sigma 1.0 and 3.0, round 1000: the default preset as it is (``conservative``), with
+best-arm serving (``best_arm``, branch ``noise``), with Thompson sampling over mixtures
+(``mixture_draw``: the traffic of a run whose mixture cannot yet be defended against the best
+single arm goes to the optimum of one posterior draw of the means; ``mixture_draw_half``: half of
+it), and the Thompson best-arm bandit. Same seed, hence the same true means and optima, for every
+algorithm. Runs one job at a time (the machine is shared); every finished job is cached under
+``--cache`` (keyed by sigma, rule, runs, rounds, seed), so an interrupted run resumes.
+
+    python bench/noise_mixture.py --runs 40 --cache /tmp/noise2/cache
+
+prints the markdown table of docs/benchmarks.md's "Noise rows: Thompson sampling over mixtures".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pasto.cli import load_scenario  # noqa: E402
+from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
+
+RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half", "thompson")
+SIGMAS = (1.0, 3.0)
+
+
+def _job(sigma: float, rule: str, runs: int, rounds: int, seed: int, cache: Path, references) -> dict:
+    path = cache / f"sigma{sigma}_{rule}_runs{runs}_rounds{rounds}_seed{seed}.npz"
+    if path.exists():
+        data = np.load(path)
+        return {key: data[key] for key in data.files}
+    scenario = load_scenario("setup-b").with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
+    policy = make_policy("thompson") if rule == "thompson" else make_policy("default", {"serving_undecided": rule})
+    started = time.perf_counter()
+    result = simulate(scenario, policy, references=references)
+    last = result.summary["checkpoints"][-1]
+    record = {
+        "f": result.deployed_values[-1],
+        "r": result.relative_gains[-1],
+        "served_regret": np.array(last["cumulative_regret"]["mean"]),
+        "served_regret_se": np.array(last["cumulative_regret"].get("standard_error", np.nan)),
+        "seconds": np.array(time.perf_counter() - started),
+    }
+    np.savez(path, **record)
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache", type=Path, default=Path("/tmp/noise_mixture"))
+    parser.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
+    parser.add_argument("--sigmas", default=",".join(str(s) for s in SIGMAS))
+    arguments = parser.parse_args()
+    arguments.cache.mkdir(parents=True, exist_ok=True)
+    rules = arguments.rules.split(",")
+    sigmas = [float(s) for s in arguments.sigmas.split(",")]
+    # The sigmas share the seed, hence the true means and the optima.
+    scenario = load_scenario("setup-b").with_overrides(runs=arguments.runs, rounds=arguments.rounds, seed=arguments.seed)
+    references = reference_values(scenario.objective(), draw_means(scenario, scenario.runs), scenario.runs)
+    results = {}
+    for sigma in sigmas:
+        for rule in rules:
+            record = _job(sigma, rule, arguments.runs, arguments.rounds, arguments.seed, arguments.cache, references)
+            results[sigma, rule] = record
+            print(f"sigma {sigma} {rule:<18} {float(record['seconds']):6.0f}s  median r "
+                  f"{np.nanmedian(record['r']):.3f}  served regret {float(record['served_regret']):.1f}", flush=True)
+    print()
+    print(f"{arguments.runs} runs, round {arguments.rounds}, seed {arguments.seed}; a share of runs has a "
+          f"Monte-Carlo standard error of at most {0.5 / math.sqrt(arguments.runs):.3f}.")
+    print()
+    print("| sigma | rule | median r | mean r | r < 0 | f below thompson | median f | served regret (se) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (sigma, rule), record in results.items():
+        r = record["r"][~np.isnan(record["r"])]
+        thompson = results.get((sigma, "thompson"))
+        below = "" if thompson is None or rule == "thompson" else f"{np.mean(record['f'] < thompson['f'] - 1e-12):.0%}"
+        print(f"| {sigma} | {rule} | {np.median(r):.3f} | {np.mean(r):.3f} | {np.mean(r < 0):.0%} | {below} "
+              f"| {np.median(record['f']):.3f} | {float(record['served_regret']):.1f} "
+              f"({float(record['served_regret_se']):.1f}) |")
+
+
+if __name__ == "__main__":
+    main()
