@@ -4,7 +4,8 @@ Setup B at sigma 1.0 and 3.0, round 1000: the default preset as it is (``conserv
 best-arm serving (``best_arm``, branch ``noise``), with Thompson sampling over mixtures
 (``mixture_draw``: the traffic of a run whose mixture cannot yet be defended against the best
 single arm goes to the optimum of one posterior draw of the means; ``mixture_draw_half``: half of
-it), and the Thompson best-arm bandit. Same seed, hence the same true means and optima, for every
+it), and the Thompson best-arm bandit; with the share of the observations that land on the arms
+of each run's true optimal mixture and the fewest observations any of them gets. Same seed, hence the same true means and optima, for every
 algorithm. Runs one job at a time (the machine is shared); every finished job is cached under
 ``--cache`` (keyed by sigma, rule, runs, rounds, seed), so an interrupted run resumes.
 
@@ -16,6 +17,7 @@ prints the markdown table of docs/benchmarks.md's "Noise rows: Thompson sampling
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -26,25 +28,40 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pasto.cli import load_scenario  # noqa: E402
+from pasto.optimum import best_mixture  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
 RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half", "thompson")
 SIGMAS = (1.0, 3.0)
 
 
-def _job(sigma: float, rule: str, runs: int, rounds: int, seed: int, cache: Path, references) -> dict:
+def _job(sigma: float, rule: str, runs: int, rounds: int, seed: int, cache: Path, references, support) -> dict:
     path = cache / f"sigma{sigma}_{rule}_runs{runs}_rounds{rounds}_seed{seed}.npz"
     if path.exists():
         data = np.load(path)
         return {key: data[key] for key in data.files}
     scenario = load_scenario("setup-b").with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
     policy = make_policy("thompson") if rule == "thompson" else make_policy("default", {"serving_undecided": rule})
+    # The expected observations per arm: the served mixtures summed over the rounds (times the
+    # queries per round), read off every state the controller returns.
+    served = np.zeros(support.shape)
+
+    def step(*arguments):
+        state = policy.step(*arguments)
+        served[...] += state.probabilities.reshape(served.shape)
+        return state
+
     started = time.perf_counter()
-    result = simulate(scenario, policy, references=references)
+    result = simulate(scenario, dataclasses.replace(policy, step=step), references=references)
     last = result.summary["checkpoints"][-1]
+    observations = served * scenario.queries_per_round
     record = {
         "f": result.deployed_values[-1],
         "r": result.relative_gains[-1],
+        # Share of the observations on the arms of the true optimal mixture, and the fewest
+        # observations of any of them, per run.
+        "support_share": (observations * support).sum(axis=-1) / observations.sum(axis=-1),
+        "support_fewest": np.where(support, observations, np.inf).min(axis=-1),
         "served_regret": np.array(last["cumulative_regret"]["mean"]),
         "served_regret_se": np.array(last["cumulative_regret"].get("standard_error", np.nan)),
         "seconds": np.array(time.perf_counter() - started),
@@ -67,11 +84,14 @@ def main() -> None:
     sigmas = [float(s) for s in arguments.sigmas.split(",")]
     # The sigmas share the seed, hence the true means and the optima.
     scenario = load_scenario("setup-b").with_overrides(runs=arguments.runs, rounds=arguments.rounds, seed=arguments.seed)
-    references = reference_values(scenario.objective(), draw_means(scenario, scenario.runs), scenario.runs)
+    means = draw_means(scenario, scenario.runs)
+    references = reference_values(scenario.objective(), means, scenario.runs)
+    # The arms of each run's optimal mixture (share above 1e-3).
+    support = np.array([best_mixture(scenario.objective(), run_means)[0] > 1e-3 for run_means in means[0]])
     results = {}
     for sigma in sigmas:
         for rule in rules:
-            record = _job(sigma, rule, arguments.runs, arguments.rounds, arguments.seed, arguments.cache, references)
+            record = _job(sigma, rule, arguments.runs, arguments.rounds, arguments.seed, arguments.cache, references, support)
             results[sigma, rule] = record
             print(f"sigma {sigma} {rule:<18} {float(record['seconds']):6.0f}s  median r "
                   f"{np.nanmedian(record['r']):.3f}  served regret {float(record['served_regret']):.1f}", flush=True)
@@ -79,15 +99,17 @@ def main() -> None:
     print(f"{arguments.runs} runs, round {arguments.rounds}, seed {arguments.seed}; a share of runs has a "
           f"Monte-Carlo standard error of at most {0.5 / math.sqrt(arguments.runs):.3f}.")
     print()
-    print("| sigma | rule | median r | mean r | r < 0 | f below thompson | median f | served regret (se) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| sigma | rule | median r | mean r | r < 0 | f below thompson | median f | served regret (se) "
+          "| observations on the optimal support (median) | fewest on a support arm (median) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (sigma, rule), record in results.items():
         r = record["r"][~np.isnan(record["r"])]
         thompson = results.get((sigma, "thompson"))
         below = "" if thompson is None or rule == "thompson" else f"{np.mean(record['f'] < thompson['f'] - 1e-12):.0%}"
         print(f"| {sigma} | {rule} | {np.median(r):.3f} | {np.mean(r):.3f} | {np.mean(r < 0):.0%} | {below} "
               f"| {np.median(record['f']):.3f} | {float(record['served_regret']):.1f} "
-              f"({float(record['served_regret_se']):.1f}) |")
+              f"({float(record['served_regret_se']):.1f}) | {np.median(record['support_share']):.0%} "
+              f"| {np.median(record['support_fewest']):.0f} |")
 
 
 if __name__ == "__main__":
