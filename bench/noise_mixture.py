@@ -35,12 +35,13 @@ RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half", "thomp
 SIGMAS = (1.0, 3.0)
 
 
-def _job(sigma: float, rule: str, runs: int, rounds: int, seed: int, cache: Path, references, support) -> dict:
-    path = cache / f"sigma{sigma}_{rule}_runs{runs}_rounds{rounds}_seed{seed}.npz"
+def _job(name: str, sigma: float | None, rule: str, runs: int, rounds: int, seed: int, cache: Path, references,
+         support) -> dict:
+    path = cache / f"{name}_sigma{sigma}_{rule}_runs{runs}_rounds{rounds}_seed{seed}.npz"
     if path.exists():
         data = np.load(path)
         return {key: data[key] for key in data.files}
-    scenario = load_scenario("setup-b").with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
+    scenario = load_scenario(name).with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
     policy = make_policy("thompson") if rule == "thompson" else make_policy("default", {"serving_undecided": rule})
     # The expected observations per arm: the served mixtures summed over the rounds (times the
     # queries per round), read off every state the controller returns.
@@ -70,28 +71,32 @@ def _job(sigma: float, rule: str, runs: int, rounds: int, seed: int, cache: Path
     return record
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/noise_mixture"))
     parser.add_argument("--rules", default=",".join(RULES), help="comma-separated subset of " + ",".join(RULES))
-    parser.add_argument("--sigmas", default=",".join(str(s) for s in SIGMAS))
-    arguments = parser.parse_args()
+    parser.add_argument("--sigmas", default=",".join(str(s) for s in SIGMAS),
+                        help="comma-separated noise levels; 'own' keeps the scenario's")
+    parser.add_argument("--scenario", default="setup-b", help="a soft-guardrail scenario (setup-b, setup-a)")
+    arguments = parser.parse_args(argv)
     arguments.cache.mkdir(parents=True, exist_ok=True)
     rules = arguments.rules.split(",")
-    sigmas = [float(s) for s in arguments.sigmas.split(",")]
+    sigmas = [None if s == "own" else float(s) for s in arguments.sigmas.split(",")]
     # The sigmas share the seed, hence the true means and the optima.
-    scenario = load_scenario("setup-b").with_overrides(runs=arguments.runs, rounds=arguments.rounds, seed=arguments.seed)
+    scenario = load_scenario(arguments.scenario).with_overrides(
+        runs=arguments.runs, rounds=arguments.rounds, seed=arguments.seed)
     means = draw_means(scenario, scenario.runs)
+    per_run = np.broadcast_to(means[0], (scenario.runs,) + means[0].shape[-2:])
     references = reference_values(scenario.objective(), means, scenario.runs)
     # The arms of each run's optimal mixture (share above 1e-3).
-    support = np.array([best_mixture(scenario.objective(), run_means)[0] > 1e-3 for run_means in means[0]])
+    support = np.array([best_mixture(scenario.objective(), run_means)[0] > 1e-3 for run_means in per_run])
     results = {}
     for sigma in sigmas:
         for rule in rules:
-            record = _job(sigma, rule, arguments.runs, arguments.rounds, arguments.seed, arguments.cache, references, support)
+            record = _job(arguments.scenario, sigma, rule, arguments.runs, arguments.rounds, arguments.seed, arguments.cache, references, support)
             results[sigma, rule] = record
             print(f"sigma {sigma} {rule:<18} {float(record['seconds']):6.0f}s  median r "
                   f"{np.nanmedian(record['r']):.3f}  served regret {float(record['served_regret']):.1f}", flush=True)
@@ -99,15 +104,17 @@ def main() -> None:
     print(f"{arguments.runs} runs, round {arguments.rounds}, seed {arguments.seed}; a share of runs has a "
           f"Monte-Carlo standard error of at most {0.5 / math.sqrt(arguments.runs):.3f}.")
     print()
-    print("| sigma | rule | median r | mean r | r < 0 | f below thompson | median f | served regret (se) "
+    print(f"{arguments.scenario}:")
+    print()
+    print("| sigma | rule | median r | mean r | r < 0 | f below thompson | mean f | median f | served regret (se) "
           "| observations on the optimal support (median) | fewest on a support arm (median) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (sigma, rule), record in results.items():
         r = record["r"][~np.isnan(record["r"])]
         thompson = results.get((sigma, "thompson"))
         below = "" if thompson is None or rule == "thompson" else f"{np.mean(record['f'] < thompson['f'] - 1e-12):.0%}"
         print(f"| {sigma} | {rule} | {np.median(r):.3f} | {np.mean(r):.3f} | {np.mean(r < 0):.0%} | {below} "
-              f"| {np.median(record['f']):.3f} | {float(record['served_regret']):.1f} "
+              f"| {np.mean(record['f']):.3f} | {np.median(record['f']):.3f} | {float(record['served_regret']):.1f} "
               f"({float(record['served_regret_se']):.1f}) | {np.median(record['support_share']):.0%} "
               f"| {np.median(record['support_fewest']):.0f} |")
 
