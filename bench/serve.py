@@ -1185,6 +1185,10 @@ def build_history(url: str, n_arms: int, n_rounds: int, units: int) -> tuple[str
                 "INSERT INTO arm_round_counts (experiment_id, round_index, arm_index, observations, units, "
                 "late_observations) SELECT experiment_id, round_index + :k, arm_index, observations, units, "
                 "late_observations FROM arm_round_counts WHERE experiment_id = :e AND round_index = 0"), shifted)
+            session.execute(sa.text(
+                "INSERT INTO round_counts (experiment_id, round_index, observations, units, late_observations) "
+                "SELECT experiment_id, round_index + :k, observations, units, late_observations FROM round_counts "
+                "WHERE experiment_id = :e AND round_index = 0"), shifted)
         session.execute(sa.text("UPDATE experiments SET round_index = :n, applied_rounds = :n, version = version + 1 "
                                 "WHERE id = :e"), {**key, "n": n_rounds})
         rows = session.execute(sa.text("SELECT count(*) FROM rounds WHERE experiment_id = :e"), key).scalar_one()
