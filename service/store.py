@@ -874,10 +874,21 @@ def round_history(session: Session, experiment_id: int, since: int, last: int) -
     return round_rows, statistics, counts
 
 
-def round_summaries(session: Session, experiment_id: int) -> list[dict[str, Any] | None]:
-    """The stored summary of every round, in round order (None: not applied or not summarised)."""
-    return [summary for _, summary in session.execute(
-        sa.select(Round.index, Round.summary).where(Round.experiment_id == experiment_id).order_by(Round.index))]
+def summarized_rounds(session: Session, experiment_id: int) -> list[int]:
+    """The indexes of the rounds whose summary is stored, in order (the summaries themselves are not read)."""
+    return session.execute(
+        sa.select(Round.index).where(Round.experiment_id == experiment_id, Round.summary.is_not(None))
+        .order_by(Round.index)).scalars().all()
+
+
+def round_regrets(session: Session, experiment_id: int, indexes: Sequence[int] | None) -> list[tuple[int, Any]]:
+    """``(round_index, regret)`` from the stored summaries of rounds ``indexes`` (None: every round with
+    one); regret None when the summary has none."""
+    query = sa.select(Round.index, Round.summary).where(Round.experiment_id == experiment_id,
+                                                        Round.summary.is_not(None))
+    if indexes is not None:
+        query = query.where(Round.index.in_(indexes))
+    return [(index, summary.get("regret")) for index, summary in session.execute(query)]
 
 
 def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:

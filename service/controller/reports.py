@@ -188,7 +188,7 @@ def diagnostics(name: str) -> Diagnostics:
     with get_db().read() as session:
         algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
         pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
-        summaries = store.round_summaries(session, snapshot.id)
+        regret_per_round = stored_regrets(get_db(), session, snapshot.id)
         units, late, srm = running_traffic(get_db(), session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
@@ -209,9 +209,46 @@ def diagnostics(name: str) -> Diagnostics:
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities,
                           solve=cached_solver(get_db(), snapshot.id, snapshot.version))
     return Diagnostics(snapshot=snapshot, report=report,
-                       regret_per_round=[summary.get("regret") for summary in summaries if summary is not None],
+                       regret_per_round=regret_per_round,
                        units=units, late_observations=late, srm=srm, source_error=source_error,
                        segments=segments)
+
+
+class _RegretCache:
+    """Per process and database: each experiment's ``{round_index: regret}`` of the summaries read so far."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, dict[int, Any]] = {}
+
+
+_regret_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _RegretCache
+
+#: Above this many rounds not yet cached, every summary is read in one query instead of an IN list.
+_REGRET_IN_LIST = 100
+
+
+def stored_regrets(database: Database, session, experiment_id: int) -> list[Any]:
+    """The regret of every summarised round, in round order (None: a summary without one), as the
+    round summaries hold it.
+
+    A summary is written once, after its round's update, and never changed (``store.store_summaries``
+    writes only where there is none; late data goes into the next update, not into a closed round's
+    summary), and experiment ids are never reused. So this process keeps the regrets it has read and
+    reads the indexes of the summarised rounds, and the summaries only of those it has not seen: a
+    poll after 1,000 rounds reads 1,000 integers, not 1,000 summaries."""
+    with _cache_lock:
+        cache = _regret_caches.setdefault(database.engine, _RegretCache())
+    indexes = store.summarized_rounds(session, experiment_id)
+    with cache.lock:
+        known = dict(cache.entries.get(experiment_id, {}))
+    missing = [index for index in indexes if index not in known]
+    if missing:
+        known.update(store.round_regrets(session, experiment_id,
+                                         missing if len(missing) <= _REGRET_IN_LIST else None))
+        with cache.lock:
+            cache.entries.setdefault(experiment_id, {}).update(known)
+    return [known[index] for index in indexes]
 
 
 class _OptimumCache:
