@@ -1354,8 +1354,9 @@ def render_history(results: dict[str, Any], command: str, n_arms: int, n_rounds:
             "polls that follow (a per-process cache keyed by the experiment's version and a digest of the\n"
             "objective, the means and the thresholds): the first diagnostics request of a process pays for the\n"
             "solve and for building the running traffic sums from every round. What a poll's diagnostics still\n"
-            "reads every time is the per-round count totals (`store.round_totals`, over one row per round and\n"
-            "arm with data) and every round's stored summary (for the regret per round).\n")
+            "reads every time is the per-round count totals (`store.round_totals`: one `round_counts` row per\n"
+            "round, kept by ingestion, migration 0012) and the indexes of the summarised rounds (the regret per\n"
+            "round is cached per process: a round's summary is written once and never restated).\n")
 
 
 def history_main(argv: list[str], docs: Path = DOCS) -> dict[str, Any]:
