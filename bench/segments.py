@@ -15,8 +15,16 @@ Writes the "## Segments" section of docs/benchmarks.md (other sections are left 
 Runs are split into chunks (seed, seed + 1, ...) spread over ``--workers`` processes; the rows of
 one scenario share the chunks' seeds, hence the true means.
 
+Resumable: with ``--cache-dir DIR`` each chunk's per-run results are written to DIR as soon as it is
+done (one file per scenario, row, seed, chunk size and rounds, named with a fingerprint of the
+``pasto`` package's sources and the scenario file, so results of other code are never mixed in), and
+a rerun of the same command computes only the missing chunks before writing the table from the
+cache. ``--status`` says how many chunks are cached and computes nothing.
+
 Run: ``python bench/segments.py`` (100 runs, 20 for the ablation and 20 per row on
-segments-zipf: about 5 minutes on 2 free cores); ``--runs-1 10 --runs-ablation 10 --runs-2 4`` for a quick pass; ``--print-only`` to leave docs/benchmarks.md untouched.
+segments-zipf; a chunk of 10 runs takes about 35 s of worker time on segments-global-guardrail and
+75 s on segments-zipf at load 7, and 500 runs of segments-global-guardrail with the other rows took
+16 minutes at ``nice -n 19`` with 2 workers); ``--runs-1 10 --runs-ablation 10 --runs-2 4`` for a quick pass; ``--print-only`` to leave docs/benchmarks.md untouched.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import importlib.resources  # noqa: E402
 import importlib.util  # noqa: E402
 import multiprocessing  # noqa: E402
+import pickle  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -38,6 +49,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+import pasto  # noqa: E402
 from pasto.cli import load_scenario  # noqa: E402
 from pasto.segmented_simulate import simulate_segmented  # noqa: E402
 from pasto.segments import SegmentedConfig  # noqa: E402
@@ -55,6 +67,32 @@ def _run_chunk(job):
     started = time.perf_counter()
     result = simulate_segmented(scenario, config)
     return name, row, seed, result, time.perf_counter() - started
+
+
+def code_fingerprint(scenario: str) -> str:
+    """First 16 hex digits of a SHA-256 over the imported ``pasto`` package's Python sources and the
+    packaged scenario file: a cached chunk counts only for the code and scenario that computed it."""
+    digest = hashlib.sha256()
+    package = Path(pasto.__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    scenario_file = importlib.resources.files("pasto") / "scenarios" / f"{scenario}.json"
+    digest.update(b"scenario\0" + scenario_file.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_path(cache_dir: Path, job, fingerprints: dict[str, str]) -> Path:
+    """Where one chunk's result is cached: scenario, row, seed, chunk size, rounds and code fingerprint."""
+    name, label, _, seed, runs, rounds = job
+    row = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+    return cache_dir / f"{name}__{row}__seed{seed}__runs{runs}__rounds{rounds or 'default'}__{fingerprints[name]}.pickle"
+
+
+def _store(path: Path, result, took: float) -> None:
+    """Write atomically (a temporary file renamed into place): a killed run never leaves half a file."""
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    temporary.write_bytes(pickle.dumps({"result": result, "seconds": took}))
+    os.replace(temporary, path)
 
 
 def _chunks(total: int, seed: int) -> list[tuple[int, int]]:
@@ -165,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="shorten both scenarios (default: their 1000 rounds)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--print-only", action="store_true", help="do not touch docs/benchmarks.md")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="keep each chunk's results here and compute only the chunks missing from it")
+    parser.add_argument("--status", action="store_true",
+                        help="with --cache-dir: say how many chunks are cached, compute nothing")
     args = parser.parse_args(argv)
+    if args.status and args.cache_dir is None:
+        parser.error("--status needs --cache-dir (the cache whose chunks it counts).")
     command = "python bench/segments.py " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     jobs = []
@@ -175,11 +219,35 @@ def main(argv: list[str] | None = None) -> int:
         jobs += [(name, label, overrides, seed, size, args.rounds) for seed, size in _chunks(runs, args.seed)]
     collected: dict[tuple[str, str], list] = {}
     seconds: dict[tuple[str, str], float] = {}
-    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        for name, label, seed, result, took in pool.imap_unordered(_run_chunk, jobs):
-            collected.setdefault((name, label), []).append((seed, result))
-            seconds[(name, label)] = seconds.get((name, label), 0.0) + took
-            print(f"{name} / {label} seed {seed}: {took:.0f}s", flush=True)
+
+    def collect(name, label, seed, result, took, origin):
+        collected.setdefault((name, label), []).append((seed, result))
+        seconds[(name, label)] = seconds.get((name, label), 0.0) + took
+        print(f"{name} / {label} seed {seed}: {took:.0f}s{origin}", flush=True)
+
+    missing = jobs
+    paths = {}
+    if args.cache_dir is not None:
+        args.cache_dir.mkdir(parents=True, exist_ok=True)
+        fingerprints = {name: code_fingerprint(name) for name in {job[0] for job in jobs}}
+        paths = {job[:2] + job[3:]: cache_path(args.cache_dir, job, fingerprints) for job in jobs}
+        missing = [job for job in jobs if not paths[job[:2] + job[3:]].is_file()]
+        if args.status:
+            print(f"{len(jobs) - len(missing)} of {len(jobs)} chunks cached in {args.cache_dir} "
+                  f"(fingerprints {fingerprints}); missing: "
+                  + (", ".join(f"{job[0]} / {job[1]} seed {job[3]}" for job in missing) or "none"))
+            return 0
+        for job in jobs:
+            if job not in missing:
+                cached = pickle.loads(paths[job[:2] + job[3:]].read_bytes())
+                collect(job[0], job[1], job[3], cached["result"], cached["seconds"], " (cached)")
+    if missing:
+        with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+            for name, label, seed, result, took in pool.imap_unordered(_run_chunk, missing):
+                if args.cache_dir is not None:
+                    size = next(job[4] for job in missing if job[:2] == (name, label) and job[3] == seed)
+                    _store(paths[(name, label, seed, size, args.rounds)], result, took)
+                collect(name, label, seed, result, took, "")
     data = {key: _concatenate([r for _, r in sorted(parts, key=lambda item: item[0])])
             for key, parts in collected.items()}
 
@@ -188,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         "## Segments",
         "",
         f"`{command}` (commit {_commit()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{time.perf_counter() - started:.0f} s on the shared 2-core machine). Per-segment mixtures "
+        f"{time.perf_counter() - started:.0f} s on the shared 2-core machine, {len(jobs) - len(missing)} of "
+        f"{len(jobs)} chunks from the cache; {sum(seconds.values()):.0f} s of worker time over all chunks, "
+        "when computed). Per-segment mixtures "
         "(`pasto.segments`, simulated by `pasto.segmented_simulate`), default algorithm per segment, the "
         "joint LP every 5 rounds with the global guardrails held at z = 2 platform standard errors. "
         "± is the Monte-Carlo standard error over runs.",

@@ -602,6 +602,8 @@ def update(
     round_statistics: Statistics,
     pooled_statistics: Statistics,
     propensities: np.ndarray | None = None,
+    *,
+    choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round ``state.round_index`` and return the state for the next round.
 
@@ -619,6 +621,13 @@ def update(
     propensities : ndarray, shape (..., K), optional
         The p served when ``round_statistics`` were sampled; defaults to ``state.probabilities``.
         With the ``ips`` and ``control_variate`` estimators an arm with observations must have p > 0.
+    choose_mixtures : bool, default True
+        With ``serving = "safe"``, False skips :func:`pasto.serving.choose` and keeps the state's
+        probabilities, deployed mixture and log-weights, every other field being updated as usual:
+        for a caller that replaces those three (:func:`pasto.segments.segmented_update` with several
+        segments sets them from its joint LP), the choice would be computed only to be discarded.
+        The exploration path always computes its mixtures (the gradient sums and guardrail weights
+        it returns come from the same steps).
 
     Returns
     -------
@@ -649,7 +658,7 @@ def update(
     # Metrics of absurd scale may overflow intermediate values (f, its gradient, variances);
     # every such value is sanitised below, so the warnings carry no information.
     with np.errstate(over="ignore", invalid="ignore"):
-        return _advance(config, objective, state, round_statistics, pooled_statistics, propensities)
+        return _advance(config, objective, state, round_statistics, pooled_statistics, propensities, choose_mixtures)
 
 
 def _advance(
@@ -659,6 +668,7 @@ def _advance(
     round_statistics: Statistics,
     pooled_statistics: Statistics,
     propensities: np.ndarray,
+    choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round t = ``state.round_index + 1`` (inputs already validated by :func:`update`).
 
@@ -666,7 +676,9 @@ def _advance(
     """
     t = state.round_index + 1
     if config.serving == "safe":
-        return _safe_advance(config, objective, state, round_statistics, pooled_statistics, propensities)
+        return _safe_advance(
+            config, objective, state, round_statistics, pooled_statistics, propensities, choose_mixtures
+        )
     dual = config.guardrail_weights == "dual_ascent"
     accumulators, current = _estimate_step(
         config, state, round_statistics, pooled_statistics, propensities
@@ -733,6 +745,7 @@ def _safe_advance(
     round_statistics: Statistics,
     pooled_statistics: Statistics,
     propensities: np.ndarray,
+    choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round t with ``serving = "safe"``: :func:`pasto.serving.choose` on the evidence since
     the last detected change, the same detection as :func:`pasto.serving.update`.
@@ -744,6 +757,8 @@ def _safe_advance(
     zeroed) and is served uniformly until its bounds are defined again. Until then a run keeps its
     deployed mixture. The EG step and the solve of the exploration path are skipped (the plug-in
     optimum of :func:`pasto.serving.choose` replaces the weights, warm-started from the last one).
+    With ``choose_mixtures`` False the state's probabilities, deployed mixture and weights are kept
+    (the caller replaces them; see :func:`update`).
     """
     from pasto import serving
 
@@ -764,16 +779,19 @@ def _safe_advance(
                 accumulators = dataclasses.replace(accumulators, discounted=kept)
             changes = changes + changed
         block_origin = pooled_statistics
-    statistics = evidence if accumulators.discounted is None else accumulators.discounted
-    batch = max(1, int(np.prod(state.batch_shape)))
-    observations = float(round_statistics.counts[..., 0, :].sum()) / batch
-    rule = serving.ServingConfig(
-        level=config.serving_level, change_level=config.change_level, change_every=config.change_every
-    )
-    probabilities, deployed, log_weights = serving.choose(
-        rule, objective, statistics, t, state.log_weights, observations, state.deployed
-    )
-    log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
+    if choose_mixtures:
+        statistics = evidence if accumulators.discounted is None else accumulators.discounted
+        batch = max(1, int(np.prod(state.batch_shape)))
+        observations = float(round_statistics.counts[..., 0, :].sum()) / batch
+        rule = serving.ServingConfig(
+            level=config.serving_level, change_level=config.change_level, change_every=config.change_every
+        )
+        probabilities, deployed, log_weights = serving.choose(
+            rule, objective, statistics, t, state.log_weights, observations, state.deployed
+        )
+        log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
+    else:
+        probabilities, deployed, log_weights = state.probabilities, state.deployed, state.log_weights
     return ControllerState(
         round_index=t,
         probabilities=probabilities,

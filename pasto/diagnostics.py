@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 import numpy as np
-from scipy import stats
+from scipy.special import ndtri
 
 from pasto.estimators import Estimate
 from pasto.objectives import Objective
@@ -14,7 +14,7 @@ from pasto.objectives import Objective
 __all__ = ["Z_95", "guardrail_report", "sample_ratio_mismatch"]
 
 #: The 97.5% quantile of the standard normal: half-width of a 95% interval in standard errors.
-Z_95 = float(stats.norm.ppf(0.975))
+Z_95 = float(ndtri(0.975))
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -117,6 +117,10 @@ def sample_ratio_mismatch(
     if keep.sum() < 2:
         return {"statistic": 0.0, "p_value": 1.0, "ok": True}
     expected = p[keep] / p[keep].sum() * total
+    # Imported here, not at the top: scipy.stats costs ~0.5 s of CPU at import, and every process that
+    # imports the service (each CLI command, each gunicorn worker) imports this module.
+    from scipy import stats
+
     result = stats.chisquare(observed[keep], expected)
     p_value = float(result.pvalue)
     return {"statistic": float(result.statistic), "p_value": p_value, "ok": bool(p_value >= alpha)}

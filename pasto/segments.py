@@ -750,8 +750,11 @@ def segmented_update(
     n_segments = state.joint.shape[-2]
     shares = _validate_shares(shares, n_segments)
     effective = shrink(pooled_statistics) if config.shrink else pooled_statistics
+    # With several segments the joint step below replaces the served and deployed mixtures and the
+    # weights: safe serving's own choice of them (nine LPs per segment and run) would be discarded.
     controller = algorithm.update(
-        config.algorithm, objective, state.controller, round_statistics, effective, propensities
+        config.algorithm, objective, state.controller, round_statistics, effective, propensities,
+        choose_mixtures=n_segments == 1,
     )
     if n_segments == 1:
         return SegmentedState(controller=controller, joint=controller.deployed)

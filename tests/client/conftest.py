@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 
-import migrations
+from tests.migrated import upgrade_to_head
 
 from pasto_client import Client
 from tests.pgcluster import free_port
@@ -112,7 +112,7 @@ def make_server(tmp_path: Path, scheduler: bool) -> LiveServer:
         scheduler=scheduler,
         log_path=tmp_path / "server.log",
     )
-    migrations.upgrade(database_url)
+    upgrade_to_head(database_url)
     server.start()
     return server
 

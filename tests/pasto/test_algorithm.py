@@ -322,3 +322,34 @@ def test_relative_guardrail_is_learned_against_the_control_arm():
     # Likes of the mixture: 0.5 - 0.05 q >= 0.49 -> q <= 0.2 (the penalty allows a sliver more).
     treatment_share = state.deployed[:, 1]
     assert np.all(np.abs(treatment_share - 0.2) < 0.05)
+
+
+def test_safe_update_without_choosing_mixtures_keeps_them_and_updates_the_rest_alike():
+    # pasto.segments.segmented_update replaces the three mixtures' fields with its joint step's; every
+    # other field must be what the full update computes (the next rounds build on them).
+    import dataclasses
+
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.1, "hard": True}]})
+    config = AlgorithmConfig.from_preset("default", serving="safe", change_every=2)
+    rng = np.random.default_rng(3)
+    means = np.array([[1.0, 0.0, 0.5], [-0.2, 0.5, 0.3]])
+    state = initial_state(config, 3, 2, (4,), objective=objective)
+    pooled = Statistics.zeros(2, 3, (4,))
+    for _ in range(6):
+        arms = rng.integers(0, 3, size=(4, 8))
+        round_stats = Statistics.from_observations(arms, means.T[arms] + rng.normal(size=(4, 8, 2)), 3)
+        pooled = pooled + round_stats
+        full = update(config, objective, state, round_stats, pooled)
+        kept = update(config, objective, state, round_stats, pooled, choose_mixtures=False)
+        for field in dataclasses.fields(ControllerState):
+            expected = getattr(state if field.name in ("probabilities", "deployed", "log_weights") else full, field.name)
+            actual = getattr(kept, field.name)
+            if isinstance(expected, Statistics):
+                for part in ("counts", "sums", "sums_of_squares"):
+                    np.testing.assert_array_equal(getattr(actual, part), getattr(expected, part), err_msg=field.name)
+            elif expected is None or isinstance(expected, (int, float)):
+                assert actual == expected, field.name
+            else:
+                np.testing.assert_array_equal(actual, expected, err_msg=field.name)
+        assert not np.array_equal(full.probabilities, state.probabilities)
+        state = full

@@ -25,6 +25,7 @@ import requests
 import sqlalchemy as sa
 
 import migrations
+from tests.migrated import upgrade_to_head
 from service.db import make_engine
 from tests.service.conftest import ADMIN_TOKEN
 from tests.pgcluster import free_port
@@ -248,7 +249,7 @@ def service_processes(tmp_path) -> Iterator[ServiceProcesses]:
 def migrated_sqlite(tmp_path) -> str:
     """A fresh SQLite database in the test's folder, migrated to the newest schema."""
     url = f"sqlite:///{tmp_path / 'pasto.sqlite'}"
-    migrations.upgrade(url)
+    upgrade_to_head(url)
     return url
 
 

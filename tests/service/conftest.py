@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from werkzeug.serving import make_server
 
-import migrations
+from tests.migrated import upgrade_to_head
 from service import create_app
 from service.auth import create_token
 from service.db import get_db
@@ -32,7 +32,7 @@ def setup_a_body(name: str = "setup-a", **overrides: Any) -> dict[str, Any]:
 
 
 def make_app(database_url: str, **config: Any):
-    migrations.upgrade(database_url)
+    upgrade_to_head(database_url)
     return create_app({"PASTO_DATABASE_URL": database_url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN,
                        "TESTING": True, **config})
 
