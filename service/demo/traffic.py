@@ -55,6 +55,9 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
                 # Reported before the stop test, so that the round whose close ends the demo is shown.
                 current_round = assigner.round_index
                 if current_round != shown_round:
+                    if current_round > shown_round + 1:
+                        console.report_past_rounds(client, name, shown_round + 1, current_round - 1, objective,
+                                                   means, names, overwrite, single_value)
                     shown_round = current_round
                     console.report_round(client, name, shown_round, objective, means, names, overwrite,
                                          single_value)
