@@ -168,6 +168,19 @@ def select_arms(probabilities: np.ndarray, deployed: np.ndarray, count: int | No
     return ArmSelection(kept=order[:count], rest=np.sort(order[count:]))
 
 
+def segments_kept(segments: dict | None, selection: ArmSelection | None) -> dict | None:
+    """A segment report (:func:`segment_summary`: the diagnostics' or a stored round summary's) with its
+    per-arm arrays (each segment's probabilities and deployed, the global mixture's probabilities, all
+    (K,)) cut to the arms ``selection`` keeps; unchanged when ``selection`` or ``segments`` is None."""
+    if selection is None or segments is None:
+        return segments
+    return {**segments,
+            "segments": [{**segment, "probabilities": selection.keep(segment["probabilities"]),
+                          "deployed": selection.keep(segment["deployed"])} for segment in segments["segments"]],
+            "global_mixture": {**segments["global_mixture"],
+                               "probabilities": selection.keep(segments["global_mixture"]["probabilities"])}}
+
+
 # ------------------------------------------------------------------------------ diagnostics
 @dataclass(frozen=True)
 class Diagnostics:
