@@ -881,6 +881,13 @@ def summarized_rounds(session: Session, experiment_id: int) -> list[int]:
         .order_by(Round.index)).scalars().all()
 
 
+def existing_experiment_ids(session: Session, experiment_ids: Sequence[int]) -> set[int]:
+    """Those of ``experiment_ids`` that are still experiments (archived included; deleted ones are not)."""
+    if not experiment_ids:
+        return set()
+    return set(session.execute(sa.select(_experiments.c.id).where(_experiments.c.id.in_(experiment_ids))).scalars())
+
+
 def round_regrets(session: Session, experiment_id: int, indexes: Sequence[int] | None) -> list[tuple[int, Any]]:
     """``(round_index, regret)`` from the stored summaries of rounds ``indexes`` (None: every round with
     one); regret None when the summary has none."""
