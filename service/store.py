@@ -1030,13 +1030,6 @@ def replace_source_round(session: Session, experiment_id: int, round_index: int,
             for arm, unit_count, observations in units])
 
 
-def add_source_counts(connection: sa.Connection, experiment_id: int,
-                      rows: list[tuple[int, int, int, int, int]]) -> None:
-    """Add ``(round_index, arm_index, observations, units, late_observations)`` differences to
-    ``arm_round_counts`` and ``round_counts`` (rows sorted by key): :func:`add_arm_round_counts`."""
-    add_arm_round_counts(connection, experiment_id, rows)
-
-
 def source_fetch_started_at(session: Session, experiment_id: int) -> datetime | None:
     """When the query of the source's newest applied result began (None: never)."""
     return session.execute(sa.select(SourceStatus.fetch_started_at)
