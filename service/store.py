@@ -881,6 +881,13 @@ def summarized_rounds(session: Session, experiment_id: int) -> list[int]:
         .order_by(Round.index)).scalars().all()
 
 
+def existing_experiment_ids(session: Session, experiment_ids: Sequence[int]) -> set[int]:
+    """Those of ``experiment_ids`` that are still experiments (archived included; deleted ones are not)."""
+    if not experiment_ids:
+        return set()
+    return set(session.execute(sa.select(_experiments.c.id).where(_experiments.c.id.in_(experiment_ids))).scalars())
+
+
 def round_regrets(session: Session, experiment_id: int, indexes: Sequence[int] | None) -> list[tuple[int, Any]]:
     """``(round_index, regret)`` from the stored summaries of rounds ``indexes`` (None: every round with
     one); regret None when the summary has none."""
@@ -1021,13 +1028,6 @@ def replace_source_round(session: Session, experiment_id: int, round_index: int,
             {"experiment_id": experiment_id, "round_index": round_index, "arm_index": arm, "units": unit_count,
              "observations": observations}
             for arm, unit_count, observations in units])
-
-
-def add_source_counts(connection: sa.Connection, experiment_id: int,
-                      rows: list[tuple[int, int, int, int, int]]) -> None:
-    """Add ``(round_index, arm_index, observations, units, late_observations)`` differences to
-    ``arm_round_counts`` and ``round_counts`` (rows sorted by key): :func:`add_arm_round_counts`."""
-    add_arm_round_counts(connection, experiment_id, rows)
 
 
 def source_fetch_started_at(session: Session, experiment_id: int) -> datetime | None:

@@ -6,6 +6,11 @@ K = 10,000 after 1,000 rounds).
 The upgrade fills it from ``arm_round_counts`` with one ``INSERT ... SELECT ... GROUP BY``; the
 downgrade drops it (it holds nothing ``arm_round_counts`` does not).
 
+Stop every writer (``pasto serve``, ``pasto worker``, gunicorn) before upgrading to this revision: the
+fill runs once, and a process of the older code still running afterwards writes only
+``arm_round_counts``, so the two would disagree for good (docs/api.md, "Running it"). Downgrading to
+0011 and upgrading again, with the writers stopped, rebuilds the totals.
+
 Revision ID: 0012
 Revises: 0011
 """

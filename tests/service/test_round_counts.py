@@ -13,24 +13,14 @@ import pytest
 import sqlalchemy as sa
 
 from service import store
-from service.auth import create_token
 from service.controller.retention import prune
 from service.db import get_db
 from service.models import Experiment, utcnow
 from tests.round_counts import assert_round_counts_match, grouped_arm_counts
-from tests.service.conftest import Api, make_app
+from tests.service.conftest import Api
 from tests.service.test_segments import segmented_body
 from tests.service.test_statistics import assigned_observations, cells_of, create, path
-
-
-@pytest.fixture
-def service(backend_url):
-    """``(api, app)`` on a migrated database of each backend."""
-    application = make_app(backend_url)
-    with get_db(application).write() as session:
-        role_tokens = {role: create_token(session, role, f"test-{role}") for role in ("read", "ingest", "admin")}
-    yield Api(application.test_client(), role_tokens), application
-    get_db(application).engine.dispose()
+from tests.service.test_statistics import service  # noqa: F401  (the fixture: (api, app) on each backend)
 
 
 def experiment_id(app, name: str) -> int:
