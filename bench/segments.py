@@ -16,8 +16,9 @@ Runs are split into chunks (seed, seed + 1, ...) spread over ``--workers`` proce
 one scenario share the chunks' seeds, hence the true means.
 
 Resumable: with ``--cache-dir DIR`` each chunk's per-run results are written to DIR as soon as it is
-done (one file per scenario, row, seed, chunk size and rounds, named with a fingerprint of the
-``pasto`` package's sources and the scenario file, so results of other code are never mixed in), and
+done (one file per scenario, row, seed, chunk size and rounds, named with a digest of the ``pasto``
+package's sources, this file, the scenario file and the row's configuration overrides, so results of
+other code or another configuration are never mixed in), and
 a rerun of the same command computes only the missing chunks before writing the table from the
 cache. ``--status`` says how many chunks are cached and computes nothing.
 
@@ -70,22 +71,27 @@ def _run_chunk(job):
 
 
 def code_fingerprint(scenario: str) -> str:
-    """First 16 hex digits of a SHA-256 over the imported ``pasto`` package's Python sources and the
-    packaged scenario file: a cached chunk counts only for the code and scenario that computed it."""
+    """First 16 hex digits of a SHA-256 over the imported ``pasto`` package's Python sources, this bench
+    file and the packaged scenario file: a cached chunk counts only for the code and scenario that
+    computed it (the bench builds each row's configuration and runs its chunks)."""
     digest = hashlib.sha256()
     package = Path(pasto.__file__).resolve().parent
     for path in sorted(package.rglob("*.py")):
         digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(b"bench\0" + Path(__file__).resolve().read_bytes() + b"\0")
     scenario_file = importlib.resources.files("pasto") / "scenarios" / f"{scenario}.json"
     digest.update(b"scenario\0" + scenario_file.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def cache_path(cache_dir: Path, job, fingerprints: dict[str, str]) -> Path:
-    """Where one chunk's result is cached: scenario, row, seed, chunk size, rounds and code fingerprint."""
-    name, label, _, seed, runs, rounds = job
+    """Where one chunk's result is cached: scenario, row, seed, chunk size, rounds, and a digest of the
+    code fingerprint with the row's configuration overrides (a row whose overrides change is a miss,
+    even under the same label)."""
+    name, label, overrides, seed, runs, rounds = job
     row = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
-    return cache_dir / f"{name}__{row}__seed{seed}__runs{runs}__rounds{rounds or 'default'}__{fingerprints[name]}.pickle"
+    key = hashlib.sha256(f"{fingerprints[name]}\0{sorted(overrides.items())!r}".encode()).hexdigest()[:16]
+    return cache_dir / f"{name}__{row}__seed{seed}__runs{runs}__rounds{rounds or 'default'}__{key}.pickle"
 
 
 def _store(path: Path, result, took: float) -> None:

@@ -34,7 +34,10 @@ History (``python bench/serve.py history``, apart from the rest): an experiment 
 reads on each poll (the experiment, its diagnostics and the rounds that can still change), of its
 first load (every page of the history) and of one default page of ``GET .../rounds``, full and
 summarised with ``?arms=100`` as the page asks (:func:`measure_history`); ``--write-docs`` replaces the
-"## Dashboard poll at K = 10,000 after 1,000 rounds" section.
+"## Dashboard poll at K = 10,000 after 1,000 rounds" section. ``python bench/serve.py diagnostics-solve``:
+one diagnostics request of that experiment in this process with the cached optimum reused vs. solved
+again after ingestion (:func:`measure_diagnostics_solve`; its figures are in docs/benchmarks.md,
+"## Diagnostics while traffic flows", written by hand).
 
 Run: ``python bench/serve.py`` (``--write-docs`` replaces the "## Serving" section of
 docs/benchmarks.md; ``--quick`` is a seconds-long smoke run). PostgreSQL: ``PASTO_BENCH_POSTGRES_URL``
@@ -1185,6 +1188,10 @@ def build_history(url: str, n_arms: int, n_rounds: int, units: int) -> tuple[str
                 "INSERT INTO arm_round_counts (experiment_id, round_index, arm_index, observations, units, "
                 "late_observations) SELECT experiment_id, round_index + :k, arm_index, observations, units, "
                 "late_observations FROM arm_round_counts WHERE experiment_id = :e AND round_index = 0"), shifted)
+            session.execute(sa.text(
+                "INSERT INTO round_counts (experiment_id, round_index, observations, units, late_observations) "
+                "SELECT experiment_id, round_index + :k, observations, units, late_observations FROM round_counts "
+                "WHERE experiment_id = :e AND round_index = 0"), shifted)
         session.execute(sa.text("UPDATE experiments SET round_index = :n, applied_rounds = :n, version = version + 1 "
                                 "WHERE id = :e"), {**key, "n": n_rounds})
         rows = session.execute(sa.text("SELECT count(*) FROM rounds WHERE experiment_id = :e"), key).scalar_one()
@@ -1350,8 +1357,86 @@ def render_history(results: dict[str, Any], command: str, n_arms: int, n_rounds:
             "polls that follow (a per-process cache keyed by the experiment's version and a digest of the\n"
             "objective, the means and the thresholds): the first diagnostics request of a process pays for the\n"
             "solve and for building the running traffic sums from every round. What a poll's diagnostics still\n"
-            "reads every time is the per-round count totals (`store.round_totals`, over one row per round and\n"
-            "arm with data) and every round's stored summary (for the regret per round).\n")
+            "reads every time is the per-round count totals (`store.round_totals`: one `round_counts` row per\n"
+            "round, kept by ingestion, migration 0012) and the indexes of the summarised rounds (the regret per\n"
+            "round is cached per process: a round's summary is written once and never restated).\n")
+
+
+def measure_diagnostics_solve(workdir: Path, n_arms: int, n_rounds: int, units: int, repeats: int,
+                              batch: int) -> dict[str, Any]:
+    """Milliseconds of one summarised diagnostics request (``?arms=100``) of experiment ``history``
+    (:func:`build_history`) in this process (Flask's test client, no HTTP), with the cached optimum
+    reused (``hit``: nothing changed since the previous request) and with it solved again (``solve``:
+    ``batch`` observations of the current round ingested just before, untimed, as a poll finds it
+    while traffic flows: the pooled estimate includes the open round). The two alternate, ``repeats``
+    times each, so both see the same machine."""
+    from service import create_app
+    from service.controller import reports
+    from service.db import get_db
+
+    url = f"sqlite:///{workdir / 'history.sqlite'}"
+    token, _ = build_history(url, n_arms, n_rounds, units)
+    app = create_app({"PASTO_DATABASE_URL": url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
+    client = app.test_client()
+    api = f"/api/v1/experiments/{HISTORY_EXPERIMENT}"
+    read = {"Authorization": f"Bearer {token}"}
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def diagnostics() -> float:
+        started = time.perf_counter()
+        answer = client.get(f"{api}/diagnostics?arms={DASHBOARD_SUMMARY_ARMS}", headers=read)
+        seconds = time.perf_counter() - started
+        if answer.status_code != 200:
+            raise RuntimeError(f"GET diagnostics: {answer.status_code} {answer.get_data(True)[:300]}")
+        return 1000 * seconds
+
+    def ingest(index: int) -> None:
+        answer = client.post(f"{api}/observations", headers=admin,
+                             json={"observations": observation_batch("between", index, batch, n_rounds)})
+        if answer.status_code != 202:
+            raise RuntimeError(f"Ingesting between polls failed: {answer.get_data(True)[:300]}")
+
+    def cached_optimum():
+        """This process's cached (key, optimum) of the experiment: a new object when a request solved."""
+        entries = reports._optimum_caches[get_db(app).engine].entries
+        (entry,) = entries.values()
+        return entry
+
+    diagnostics()  # the first request builds the running traffic sums and solves once
+    load_before = os.getloadavg()[0]
+    hits, solves = [], []
+    solved = {"hit": 0, "solve": 0}  # requests of each kind that solved (checked: 0 and repeats)
+    for repeat in range(repeats):
+        for side in (("hit", "solve") if repeat % 2 == 0 else ("solve", "hit")):
+            if side == "solve":
+                ingest(repeat)
+            else:
+                diagnostics()  # whatever the previous request left, this one's inputs are now cached
+            before = cached_optimum()
+            (solves if side == "solve" else hits).append(diagnostics())
+            solved[side] += cached_optimum() is not before
+    hit, solve = statistics.median(hits), statistics.median(solves)
+    return {"hit_ms": hit, "solve_ms": solve, "ratio": solve / hit, "hits": hits, "solves": solves,
+            "solved": solved, "load_before": load_before, "load_after": os.getloadavg()[0]}
+
+
+def diagnostics_solve_main(argv: list[str]) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description="One diagnostics request with the cached optimum reused "
+                                                 "vs. solved again after ingestion (measure_diagnostics_solve).")
+    parser.add_argument("--arms", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3, help="applied rounds (the solve does not depend on them)")
+    parser.add_argument("--units", type=int, default=1_000, help="units observed in round 0")
+    parser.add_argument("--repeats", type=int, default=20, help="requests of each kind (medians)")
+    parser.add_argument("--batch", type=int, default=20, help="observations ingested before each solving request")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="pasto-bench-solve-") as workdir:
+        results = measure_diagnostics_solve(Path(workdir), args.arms, args.rounds, args.units, args.repeats,
+                                            args.batch)
+    print(f"K = {args.arms:,}: diagnostics?arms={DASHBOARD_SUMMARY_ARMS} in-process, medians of {args.repeats}: "
+          f"cached optimum {results['hit_ms']:.1f} ms, solved after ingestion {results['solve_ms']:.1f} ms "
+          f"(ratio {results['ratio']:.1f}); load average (1 min) {results['load_before']:.1f} before, "
+          f"{results['load_after']:.1f} after.")
+    return results
 
 
 def history_main(argv: list[str], docs: Path = DOCS) -> dict[str, Any]:
@@ -1380,6 +1465,8 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         raise SystemExit(_server_main(json.loads(argv[1])))
     if argv[:1] == ["history"]:
         return history_main(argv[1:], docs)
+    if argv[:1] == ["diagnostics-solve"]:
+        return diagnostics_solve_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

@@ -889,10 +889,10 @@ def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) ->
     instead kept setup-b-hard's runs on a largest-slack mixture that broke a guardrail, never
     learning the other arms: served hold 0.65 instead of 0.99 after round 20.)
     """
+    if _meets(mixture, constraints):
+        return mixture
     have = constraints.matrix @ mixture - constraints.bounds
     margin = constraints.matrix @ safe - constraints.bounds
-    if np.all(have >= 0):
-        return mixture
     if np.any(margin < 0):
         return mixture
     short = have < 0

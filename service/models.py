@@ -1,8 +1,8 @@
 """Typed SQLAlchemy 2.0 models. Alembic (``migrations/``) is the only way the schema changes.
 
-Hot-path writes never read-modify-write a row: ingestion aggregates into :class:`RoundStatistic` and
-:class:`ArmRoundCount` with ``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``,
-and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
+Hot-path writes never read-modify-write a row: ingestion aggregates into :class:`RoundStatistic`,
+:class:`ArmRoundCount` and its sums over the arms :class:`RoundCount` with
+``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``, and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
 
 Pooled statistics are kept as running totals, not re-aggregated: :class:`PooledStatistic` holds
 the sums of every applied round's :class:`RoundStatistic` rows, and :class:`LateStatistic` the
@@ -268,6 +268,22 @@ class ArmRoundCount(Base):
     )
     round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    observations: Mapped[int] = mapped_column(sa.BigInteger)
+    units: Mapped[int] = mapped_column(sa.BigInteger)
+    late_observations: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class RoundCount(Base):
+    """Per round: :class:`ArmRoundCount` summed over the arms, kept by every writer of it in the same
+    transaction, so a dashboard or scrape read of the per-round totals is one row per round, not a
+    GROUP BY over K rows per round (migration 0012)."""
+
+    __tablename__ = "round_counts"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     observations: Mapped[int] = mapped_column(sa.BigInteger)
     units: Mapped[int] = mapped_column(sa.BigInteger)
     late_observations: Mapped[int] = mapped_column(sa.BigInteger)

@@ -32,7 +32,7 @@ from pasto.estimators import Statistics
 
 from .db import Database
 from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
-                     ObservationId, PooledStatistic, Round, RoundStatistic, RoundUnit, SchedulerHeartbeat,
+                     ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit, SchedulerHeartbeat,
                      SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic, SegmentValueUnit, SourceCell,
                      SourceStatus, SourceUnits, StatisticsBatch)
 
@@ -436,12 +436,8 @@ def add_units_and_counts(connection: sa.Connection, experiment_id: int, observat
         [(experiment_id, round_index, unit, arm) for (round_index, unit), arm in sorted(unit_arm.items())],
         returning=("round_index", "arm_index"),
     ))
-    add_rows(
-        connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
-        ("observations", "units", "late_observations"),
-        [(experiment_id, key[0], key[1], count, new_units.get(key, 0), late.get(key, 0))
-         for key, count in sorted(counts.items())],
-    )
+    add_arm_round_counts(connection, experiment_id, [
+        (key[0], key[1], count, new_units.get(key, 0), late.get(key, 0)) for key, count in sorted(counts.items())])
     arm_counts: Counter[int] = Counter()
     for (_, arm), count in counts.items():
         arm_counts[arm] += count
@@ -471,10 +467,26 @@ def insert_statistics_batch(database: Database, session: Session, experiment_id:
 def add_arm_round_counts(connection: sa.Connection, experiment_id: int, rows: list[tuple[int, int, int, int, int]]
                          ) -> None:
     """Add ``(round_index, arm_index, observations, units, late_observations)`` rows (one per key, sorted
-    by key) to the per-round counts."""
+    by key) to the per-round counts ``arm_round_counts``, and their sums over the arms to
+    ``round_counts`` (one row per round), in the caller's transaction. Every writer of the counts comes
+    here, so the two tables agree; the rows may be differences (a restated source round).
+
+    Both upserts lock their rows in key order, ``arm_round_counts`` first, so concurrent writers wait
+    for each other rather than deadlock."""
     add_rows(
         connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
         ("observations", "units", "late_observations"), [(experiment_id, *row) for row in rows],
+    )
+    totals: dict[int, list[int]] = {}
+    for round_index, _, observations, units, late_observations in rows:
+        sums = totals.setdefault(round_index, [0, 0, 0])
+        sums[0] += observations
+        sums[1] += units
+        sums[2] += late_observations
+    add_rows(
+        connection, RoundCount.__table__, ("experiment_id", "round_index"),
+        ("observations", "units", "late_observations"),
+        [(experiment_id, round_index, *sums) for round_index, sums in sorted(totals.items())],
     )
 
 
@@ -862,10 +874,28 @@ def round_history(session: Session, experiment_id: int, since: int, last: int) -
     return round_rows, statistics, counts
 
 
-def round_summaries(session: Session, experiment_id: int) -> list[dict[str, Any] | None]:
-    """The stored summary of every round, in round order (None: not applied or not summarised)."""
-    return [summary for _, summary in session.execute(
-        sa.select(Round.index, Round.summary).where(Round.experiment_id == experiment_id).order_by(Round.index))]
+def summarized_rounds(session: Session, experiment_id: int) -> list[int]:
+    """The indexes of the rounds whose summary is stored, in order (the summaries themselves are not read)."""
+    return session.execute(
+        sa.select(Round.index).where(Round.experiment_id == experiment_id, Round.summary.is_not(None))
+        .order_by(Round.index)).scalars().all()
+
+
+def existing_experiment_ids(session: Session, experiment_ids: Sequence[int]) -> set[int]:
+    """Those of ``experiment_ids`` that are still experiments (archived included; deleted ones are not)."""
+    if not experiment_ids:
+        return set()
+    return set(session.execute(sa.select(_experiments.c.id).where(_experiments.c.id.in_(experiment_ids))).scalars())
+
+
+def round_regrets(session: Session, experiment_id: int, indexes: Sequence[int] | None) -> list[tuple[int, Any]]:
+    """``(round_index, regret)`` from the stored summaries of rounds ``indexes`` (None: every round with
+    one); regret None when the summary has none."""
+    query = sa.select(Round.index, Round.summary).where(Round.experiment_id == experiment_id,
+                                                        Round.summary.is_not(None))
+    if indexes is not None:
+        query = query.where(Round.index.in_(indexes))
+    return [(index, summary.get("regret")) for index, summary in session.execute(query)]
 
 
 def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:
@@ -925,12 +955,14 @@ def monitoring_rows(session: Session, experiment_ids: Sequence[int]) -> dict[str
 
 def round_totals(session: Session, experiment_ids: Sequence[int]) -> list[sa.Row]:
     """``(experiment_id, round_index, units, observations, late_observations)`` summed over the arms,
-    per experiment and round: the counts a scrape reads each time (they change with every batch)."""
+    per experiment and round: the counts a scrape reads each time (they change with every batch). One
+    ``round_counts`` row per round, which the writers keep (:func:`add_arm_round_counts`), not a
+    GROUP BY over ``arm_round_counts`` (K rows per round)."""
     return session.connection().execute(
-        sa.select(ArmRoundCount.experiment_id, ArmRoundCount.round_index, sa.func.sum(ArmRoundCount.units),
-                  sa.func.sum(ArmRoundCount.observations), sa.func.sum(ArmRoundCount.late_observations))
-        .where(ArmRoundCount.experiment_id.in_(experiment_ids))
-        .group_by(ArmRoundCount.experiment_id, ArmRoundCount.round_index)
+        sa.select(RoundCount.experiment_id, RoundCount.round_index, RoundCount.units, RoundCount.observations,
+                  RoundCount.late_observations)
+        .where(RoundCount.experiment_id.in_(experiment_ids))
+        .order_by(RoundCount.experiment_id, RoundCount.round_index)
     ).all()
 
 
@@ -996,14 +1028,6 @@ def replace_source_round(session: Session, experiment_id: int, round_index: int,
             {"experiment_id": experiment_id, "round_index": round_index, "arm_index": arm, "units": unit_count,
              "observations": observations}
             for arm, unit_count, observations in units])
-
-
-def add_source_counts(connection: sa.Connection, experiment_id: int,
-                      rows: list[tuple[int, int, int, int, int]]) -> None:
-    """Add ``(round_index, arm_index, observations, units, late_observations)`` differences to
-    ``arm_round_counts`` (rows sorted by key)."""
-    add_rows(connection, ArmRoundCount.__table__, ("experiment_id", "round_index", "arm_index"),
-             ("observations", "units", "late_observations"), [(experiment_id, *row) for row in rows])
 
 
 def source_fetch_started_at(session: Session, experiment_id: int) -> datetime | None:

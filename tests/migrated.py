@@ -1,8 +1,8 @@
 """Fresh SQLite databases at the newest schema without running every migration again for each test.
 
 Nearly every service, dashboard, client and reliability test starts from a new SQLite file migrated
-to the head revision: eleven Alembic revisions, 0.3-1 s a test on this 2-core machine, several
-minutes over the suite. :func:`upgrade_to_head` runs the real migrations once per test process, into
+to the head revision: every Alembic revision, 0.3-1 s a test on this 2-core machine, several minutes
+over the suite. :func:`upgrade_to_head` runs the real migrations once per test process, into
 a template file, and gives each later new database a byte-for-byte copy of that file (what the
 migrations would write again: SQLite files do not record their own path). The migrations themselves
 are tested in tests/service/test_migrations.py, which calls ``migrations.upgrade`` directly.

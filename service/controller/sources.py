@@ -201,6 +201,6 @@ def apply_results(database: Database, session, experiment, work: DueWork, result
                 [(k, *values) for k, values in sorted(new_units.items())])
     connection = session.connection()
     store.add_statistics(connection, experiment.id, cell_changes, applied_rounds)
-    store.add_source_counts(connection, experiment.id, count_changes)
+    store.add_arm_round_counts(connection, experiment.id, count_changes)
     store.record_source_success(database, session, experiment.id, results.started_at, now)
     return True

@@ -87,12 +87,33 @@ def report_round(client: Client, name: str, round_index: int, objective: Objecti
     except (PastoAPIError, PastoConnectionError) as error:
         log.warning("Could not read the experiment: %s", error)
         return
-    deployed = np.asarray(experiment["deployed"])
+    _print_round_line(_round_line(round_index, np.asarray(experiment["deployed"]), objective, means, names,
+                                  single_value), overwrite)
+
+
+def report_past_rounds(client: Client, name: str, first_index: int, last_index: int, objective: Objective,
+                       means: np.ndarray, names: list[str], overwrite: bool, single_value: float) -> None:
+    """The lines of rounds ``first_index`` to ``last_index`` that closed between two looks at the round
+    index (a loaded machine can stall the traffic loop for longer than a round): each round still gets
+    its line, with the mixture deployed after the round before it, read from the rounds history."""
+    try:
+        history = client.rounds(name, since=first_index - 1, limit=last_index - first_index + 1)
+    except (PastoAPIError, PastoConnectionError) as error:
+        log.warning("Could not read the rounds: %s", error)
+        return
+    for entry in history:
+        if entry["deployed"] is not None:  # None only before the round's update has run
+            _print_round_line(_round_line(entry["index"] + 1, np.asarray(entry["deployed"]), objective, means,
+                                          names, single_value), overwrite)
+
+
+def _round_line(round_index: int, deployed: np.ndarray, objective: Objective, means: np.ndarray,
+                names: list[str], single_value: float) -> str:
     true_value = float(objective.mixture_value(means, deployed, objective.thresholds(means)))
     top = np.argsort(deployed)[::-1][:2]
     mix = ", ".join(f"{names[k]} {deployed[k]:.2f}" for k in top)
-    _print_round_line(f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
-                      f"(best single blend {single_value:.3f})", overwrite)
+    return (f"round {round_index:4d}: deployed [{mix}]  true objective {true_value:.3f} "
+            f"(best single blend {single_value:.3f})")
 
 
 def _print_round_line(line: str, overwrite: bool) -> None:

@@ -55,9 +55,17 @@ def run_traffic(client: Client, name: str, scenario: Scenario, args: argparse.Na
                 # Reported before the stop test, so that the round whose close ends the demo is shown.
                 current_round = assigner.round_index
                 if current_round != shown_round:
+                    # Every round gets its line, also those that closed while the loop was stalled (a loaded
+                    # machine), up to the round that ends the demo; the current round's from the experiment.
+                    last_shown = current_round if args.rounds is None else min(current_round,
+                                                                               first_round + args.rounds)
+                    if last_shown > shown_round + 1 or last_shown < current_round:
+                        console.report_past_rounds(client, name, shown_round + 1, min(last_shown, current_round - 1),
+                                                   objective, means, names, overwrite, single_value)
+                    if last_shown == current_round:
+                        console.report_round(client, name, current_round, objective, means, names, overwrite,
+                                             single_value)
                     shown_round = current_round
-                    console.report_round(client, name, shown_round, objective, means, names, overwrite,
-                                         single_value)
                 if args.rounds is not None and shown_round >= first_round + args.rounds:
                     break
                 carry += per_tick

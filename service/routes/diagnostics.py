@@ -6,7 +6,7 @@ from flask import Blueprint
 
 from ..auth import require_role
 from ..controller import reports
-from ..controller.reports import ArmSelection, json_safe, lift_summary, select_arms
+from ..controller.reports import ArmSelection, json_safe, lift_summary, segments_kept, select_arms
 from ..responses import (ArmRest, BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
                          Regret, SampleRatioMismatch, SourceErrorView, respond)
 
@@ -68,14 +68,3 @@ def _rest(selection: ArmSelection, deployed, report, units, metrics) -> ArmRest:
                             for m, metric in enumerate(metrics)},
     )
 
-
-def segments_kept(segments: dict, selection: ArmSelection | None) -> dict:
-    """The diagnostics' segment report with its per-arm arrays (each segment's probabilities and deployed,
-    the global mixture) cut to the kept arms."""
-    if selection is None:
-        return segments
-    return {**segments,
-            "segments": [{**segment, "probabilities": selection.keep(segment["probabilities"]),
-                          "deployed": selection.keep(segment["deployed"])} for segment in segments["segments"]],
-            "global_mixture": {**segments["global_mixture"],
-                               "probabilities": selection.keep(segments["global_mixture"]["probabilities"])}}

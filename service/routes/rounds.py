@@ -6,7 +6,7 @@ from flask import Blueprint, request
 
 from ..auth import require_role
 from ..controller import reports, rounds
-from ..controller.reports import select_arms
+from ..controller.reports import segments_kept, select_arms
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
 from ..responses import (ArmRest, BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
@@ -110,7 +110,7 @@ def list_rounds(name: str):
                 # The segments the round served (an open set's later ones had no mixture of their own yet).
                 observations=dict(zip(snapshot.segment_names[:len(round_row.segment_probabilities)],
                                       history.segment_observations[position].tolist())),
-                summary=summary.get("segments"),
+                summary=segments_kept(summary.get("segments"), selection),
             )}),
             lift=Lift.from_summary(summary.get("lift"), snapshot.arm_names),
             **rest,

@@ -68,8 +68,15 @@ def test_a_rerun_with_a_cache_computes_only_the_missing_chunks(bench, tmp_path, 
     assert lost.is_file()
     assert _table(third) == _table(first)
 
+    # A row whose configuration overrides change (same label) misses: its chunk ran another configuration.
+    label, overrides = bench.ROWS_ONE[1]
+    monkeypatch.setattr(bench, "ROWS_ONE", (bench.ROWS_ONE[0], (label, {**overrides, "confidence_z": 0.5})))
+    assert bench.main(arguments + ["--status"]) == 0
+    status = capsys.readouterr().out
+    assert status.startswith("5 of 6 chunks cached") and f"segments-global-guardrail / {label} seed 0" in status
+    monkeypatch.undo()
 
-    # Results of other code (another fingerprint of pasto/ and the scenario file) do not count.
+    # Results of other code (another fingerprint of pasto/, this bench and the scenario file) do not count.
     assert bench.code_fingerprint("segments-zipf") != bench.code_fingerprint("segments-global-guardrail")
     monkeypatch.setattr(bench, "code_fingerprint", lambda scenario: "0" * 16)
     assert bench.main(arguments + ["--status"]) == 0

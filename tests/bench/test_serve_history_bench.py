@@ -36,3 +36,13 @@ def test_a_small_history_run_measures_both_polls_and_writes_its_section(tmp_path
     section = text.split("## Dashboard poll at K = 10,000 after 1,000 rounds\n", 1)[1].split("\n## ", 1)[0]
     assert "`?arms=100`" in section and f"| {summarised['bytes']:,} |" in section and f"| {full['bytes']:,} |" in section
     assert "history --arms 150 --rounds 4 --units 300 --repeats 2" in section and "--write-docs" not in section
+
+
+@pytest.mark.timeout(300)
+def test_the_diagnostics_solve_run_reuses_the_optimum_when_idle_and_solves_after_ingestion(tmp_path):
+    with bench_script("serve") as module:
+        results = module.main(["diagnostics-solve", "--arms", "150", "--rounds", "2", "--units", "300",
+                               "--repeats", "3", "--batch", "5"])
+    # What is timed is what it says: every request after an ingestion solved, none of the idle ones did.
+    assert results["solved"] == {"hit": 0, "solve": 3}
+    assert len(results["hits"]) == len(results["solves"]) == 3

@@ -6,6 +6,7 @@ noisy metrics, close the round), as a client would, so the pages show what the s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -18,10 +19,10 @@ import pytest
 import requests
 from werkzeug.serving import make_server
 
-import migrations
 from service import create_app
 from service.auth import create_token
 from service.db import get_db
+from tests.migrated import upgrade_to_head
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -112,26 +113,33 @@ def _create_experiments(server: LiveServer) -> None:
     server.api("POST", "/experiments/search-boost/pause")
 
 
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory) -> Iterator[LiveServer]:
-    database_url = f"sqlite:///{tmp_path_factory.mktemp('dashboard') / 'pasto.sqlite'}"
-    migrations.upgrade(database_url)
+@contextlib.contextmanager
+def served_app(folder: Path, token_tag: str, experiment: str, **config: object) -> Iterator[LiveServer]:
+    """A pasto app on a new migrated SQLite database in ``folder``, served by a threaded werkzeug server
+    on a free loopback port, with read, ingest and admin tokens; stopped and its engine disposed on exit."""
+    database_url = f"sqlite:///{folder / 'pasto.sqlite'}"
+    upgrade_to_head(database_url)
     app = create_app({"PASTO_DATABASE_URL": database_url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN,
-                      "PASTO_DASHBOARD_POLL_SECONDS": 0.5})
+                      "PASTO_DASHBOARD_POLL_SECONDS": 0.5, **config})
     with get_db(app).write() as session:
-        tokens = {role: create_token(session, role, f"dashboard-{role}") for role in ("read", "ingest", "admin")}
+        tokens = {role: create_token(session, role, f"{token_tag}-{role}") for role in ("read", "ingest", "admin")}
     http = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
-    server = LiveServer(f"http://127.0.0.1:{http.server_port}", app, tokens, "homepage-ranking")
     try:
-        _create_experiments(server)
-        yield server
+        yield LiveServer(f"http://127.0.0.1:{http.server_port}", app, tokens, experiment)
     finally:
         http.shutdown()
         thread.join(timeout=10)
         http.server_close()
         get_db(app).engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def live_server(tmp_path_factory) -> Iterator[LiveServer]:
+    with served_app(tmp_path_factory.mktemp("dashboard"), "dashboard", "homepage-ranking") as server:
+        _create_experiments(server)
+        yield server
 
 
 @pytest.fixture

@@ -8,19 +8,13 @@ close), read anonymously from loopback.
 from __future__ import annotations
 
 import math
-import threading
 import urllib.parse
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from werkzeug.serving import make_server
 
-import migrations
-from service import create_app
-from service.auth import create_token
-from service.db import get_db
-from tests.dashboard.conftest import ADMIN_TOKEN, LiveServer
+from tests.dashboard.conftest import LiveServer, served_app
 from tests.dashboard.test_pages import chart_data, open_page
 
 pytestmark = pytest.mark.chromium
@@ -46,17 +40,7 @@ def play(server: LiveServer, tag: str, rng: np.random.Generator) -> None:
 
 @pytest.fixture(scope="module")
 def wide_server(tmp_path_factory) -> Iterator[LiveServer]:
-    database_url = f"sqlite:///{tmp_path_factory.mktemp('wide') / 'pasto.sqlite'}"
-    migrations.upgrade(database_url)
-    app = create_app({"PASTO_DATABASE_URL": database_url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN,
-                      "PASTO_DASHBOARD_POLL_SECONDS": 0.5, "PASTO_ANONYMOUS_LOOPBACK_READ": True})
-    with get_db(app).write() as session:
-        tokens = {role: create_token(session, role, f"wide-{role}") for role in ("read", "ingest", "admin")}
-    http = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    server = LiveServer(f"http://127.0.0.1:{http.server_port}", app, tokens, NAME)
-    try:
+    with served_app(tmp_path_factory.mktemp("wide"), "wide", NAME, PASTO_ANONYMOUS_LOOPBACK_READ=True) as server:
         server.api("POST", "/experiments", json={
             "name": NAME,
             "arms": [{"name": f"a{k}", "params": {"k": k}} for k in range(N_ARMS)],
@@ -69,11 +53,6 @@ def wide_server(tmp_path_factory) -> Iterator[LiveServer]:
         for round_position in range(4):
             play(server, f"r{round_position}", rng)
         yield server
-    finally:
-        http.shutdown()
-        thread.join(timeout=10)
-        http.server_close()
-        get_db(app).engine.dispose()
 
 
 def full_reads(server: LiveServer) -> tuple[dict, list[dict], dict]:

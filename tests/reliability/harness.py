@@ -33,6 +33,7 @@ from pasto_client import Client, PastoConnectionError
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from service.models import Arm, ArmRoundCount, Experiment, Round, RoundStatistic
+from tests.round_counts import assert_round_counts_match
 from tests.service.conftest import ADMIN_TOKEN, setup_a_body
 
 NAME = "reliability"
@@ -231,7 +232,7 @@ def experiment_id(connection: sa.Connection, name: str = NAME) -> int:
 
 def stored_statistics(engine: sa.Engine, n_rounds: int, name: str = NAME) -> CellStatistics:
     """``round_statistics`` and ``arm_round_counts`` of rounds < ``n_rounds``; rows of later rounds must
-    not exist (nothing was sent for them)."""
+    not exist (nothing was sent for them). Asserts that ``round_counts`` holds their sums over the arms."""
     shape = (n_rounds, len(ARMS), len(METRICS))
     counts = np.zeros(shape, dtype=np.int64)
     sums = np.zeros(shape)
@@ -249,6 +250,7 @@ def stored_statistics(engine: sa.Engine, n_rounds: int, name: str = NAME) -> Cel
             assert row.round_index < n_rounds, f"counts stored for round {row.round_index}, where nothing was sent"
             observations[row.round_index, row.arm_index] = row.observations
             units[row.round_index, row.arm_index] = row.units
+    assert_round_counts_match(engine)  # the per-round totals the writers keep, in the same transactions
     return CellStatistics(counts, sums, sums_of_squares, observations, units)
 
 

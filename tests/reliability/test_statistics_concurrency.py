@@ -15,7 +15,8 @@ Each test proves:
 * each conflicting pair is answered once applied (202) and once 409 naming the id: the version that
   won is the one applied;
 * ``round_statistics`` holds, per (round, arm, metric), exactly the sums of the applied batches (counts
-  and the units and observations of ``arm_round_counts`` exactly, float sums to 1e-9 relative);
+  and the units and observations of ``arm_round_counts`` exactly, and ``round_counts`` their sums over
+  the arms, float sums to 1e-9 relative);
   ``statistics_batches`` has one row per batch id.
 """
 
@@ -33,6 +34,7 @@ import sqlalchemy as sa
 from pasto_client import Client, PastoAPIError
 from service.models import ArmRoundCount, Experiment, RoundStatistic, StatisticsBatch
 from tests.reliability.harness import ADMIN_TOKEN, ARMS, METRICS, NAME, create_experiment
+from tests.round_counts import assert_round_counts_match
 
 WRITERS = 8
 BATCHES_PER_WRITER = 30
@@ -191,6 +193,7 @@ def send_and_check(base_url: str, engine: sa.Engine) -> None:
         assert abs(total - want_sum) <= 1e-9 * max(1.0, magnitude), (key, total, want_sum)
         assert abs(squares - want_squares) <= 1e-9 * max(1.0, want_squares), (key, squares, want_squares)
     assert {(r, a): [observations, units] for r, a, observations, units in counts} == dict(expected_counts)
+    assert_round_counts_match(engine)  # and their per-round sums, kept in the batches' transactions
 
 
 def test_sqlite_pasto_serve_applies_concurrent_statistics_batches_once(migrated_sqlite, service_processes,

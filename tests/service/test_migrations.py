@@ -17,10 +17,11 @@ EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
 SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics",
                   "segment_value_units"}
 #: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0009 segments, 0010 deleted
-#: experiments, 0011 experiment events): gone whenever the round trip below downgrades to 0006 or earlier.
+#: experiments, 0011 experiment events, 0012 round counts): gone whenever the round trip below downgrades to
+#: 0006 or earlier.
 TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "source_status", "deleted_experiments",
-                     "experiment_events"} | SEGMENT_TABLES
-TABLES_AFTER_0009 = {"deleted_experiments", "experiment_events"}  # 0010, 0011
+                     "experiment_events", "round_counts"} | SEGMENT_TABLES
+TABLES_AFTER_0009 = {"deleted_experiments", "experiment_events", "round_counts"}  # 0010, 0011, 0012
 
 
 def _tables(url: str) -> set[str]:

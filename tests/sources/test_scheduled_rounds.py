@@ -34,6 +34,7 @@ import service.scheduler as scheduler_module
 from service import create_app
 from service.auth import create_token
 from service.db import get_db
+from tests.round_counts import assert_round_counts_match
 
 START = datetime(2026, 3, 1, tzinfo=timezone.utc)
 ROUND_SECONDS = 3600
@@ -306,6 +307,9 @@ def assert_same_as_webhook(run: Run) -> None:
     np.testing.assert_allclose(mine["probabilities"], theirs["probabilities"], rtol=1e-9, atol=1e-12)
     # The learned mixture moved towards the better arm (means: c best on x, y >= 0 holds for b and c).
     assert mine["deployed"][ARMS.index("a")] < 1 / 3
+    # Restated source rounds (differences) keep round_counts equal to the per-arm counts summed.
+    totals = assert_round_counts_match(get_db(run.app).engine)
+    assert len({experiment_id for experiment_id, _ in totals}) == 2, totals  # the sourced and the webhook's
 
 
 def test_duckdb_parquet_source_matches_the_webhook(tmp_path, monkeypatch):
