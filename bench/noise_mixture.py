@@ -1,17 +1,20 @@
-"""Issue 14's noise rows with the experimental ``serving_undecided`` rules, on the same runs.
+"""Issue 14's noise rows for the default's serving rules, on the same runs.
 
-Setup B at sigma 1.0 and 3.0, round 1000: the default preset as it is (``conservative``), with
-best-arm serving (``best_arm``, branch ``noise``), with Thompson sampling over mixtures
-(``mixture_draw``: the traffic of a run whose mixture cannot yet be defended against the best
-single arm goes to the optimum of one posterior draw of the means; ``mixture_draw_half``: half of
-it), and the Thompson best-arm bandit; with the share of the observations that land on the arms
-of each run's true optimal mixture and the fewest observations any of them gets. Same seed, hence the same true means and optima, for every
-algorithm. Runs one job at a time (the machine is shared); every finished job is cached under
-``--cache`` (keyed by sigma, rule, runs, rounds, seed), so an interrupted run resumes.
+Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: the conservative path on
+the plug-in support plus posterior exploration outside it), the default before posterior
+exploration (``conservative-0``), the undecided-run rules of branch noise2 without posterior
+exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
+``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;
+``mixture_draw_half-0``: half of it), and the Thompson best-arm bandit; with the share of the
+observations that land on the arms of each run's true optimal mixture and the fewest observations
+any of them gets. Same seed, hence the same true means and optima, for every algorithm. Runs one
+job at a time (the machine is shared); every finished job is cached under ``--cache`` (keyed by
+sigma, rule, runs, rounds, seed), so an interrupted run resumes.
 
-    python bench/noise_mixture.py --runs 40 --cache /tmp/noise2/cache
+    python bench/noise_mixture.py --runs 500 --rules default,conservative-0,mixture_draw-0,thompson
 
-prints the markdown table of docs/benchmarks.md's "Noise rows: Thompson sampling over mixtures".
+prints the markdown table of docs/benchmarks.md's "Noise rows: posterior exploration outside the
+support".
 """
 
 from __future__ import annotations
@@ -31,7 +34,19 @@ from pasto.cli import load_scenario  # noqa: E402
 from pasto.optimum import best_mixture  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
-RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half", "thompson")
+# Each rule is a set of options of the default preset ("thompson" is the best-arm bandit). The
+# "-0" rules turn off posterior exploration outside the support (serving_posterior_draws = 0):
+# "conservative-0" is the default before it (main up to fe79382), the others are the undecided-run
+# rules of branch noise2 as they were measured there.
+RULE_OPTIONS = {
+    "default": {},
+    "conservative-0": {"serving_undecided": "conservative", "serving_posterior_draws": 0},
+    "best_arm-0": {"serving_undecided": "best_arm", "serving_posterior_draws": 0},
+    "mixture_draw-0": {"serving_undecided": "mixture_draw", "serving_posterior_draws": 0},
+    "mixture_draw_half-0": {"serving_undecided": "mixture_draw_half", "serving_posterior_draws": 0},
+    "thompson": None,
+}
+RULES = tuple(RULE_OPTIONS)
 SIGMAS = (1.0, 3.0)
 
 
@@ -42,7 +57,10 @@ def _job(name: str, sigma: float | None, rule: str, runs: int, rounds: int, seed
         data = np.load(path)
         return {key: data[key] for key in data.files}
     scenario = load_scenario(name).with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
-    policy = make_policy("thompson") if rule == "thompson" else make_policy("default", {"serving_undecided": rule})
+    if rule not in RULE_OPTIONS:
+        raise ValueError(f"Unknown rule {rule!r}; the rules are {list(RULE_OPTIONS)}.")
+    options = RULE_OPTIONS[rule]
+    policy = make_policy("thompson") if options is None else make_policy("default", options)
     # The expected observations per arm: the served mixtures summed over the rounds (times the
     # queries per round), read off every state the controller returns.
     served = np.zeros(support.shape)

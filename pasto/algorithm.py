@@ -137,6 +137,10 @@ class AlgorithmConfig:
         With ``serving = "safe"`` and soft guardrails: where the anchored traffic of a run whose
         mixture cannot yet be defended against the best single arm goes
         (:class:`pasto.serving.ServingConfig`'s ``undecided``; experimental, default unchanged).
+    serving_posterior_draws : int
+        With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass
+        outside the plug-in support is served as exploration (0 to 64, 0 turns it off;
+        :class:`pasto.serving.ServingConfig`'s ``posterior_draws``).
     change_level : float
         With ``serving = "safe"``: family-wise false-alarm probability of each change test
         (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
@@ -164,6 +168,7 @@ class AlgorithmConfig:
     serving: str = "safe"
     serving_level: float = 0.95
     serving_undecided: str = "conservative"
+    serving_posterior_draws: int = 4
     change_level: float = 1e-4
     change_every: int = 25
 
@@ -212,6 +217,11 @@ class AlgorithmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"Algorithm option {name!r} must be an integer >= {minimum}, got {value!r}.")
+        value = self.serving_posterior_draws
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
+            raise ValueError(
+                f"Algorithm option 'serving_posterior_draws' must be an integer from 0 to 64, got {value!r}."
+            )
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):
@@ -795,6 +805,7 @@ def _safe_advance(
             change_level=config.change_level,
             change_every=config.change_every,
             undecided=config.serving_undecided,
+            posterior_draws=config.serving_posterior_draws,
         )
         probabilities, deployed, log_weights = serving.choose(
             rule, objective, statistics, t, state.log_weights, observations, state.deployed

@@ -16,11 +16,11 @@ def bench():
 
 def test_a_tiny_pass_reports_every_rule_and_resumes_from_its_cache(bench, tmp_path, monkeypatch, capsys):
     arguments = ["--runs", "3", "--rounds", "25", "--sigmas", "1.0", "--cache", str(tmp_path),
-                 "--rules", "conservative,mixture_draw,thompson"]
+                 "--rules", "conservative-0,default,thompson"]
     bench.main(arguments)
     first = capsys.readouterr().out
     rows = [line for line in first.splitlines() if line.startswith("| 1.0 |")]
-    assert [row.split("|")[2].strip() for row in rows] == ["conservative", "mixture_draw", "thompson"]
+    assert [row.split("|")[2].strip() for row in rows] == ["conservative-0", "default", "thompson"]
     for path in sorted(tmp_path.glob("setup-b_sigma1.0_*_runs3_rounds25_seed0.npz")):
         record = np.load(path)
         # 25 rounds of 10 observations: each run's support share is a share, and its least-observed

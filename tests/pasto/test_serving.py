@@ -532,3 +532,99 @@ def test_thompson_over_mixtures_aims_an_undecided_runs_traffic_at_the_mixture_su
     assert conservative[0] + conservative[1] < 0.55
     assert drawn[0] + drawn[1] > 0.65, drawn
     assert drawn[3] < 0.1, drawn
+
+
+def _decided_mixture_with_an_untested_arm(n_untested, untested_mean):
+    """Setup B's objective on four arms, noise sigma 1: arms 0 and 1 (2,000 observations each)
+    mixed half and half give f = 1.0 and are defended against every single arm; arm 3 (2,000
+    observations, f 0.0) is clearly worse. Arm 2 has ``n_untested`` observations whose sample means
+    are ``untested_mean`` (X, Y1, Y2). Returns (objective, statistics (1, 3, 4))."""
+    objective = load_scenario("setup-b").objective()
+    means = np.array([[1.0, 1.0, 0.0, 0.0], [0.9, 0.1, 0.0, 0.6], [0.1, 0.9, 0.0, 0.6]])
+    means[:, 2] = untested_mean
+    counts = np.array([2000.0, 2000.0, float(n_untested), 2000.0])
+    counts = np.broadcast_to(counts, (3, 4))
+    statistics = Statistics(counts[None].copy(), (counts * means)[None], (counts * (means**2 + 1.0))[None])
+    return objective, statistics
+
+
+def _average_served(config, objective, statistics, rounds=range(40, 80)):
+    return np.mean([serving.choose(config, objective, statistics, t, np.zeros((1, 4)), 10.0,
+                                   np.full((1, 4), 0.25))[0][0] for t in rounds], axis=0)
+
+
+def test_posterior_exploration_tests_an_arm_outside_the_support_that_could_belong_to_a_better_mixture():
+    """A run that serves a mixture of arms 0 and 1 (f 1.0, far better than arm 3's 0.0) still tests arm 2,
+    whose 5 observations read X 0.9, Y 0.6 / 0.6 (a single arm that could beat the mixture's f 1.0
+    if its X is above 1): averaged over rounds 40-79, the posterior draws give it a fifth or more
+    of the traffic, where without them (posterior_draws = 0) only the directed share reaches it.
+    Arm 3, clearly worse, gets nothing either way, and once arm 2 has 2,000 observations at the same
+    reading its traffic is gone: the exploration shrinks as the posterior concentrates."""
+    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
+    without = _average_served(serving.ServingConfig(posterior_draws=0), objective, statistics)
+    with_draws = _average_served(serving.ServingConfig(), objective, statistics)
+    assert with_draws[2] > 0.2 and with_draws[2] > without[2] + 0.1
+    assert with_draws[3] < 0.01 and without[3] < 0.01
+    objective, known = _decided_mixture_with_an_untested_arm(2000, [0.9, 0.6, 0.6])
+    settled = _average_served(serving.ServingConfig(), objective, known)
+    assert settled[2] < 0.01
+
+
+def test_posterior_draws_are_validated_with_a_sentence_and_zero_is_the_conservative_path_alone():
+    from pasto import algorithm
+
+    for bad in (-1, 65, 2.0, True, "4"):
+        with pytest.raises(ValueError, match="'posterior_draws' must be an integer from 0 to 64"):
+            serving.ServingConfig(posterior_draws=bad)
+        with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
+            algorithm.AlgorithmConfig(serving_posterior_draws=bad)
+    assert serving.ServingConfig().posterior_draws == 4
+    assert algorithm.AlgorithmConfig().serving_posterior_draws == 4
+    # With no draws, what is served is the support's path plus the directed share, nothing else:
+    # the case above gives arm 2 only that share.
+    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
+    served = serving.choose(serving.ServingConfig(posterior_draws=0), objective, statistics, 40,
+                            np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
+    assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n_arms=st.integers(1, 25),
+    runs=st.integers(1, 4),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    draws=st.integers(1, 6),
+)
+def test_posterior_exploration_serves_a_mixture_on_the_simplex(n_arms, runs, seed, scale, draws):
+    objective = load_scenario("setup-b").objective()
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0.5, scale, (runs, 3, n_arms))
+    counts = rng.integers(2, 200, (runs, 3, n_arms)).astype(float)
+    statistics = Statistics(counts, counts * means, counts * means**2 + counts * scale**2)
+    served, deployed, _ = serving.choose(serving.ServingConfig(posterior_draws=draws), objective, statistics,
+                                         int(rng.integers(2, 2000)), np.zeros((runs, n_arms)), 10.0,
+                                         np.full((runs, n_arms), 1.0 / n_arms))
+    for mixture in (served, deployed):
+        assert np.all(np.isfinite(mixture)) and np.all(mixture >= 0.0)
+        assert np.allclose(mixture.sum(axis=-1), 1.0, atol=1e-12)
+
+
+def test_posterior_exploration_is_reproducible_and_a_batch_equals_its_runs():
+    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
+    other = Statistics(statistics.counts * 2.0, statistics.sums * 2.0, statistics.sums_of_squares * 2.5)
+    batch = Statistics(*(np.concatenate([a, b]) for a, b in zip(
+        (statistics.counts, statistics.sums, statistics.sums_of_squares),
+        (other.counts, other.sums, other.sums_of_squares))))
+
+    def served(stats, t):
+        runs = stats.shape[0]
+        return serving.choose(serving.ServingConfig(), objective, stats, t, np.zeros((runs, 4)), 10.0,
+                              np.full((runs, 4), 0.25))[0]
+
+    first = served(statistics, 40)
+    np.testing.assert_array_equal(first, served(statistics, 40))
+    together = served(batch, 40)
+    np.testing.assert_allclose(together[0], first[0], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(together[1], served(other, 40)[0], rtol=0, atol=1e-12)
+    assert not np.allclose(first, served(statistics, 41)), "another round, other posterior draws"
