@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
@@ -253,6 +254,48 @@ def test_experiment_page_refreshes_without_reloading(live_server, browser, anony
     assert page.evaluate("window.__sameDocument === true")
     assert len(chart_data(page, "chart-mixture")[0]["y"]) == before + 1
     assert " ".join(page.locator("#fig-round").inner_text().split()).startswith(f"{before} in progress")
+    assert console.problems == []
+    context.close()
+
+
+def test_the_round_card_and_the_charts_agree_when_a_round_closes_during_a_poll(
+        live_server, browser, anonymous_loopback, play_round):
+    """A poll reads the experiment, then the history. A round that closes between the two reads is
+    forced here (the experiment's response is taken, the round is played and closed, then the
+    response is delivered): in every render the charts must hold exactly the rounds up to the Round
+    card's (a paired suite run once charted a round the card did not show yet)."""
+    name = live_server.experiment
+    context, page, console = open_page(browser, "desktop")
+    page.goto(f"{live_server.base_url}/experiments/{name}")
+    before = len(live_server.api("GET", f"/experiments/{name}/rounds", role="read").json()["rounds"])
+    page.wait_for_selector(f'#experiment[data-rounds="{before}"]')
+    page.evaluate("""() => {
+        window.__renders = [];
+        const node = document.getElementById("experiment");
+        new MutationObserver(() => window.__renders.push(
+            [Number(node.dataset.rounds), document.getElementById("fig-round").innerText]))
+          .observe(node, { attributes: true, attributeFilter: ["data-rounds"] });
+    }""")
+    raced = []
+
+    def close_a_round_while_the_experiment_is_in_flight(route):
+        if raced:
+            route.continue_()
+            return
+        response = route.fetch()
+        play_round(name)
+        raced.append(True)
+        route.fulfill(response=response)
+
+    page.route(re.compile(rf"/experiments/{re.escape(name)}\?arms="), close_a_round_while_the_experiment_is_in_flight)
+    # Tolerance: polls every 0.5 s; 15 s allows a loaded machine 30 of them.
+    page.wait_for_selector(f'#experiment[data-rounds="{before + 1}"]', timeout=15_000)
+    page.unroute_all()
+    assert raced, "the race was not forced"
+    renders = page.evaluate("window.__renders")
+    assert renders, "no render was recorded"
+    for rounds, card in renders:
+        assert rounds == int(card.split()[0]) + 1, (rounds, card)
     assert console.problems == []
     context.close()
 

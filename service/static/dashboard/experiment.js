@@ -638,11 +638,14 @@ async function refresh() {
     render();
   };
   const fresh = await roundsFrom(since, (partial) => {
-    draw(known.concat(partial));
+    draw(known.concat(partial).filter((round) => round.index <= experiment.round.index));
     document.getElementById("refresh-state").textContent =
       `Reading the history: ${formatInteger(known.length + partial.length)} of ${formatInteger(experiment.round.index + 1)} rounds…`;
   });
-  const read = known.concat(fresh);
+  // A round that closed after the experiment was read is left for the next poll: the history is
+  // read after the experiment, and drawing it would put the charts one round ahead of the Round card
+  // (a paired suite run saw 34 rounds charted beside "32 in progress").
+  const read = known.concat(fresh).filter((round) => round.index <= experiment.round.index);
   history = { rounds: read, late: diagnosticsRead.late_observations };
   draw(read);
 }
