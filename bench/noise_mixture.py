@@ -1,8 +1,8 @@
 """Issue 14's noise rows for the default's serving rules, on the same runs.
 
-Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: the conservative path on
-the plug-in support plus posterior exploration outside it), the default before posterior
-exploration (``conservative-0``), the undecided-run rules of branch noise2 without posterior
+Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``, the same as
+``conservative-0``), with posterior exploration outside the plug-in support (``posterior``: 4
+draws), the undecided-run rules of branch noise2 without posterior
 exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
 ``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;
 ``mixture_draw_half-0``: half of it), and the Thompson best-arm bandit; with the share of the
@@ -11,7 +11,7 @@ any of them gets. Same seed, hence the same true means and optima, for every alg
 job at a time (the machine is shared); every finished job is cached under ``--cache`` (keyed by
 sigma, rule, runs, rounds, seed), so an interrupted run resumes.
 
-    python bench/noise_mixture.py --runs 500 --rules default,conservative-0,mixture_draw-0,thompson
+    python bench/noise_mixture.py --runs 500 --rules posterior,conservative-0,mixture_draw-0,thompson
 
 prints the markdown table of docs/benchmarks.md's "Noise rows: posterior exploration outside the
 support".
@@ -35,11 +35,12 @@ from pasto.optimum import best_mixture  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
 # Each rule is a set of options of the default preset ("thompson" is the best-arm bandit). The
-# "-0" rules turn off posterior exploration outside the support (serving_posterior_draws = 0):
-# "conservative-0" is the default before it (main up to fe79382), the others are the undecided-run
-# rules of branch noise2 as they were measured there.
+# "-0" rules set serving_posterior_draws = 0 (the default): "conservative-0" is the default itself,
+# the others are the undecided-run rules of branch noise2 as they were measured there; "posterior"
+# turns on posterior exploration outside the support (4 draws).
 RULE_OPTIONS = {
     "default": {},
+    "posterior": {"serving_posterior_draws": 4},
     "conservative-0": {"serving_undecided": "conservative", "serving_posterior_draws": 0},
     "best_arm-0": {"serving_undecided": "best_arm", "serving_posterior_draws": 0},
     "mixture_draw-0": {"serving_undecided": "mixture_draw", "serving_posterior_draws": 0},

@@ -168,7 +168,7 @@ class AlgorithmConfig:
     serving: str = "safe"
     serving_level: float = 0.95
     serving_undecided: str = "conservative"
-    serving_posterior_draws: int = 4
+    serving_posterior_draws: int = 0
     change_level: float = 1e-4
     change_every: int = 25
 

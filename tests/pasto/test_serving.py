@@ -504,7 +504,7 @@ def test_thompson_over_mixtures_is_reproducible_and_a_batch_equals_its_runs(case
         config = serving.ServingConfig(undecided="mixture_draw", posterior_draws=0)
     else:
         objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
-        config = serving.ServingConfig()
+        config = serving.ServingConfig(posterior_draws=4)
     other = Statistics(statistics.counts * 2.0, statistics.sums * 2.0, statistics.sums_of_squares * 2.5)
     batch = Statistics(*(np.concatenate([a, b]) for a, b in zip(
         (statistics.counts, statistics.sums, statistics.sums_of_squares),
@@ -569,11 +569,11 @@ def test_posterior_exploration_tests_an_arm_outside_the_support_that_could_belon
     reading its traffic is gone: the exploration shrinks as the posterior concentrates."""
     objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
     without = _average_served(serving.ServingConfig(posterior_draws=0), objective, statistics)
-    with_draws = _average_served(serving.ServingConfig(), objective, statistics)
+    with_draws = _average_served(serving.ServingConfig(posterior_draws=4), objective, statistics)
     assert with_draws[2] > 0.2 and with_draws[2] > without[2] + 0.1
     assert with_draws[3] < 0.01 and without[3] < 0.01
     objective, known = _decided_mixture_with_an_untested_arm(2000, [0.9, 0.6, 0.6])
-    settled = _average_served(serving.ServingConfig(), objective, known)
+    settled = _average_served(serving.ServingConfig(posterior_draws=4), objective, known)
     assert settled[2] < 0.01
 
 
@@ -585,8 +585,8 @@ def test_posterior_draws_are_validated_with_a_sentence_and_zero_is_the_conservat
             serving.ServingConfig(posterior_draws=bad)
         with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
             algorithm.AlgorithmConfig(serving_posterior_draws=bad)
-    assert serving.ServingConfig().posterior_draws == 4
-    assert algorithm.AlgorithmConfig().serving_posterior_draws == 4
+    assert serving.ServingConfig().posterior_draws == 0
+    assert algorithm.AlgorithmConfig().serving_posterior_draws == 0
     # With no draws, what is served is the support's path plus the directed share, nothing else:
     # the case above gives arm 2 only that share.
     objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
