@@ -1,8 +1,8 @@
 """Issue 14's noise rows for the default's serving rules, on the same runs.
 
-Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``, the same as
-``conservative-0``), with posterior exploration outside the plug-in support (``posterior``: 4
-draws), the undecided-run rules of branch noise2 without posterior
+Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: posterior exploration
+outside the plug-in support with 4 draws, the same as ``posterior``), the default before it
+(``conservative-0``: no posterior draws), the undecided-run rules of branch noise2 without posterior
 exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
 ``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;
 ``mixture_draw_half-0``: half of it), and the Thompson best-arm bandit; with the share of the
@@ -35,9 +35,9 @@ from pasto.optimum import best_mixture  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
 # Each rule is a set of options of the default preset ("thompson" is the best-arm bandit). The
-# "-0" rules set serving_posterior_draws = 0 (the default): "conservative-0" is the default itself,
-# the others are the undecided-run rules of branch noise2 as they were measured there; "posterior"
-# turns on posterior exploration outside the support (4 draws).
+# "-0" rules set serving_posterior_draws = 0: "conservative-0" is the default before posterior
+# exploration outside the support, the others are the undecided-run rules of branch noise2 as they
+# were measured there; "posterior" (4 draws) is the default's setting, named for the tables.
 RULE_OPTIONS = {
     "default": {},
     "posterior": {"serving_posterior_draws": 4},

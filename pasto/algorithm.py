@@ -140,7 +140,7 @@ class AlgorithmConfig:
     serving_posterior_draws : int
         With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass
         outside the plug-in support is served as exploration (0 to 64, 0 turns it off;
-        :class:`pasto.serving.ServingConfig`'s ``posterior_draws``).
+        :class:`pasto.serving.ServingConfig`'s ``posterior_draws``; 4 by default).
     change_level : float
         With ``serving = "safe"``: family-wise false-alarm probability of each change test
         (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
@@ -168,7 +168,7 @@ class AlgorithmConfig:
     serving: str = "safe"
     serving_level: float = 0.95
     serving_undecided: str = "conservative"
-    serving_posterior_draws: int = 0
+    serving_posterior_draws: int = 4
     change_level: float = 1e-4
     change_every: int = 25
 

@@ -36,8 +36,8 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    (``best_arm``: each arm in proportion to its posterior probability of being the best single
    arm, :func:`best_arm_probabilities`), or all of it to the optimum of one posterior draw of the
    means (``mixture_draw``: Thompson sampling over mixtures, :func:`drawn_mixture`). The default
-   (``conservative``) keeps the conservative path. With ``posterior_draws`` > 0 (opt-in, issue 14's
-   noise rows), every run also serves, as exploration, the
+   (``conservative``) keeps the conservative path. With ``posterior_draws`` > 0 (the default: 4;
+   issue 14's noise rows), every run also serves, as exploration, the
    mass that the optima of ``posterior_draws`` posterior draws of the means put, on average, on
    arms outside its plug-in support (posterior exploration outside the support): an arm gets
    traffic in proportion to its posterior chance of belonging to the optimal mixture, so a run
@@ -140,8 +140,8 @@ class ServingConfig:
     posterior_draws : int
         Soft guardrails: posterior draws of the means per round (0 to 64; 0 turns it off) whose
         optima's average mass on arms *outside* the plug-in support is served as exploration, in
-        every run (posterior exploration outside the support; the support keeps its path). 0 by
-        default (off); 4 is the measured setting: the draws' average has the exploration of Thompson
+        every run (posterior exploration outside the support; the support keeps its path). 4 by
+        default (0 is the behaviour before it): the draws' average has the exploration of Thompson
         sampling over mixtures on those arms with a quarter of one draw's variance
         (docs/benchmarks.md, "Noise rows: posterior exploration outside the support").
     """
@@ -155,7 +155,7 @@ class ServingConfig:
     change_every: int = 25
     mirror_steps: int = 50
     undecided: str = "conservative"
-    posterior_draws: int = 0
+    posterior_draws: int = 4
 
     def __post_init__(self) -> None:
         if self.undecided not in UNDECIDED_RULES:

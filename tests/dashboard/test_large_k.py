@@ -105,11 +105,13 @@ def test_at_large_k_the_page_reads_summaries_and_draws_what_the_full_api_says(wi
         other = 1 - sum(entry["probabilities"][arm] for arm in drawn)
         assert math.isclose(mixture[-1]["y"][position], max(0.0, other), abs_tol=1e-12)
 
-    # Deployed bars: the 7 largest of the full deployed mixture, then the rest of the 150.
-    deployed_top = top(experiment["deployed"], TOP_ARMS)
+    # Deployed bars: the (at most) 7 largest arms of the full deployed mixture that it uses (weight
+    # above 0: a zero-weight arm gets no bar), then the rest of the 150.
+    deployed_top = [arm for arm in top(experiment["deployed"], TOP_ARMS) if experiment["deployed"][arm] > 0]
+    assert deployed_top
     bars = chart_data(page, "chart-deployed")[0]["y"]
     assert page.evaluate("Chart.getChart('chart-deployed').data.labels") == (
-        [experiment["arms"][arm]["name"] for arm in deployed_top] + [f"other ({N_ARMS - TOP_ARMS})"])
+        [experiment["arms"][arm]["name"] for arm in deployed_top] + [f"other ({N_ARMS - len(deployed_top)})"])
     assert bars[:-1] == [experiment["deployed"][arm] for arm in deployed_top]
     assert math.isclose(bars[-1], 1 - sum(experiment["deployed"][arm] for arm in deployed_top), abs_tol=1e-12)
 
@@ -165,6 +167,29 @@ def test_at_large_k_the_page_reads_summaries_and_draws_what_the_full_api_says(wi
     assert page.locator("#fig-observations").inner_text() == formatted(
         page, "formatInteger", sum(sum(entry["counts"]) for entry in rounds))
     assert console.problems == []
+    context.close()
+
+
+def test_deployed_bars_name_the_arms_the_mixture_uses_when_not_every_arm_gets_a_bar(wide_server, browser):
+    """A few arms: every arm has a bar, a weight of 0 included. More arms than bars: only arms of
+    positive weight get one (largest first) and the others are summed into "other"."""
+    context, page, _ = open_page(browser, "desktop")
+    page.goto(f"{wide_server.base_url}/experiments/{NAME}")
+    page.wait_for_selector("#experiment[data-rounds]")
+
+    def bars(deployed: list[float]) -> list[tuple[str, float]]:
+        experiment = {"deployed": deployed, "arms": [{"name": f"a{k}"} for k in range(len(deployed))]}
+        drawn = page.evaluate(
+            "async ([experiment, count]) => (await import('/static/dashboard/model.js')).deployedBars(experiment, count)",
+            [experiment, TOP_ARMS])
+        return [(bar["label"], bar["value"]) for bar in drawn]
+
+    assert bars([0.0, 1.0, 0.0]) == [("a1", 1.0), ("a0", 0.0), ("a2", 0.0)]
+    many = [0.0] * 20
+    many[12], many[3] = 0.75, 0.25
+    assert bars(many) == [("a12", 0.75), ("a3", 0.25), ("other (18)", 0.0)]
+    spread = [0.05] * 20
+    assert [label for label, _ in bars(spread)] == [f"a{k}" for k in range(TOP_ARMS)] + ["other (13)"]
     context.close()
 
 

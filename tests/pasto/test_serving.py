@@ -577,7 +577,7 @@ def test_posterior_exploration_tests_an_arm_outside_the_support_that_could_belon
     assert settled[2] < 0.01
 
 
-def test_posterior_draws_are_validated_with_a_sentence_and_zero_is_the_conservative_path_alone():
+def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_the_conservative_path_alone():
     from pasto import algorithm
 
     for bad in (-1, 65, 2.0, True, "4"):
@@ -585,8 +585,8 @@ def test_posterior_draws_are_validated_with_a_sentence_and_zero_is_the_conservat
             serving.ServingConfig(posterior_draws=bad)
         with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
             algorithm.AlgorithmConfig(serving_posterior_draws=bad)
-    assert serving.ServingConfig().posterior_draws == 0
-    assert algorithm.AlgorithmConfig().serving_posterior_draws == 0
+    assert serving.ServingConfig().posterior_draws == 4
+    assert algorithm.AlgorithmConfig().serving_posterior_draws == 4
     # With no draws, what is served is the support's path plus the directed share, nothing else:
     # the case above gives arm 2 only that share.
     objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])

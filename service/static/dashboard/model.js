@@ -181,8 +181,13 @@ export function mixtureSeries(experiment, rounds, count) {
   return series;
 }
 
+// The deployed mixture's largest arms, at most `count`, then "other" for the remaining arms. When not
+// every arm gets a bar, the bars go to arms the mixture uses: an arm of weight 0 goes to "other" (a
+// bar of 0 picked by arm position says nothing, and a summarised response need not keep the
+// zero-weight arms the full one would pick).
 export function deployedBars(experiment, count) {
-  const top = topArms(experiment.deployed, count, experiment.arm_summary?.arms);
+  const ranked = topArms(experiment.deployed, count, experiment.arm_summary?.arms);
+  const top = ranked.length < armCount(experiment) ? ranked.filter((arm) => experiment.deployed[arm] > 0) : ranked;
   const bars = top.map((arm) => ({ arm, label: experiment.arms[arm].name, value: experiment.deployed[arm] }));
   const rest = armCount(experiment) - top.length;
   if (rest > 0) {
