@@ -600,14 +600,16 @@ def _is_solve_round(preset: str, round_number: int) -> bool:
     return bool(config.solve_every and round_number % config.solve_every == 0 and config.solve_steps > 0)
 
 
-def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0) -> dict[str, Any]:
-    """Milliseconds per ``pasto.algorithm.update`` call, rounds 1..``rounds`` on synthetic data."""
+def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,
+                         overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Milliseconds per ``pasto.algorithm.update`` call, rounds 1..``rounds`` on synthetic data
+    (``overrides``: options of the preset, e.g. ``{"serving_posterior_draws": 0}``)."""
     from pasto.algorithm import AlgorithmConfig, initial_state, update
     from pasto.estimators import Statistics
     from pasto.objectives import Objective
 
     rng = np.random.default_rng(seed)
-    config = AlgorithmConfig.from_preset(preset)
+    config = AlgorithmConfig.from_preset(preset, **(overrides or {}))
     objective = Objective.from_spec(list(METRICS), OBJECTIVE)
     warm = initial_state(config, 3, len(METRICS), objective=objective)  # first calls import and set up
     warm_statistics = synthetic_statistics(np.random.default_rng(1), np.zeros((len(METRICS), 3)), 3)
