@@ -208,15 +208,18 @@ class Client:
             body["segments"] = list(segments) if not isinstance(segments, Mapping) else dict(segments)
         return self.request("POST", f"{API_PREFIX}/experiments", json=body)
 
-    def list_experiments(self, archived: bool = False) -> list[dict]:
-        """``GET /api/v1/experiments``: every experiment not archived (``archived``: the archived ones)."""
-        path = f"{API_PREFIX}/experiments" + ("?archived=true" if archived else "")
-        return self.request("GET", path)["experiments"]
+    def list_experiments(self, archived: bool = False, arms: int | None = None) -> list[dict]:
+        """``GET /api/v1/experiments``: every experiment not archived (``archived``: the archived ones).
+        ``arms``: summarise each experiment's per-arm arrays to its N arms of largest weight
+        (docs/api.md, "Large K")."""
+        query = _query(("archived", "true" if archived else None), ("arms", arms))
+        return self.request("GET", f"{API_PREFIX}/experiments{query}")["experiments"]
 
-    def get_experiment(self, name: str) -> dict:
+    def get_experiment(self, name: str, arms: int | None = None) -> dict:
         """``GET /api/v1/experiments/<name>``: configuration and current state (status, round,
-        probabilities, deployed mixture)."""
-        return self.request("GET", self._experiment_path(name))
+        probabilities, deployed mixture). ``arms``: keep the N arms of largest weight in the per-arm
+        arrays and sum the others into ``rest`` (``arm_summary`` names the kept arms)."""
+        return self.request("GET", self._experiment_path(name) + _query(("arms", arms)))
 
     def pause(self, name: str) -> dict:
         """``POST .../pause`` (admin): keep serving the current mixture, stop advancing rounds."""
@@ -339,19 +342,26 @@ class Client:
         body = None if round_index is None else {"round": round_index}
         return self.request("POST", self._experiment_path(name, "/rounds"), json=body)
 
-    def rounds(self, name: str, since: int | None = None, limit: int | None = None) -> list[dict]:
+    def rounds(self, name: str, since: int | None = None, limit: int | None = None,
+               arms: int | None = None) -> list[dict]:
         """``GET .../rounds``: one entry per round, oldest first (probabilities, counts, means,
         estimated objective and regret), from round ``since`` (default 0). Without ``limit``, every
         round to the current one (the server's pages, followed by their ``next_since`` cursor); with
-        it, at most ``limit`` rounds (one request)."""
+        it, at most ``limit`` rounds (one request).
+
+        ``arms``: every round's per-arm arrays keep the N arms of largest weight (docs/api.md, "Large
+        K"). The server picks them per response, and a round that closes between two pages can
+        change them, so each round returned then carries its page's ``arm_summary`` (the positions
+        and names its arrays are aligned with)."""
+        path = self._experiment_path(name, "/rounds")
         if limit is not None:
-            query = urlencode({k: v for k, v in (("since", since), ("limit", limit)) if v is not None})
-            return self.request("GET", self._experiment_path(name, "/rounds") + f"?{query}")["rounds"]
+            page = self.request("GET", path + _query(("since", since), ("limit", limit), ("arms", arms)))
+            return _with_arm_summary(page)
         rounds: list[dict] = []
         cursor: int | None = since or 0
         while cursor is not None:
-            page = self.request("GET", self._experiment_path(name, "/rounds") + f"?since={cursor}")
-            rounds.extend(page["rounds"])
+            page = self.request("GET", path + _query(("since", cursor), ("arms", arms)))
+            rounds.extend(_with_arm_summary(page))
             cursor = page.get("next_since")  # absent from servers before pagination: one page was all
         return rounds
 
@@ -367,10 +377,24 @@ class Client:
             cursor = page["next_since"]
         return events
 
-    def diagnostics(self, name: str) -> dict:
+    def diagnostics(self, name: str, arms: int | None = None) -> dict:
         """``GET .../diagnostics``: objective estimates, best mixture vs best single arm, regret,
-        guardrails with intervals, sample-ratio mismatch, late observations."""
-        return self.request("GET", self._experiment_path(name, "/diagnostics"))
+        guardrails with intervals, sample-ratio mismatch, late observations. ``arms``: per-arm arrays
+        summarised to the N arms of largest weight (docs/api.md, "Large K")."""
+        return self.request("GET", self._experiment_path(name, "/diagnostics") + _query(("arms", arms)))
+
+
+def _query(*pairs: tuple[str, Any]) -> str:
+    """``?k=v&...`` of the pairs whose value is not None; "" when none is."""
+    present = [(key, value) for key, value in pairs if value is not None]
+    return f"?{urlencode(present)}" if present else ""
+
+
+def _with_arm_summary(page: dict) -> list[dict]:
+    """A rounds page's rounds, each with the page's ``arm_summary`` when the page has one."""
+    if "arm_summary" not in page:
+        return page["rounds"]
+    return [{**entry, "arm_summary": page["arm_summary"]} for entry in page["rounds"]]
 
 
 def retry_delay(backoff: float, retry_after: float | None, max_backoff: float) -> float:

@@ -82,6 +82,35 @@ def test_every_route_round_trips(server, admin, create_experiment, true_means):
     assert admin.openapi()["openapi"].startswith("3.1")
 
 
+def test_large_k_summaries_are_one_argument_on_every_read(admin, create_experiment):
+    """``arms=N`` asks the server for per-arm arrays cut to N arms (docs/api.md, "Large K"); each
+    round of a paged read carries the arm_summary its arrays are aligned with."""
+    name = create_experiment()
+    admin.close_round(name)
+    admin.close_round(name)
+    full = admin.get_experiment(name)
+    summary = admin.get_experiment(name, arms=2)
+    kept = summary["arm_summary"]["arms"]
+    assert len(summary["probabilities"]) == 2 and summary["rest"]["arms"] == 2
+    assert summary["probabilities"] == [full["probabilities"][arm] for arm in kept]
+    assert summary["arm_summary"]["names"] == [full["arms"][arm]["name"] for arm in kept]
+    listed = next(e for e in admin.list_experiments(arms=2) if e["name"] == name)
+    assert listed["arm_summary"] == summary["arm_summary"]
+    assert "arm_summary" not in next(e for e in admin.list_experiments() if e["name"] == name)
+    rounds = admin.rounds(name, arms=2)
+    assert [entry["index"] for entry in rounds] == [0, 1, 2]
+    full_rounds = admin.rounds(name)
+    for entry, full_entry in zip(rounds, full_rounds):
+        assert entry["probabilities"] == [full_entry["probabilities"][arm] for arm in entry["arm_summary"]["arms"]]
+        assert "arm_summary" not in full_entry
+    assert [entry["index"] for entry in admin.rounds(name, since=1, limit=1, arms=3)] == [1]
+    assert admin.diagnostics(name, arms=2)["arm_summary"]["rest_arms"] == 2
+    assert admin.get_experiment(name, arms=4) == full  # N >= K: the full response
+    with pytest.raises(PastoAPIError) as bad:
+        admin.diagnostics(name, arms=0)
+    assert bad.value.status == 422 and "arms" in str(bad.value)
+
+
 def test_create_experiment_sends_optional_fields(admin, create_experiment):
     name = create_experiment(algorithm={"preset": "paper"}, seed=987654321, settle_seconds=2.0)
     experiment = admin.get_experiment(name)
