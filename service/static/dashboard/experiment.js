@@ -632,20 +632,21 @@ async function refresh() {
   if (since < 0) since = history.rounds.length;
   if (diagnosticsRead.late_observations !== history.late) since = 0;
   const known = history.rounds.slice(0, since);
+  // A round that closed after the experiment was read is left for the next poll: the history is
+  // read after the experiment, and drawing it would put the charts one round ahead of the Round card
+  // (a paired suite run saw 34 rounds charted beside "32 in progress").
+  const upToExperiment = (rounds) => rounds.filter((round) => round.index <= experiment.round.index);
   const draw = (read) => {
     const { diagnostics, rounds } = alignToExperiment(experiment, diagnosticsRead, read);
     latest = { experiment, rounds, diagnostics, events };
     render();
   };
   const fresh = await roundsFrom(since, (partial) => {
-    draw(known.concat(partial).filter((round) => round.index <= experiment.round.index));
+    draw(upToExperiment(known.concat(partial)));
     document.getElementById("refresh-state").textContent =
       `Reading the history: ${formatInteger(known.length + partial.length)} of ${formatInteger(experiment.round.index + 1)} rounds…`;
   });
-  // A round that closed after the experiment was read is left for the next poll: the history is
-  // read after the experiment, and drawing it would put the charts one round ahead of the Round card
-  // (a paired suite run saw 34 rounds charted beside "32 in progress").
-  const read = known.concat(fresh).filter((round) => round.index <= experiment.round.index);
+  const read = upToExperiment(known.concat(fresh));
   history = { rounds: read, late: diagnosticsRead.late_observations };
   draw(read);
 }
