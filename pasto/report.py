@@ -169,49 +169,6 @@ class MixtureReport:
 
 
 @dataclass(frozen=True)
-class RoundReport:
-    """The state of an experiment under the algorithm's current estimate.
-
-    Attributes
-    ----------
-    round_index : int
-        ``state.round_index`` of the state reported on (the round now being served).
-    estimate : Estimate
-        The algorithm's estimate of the means, shape (M, K) (the estimator of the configuration).
-    thresholds : ndarray, shape (G,)
-        Guardrail thresholds resolved on the estimate.
-    best_mixture : ndarray, shape (K,)
-        p* = argmax_p f(V p) (:func:`pasto.optimum.best_mixture`).
-    best_mixture_value : float
-        f(V p*).
-    best_single_arm : int
-        Index of argmax_k f(V e_k).
-    best_single_value : float
-        Its value.
-    mixing_gain : float
-        ``best_mixture_value - best_single_value``: what mixing gains over the best single arm.
-    served : MixtureReport
-        The mixture the traffic was (or is being) served with.
-    deployed : MixtureReport
-        The mixture the algorithm recommends (``state.deployed``).
-    baseline_arm : int or None
-        Column of the arm the lifts are measured against (``objective.baseline_index``), or None.
-    """
-
-    round_index: int
-    estimate: Estimate
-    thresholds: np.ndarray
-    best_mixture: np.ndarray
-    best_mixture_value: float
-    best_single_arm: int
-    best_single_value: float
-    mixing_gain: float
-    served: MixtureReport
-    deployed: MixtureReport
-    baseline_arm: int | None = None
-
-
-@dataclass(frozen=True)
 class Optimum:
     """The best mixture and the best single arm on one estimate (the expensive part of a report).
 
@@ -231,6 +188,60 @@ class Optimum:
     best_mixture_value: float
     best_single_arm: int
     best_single_value: float
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """The state of an experiment under the algorithm's current estimate.
+
+    Attributes
+    ----------
+    round_index : int
+        ``state.round_index`` of the state reported on (the round now being served).
+    estimate : Estimate
+        The algorithm's estimate of the means, shape (M, K) (the estimator of the configuration).
+    thresholds : ndarray, shape (G,)
+        Guardrail thresholds resolved on the estimate.
+    optimum : Optimum
+        The best mixture and the best single arm on the estimate; its fields are also read as
+        ``best_mixture``, ``best_mixture_value``, ``best_single_arm`` and ``best_single_value``, and
+        ``mixing_gain`` is ``best_mixture_value - best_single_value`` (what mixing gains over the best
+        single arm).
+    served : MixtureReport
+        The mixture the traffic was (or is being) served with.
+    deployed : MixtureReport
+        The mixture the algorithm recommends (``state.deployed``).
+    baseline_arm : int or None
+        Column of the arm the lifts are measured against (``objective.baseline_index``), or None.
+    """
+
+    round_index: int
+    estimate: Estimate
+    thresholds: np.ndarray
+    optimum: Optimum
+    served: MixtureReport
+    deployed: MixtureReport
+    baseline_arm: int | None = None
+
+    @property
+    def best_mixture(self) -> np.ndarray:
+        return self.optimum.best_mixture
+
+    @property
+    def best_mixture_value(self) -> float:
+        return self.optimum.best_mixture_value
+
+    @property
+    def best_single_arm(self) -> int:
+        return self.optimum.best_single_arm
+
+    @property
+    def best_single_value(self) -> float:
+        return self.optimum.best_single_value
+
+    @property
+    def mixing_gain(self) -> float:
+        return self.optimum.best_mixture_value - self.optimum.best_single_value
 
 
 def solve_optimum(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
@@ -298,8 +309,7 @@ def round_report(
     means = current.means
     thresholds = objective.thresholds(means)
     best = solve(objective, means, thresholds)
-    best_probabilities, best_value = best.best_mixture, best.best_mixture_value
-    best_arm, best_single_value = best.best_single_arm, best.best_single_value
+    best_value = best.best_mixture_value
 
     baseline = objective.baseline_index
 
@@ -320,11 +330,7 @@ def round_report(
         round_index=int(state.round_index),
         estimate=current,
         thresholds=np.asarray(thresholds, dtype=float),
-        best_mixture=best_probabilities,
-        best_mixture_value=float(best_value),
-        best_single_arm=int(best_arm),
-        best_single_value=float(best_single_value),
-        mixing_gain=float(best_value - best_single_value),
+        optimum=best,
         served=mixture(served),
         deployed=mixture(np.asarray(state.deployed, dtype=float)),
         baseline_arm=baseline,
