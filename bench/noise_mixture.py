@@ -9,7 +9,10 @@ exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm
 observations that land on the arms of each run's true optimal mixture and the fewest observations
 any of them gets. Same seed, hence the same true means and optima, for every algorithm. Runs one
 job at a time (the machine is shared); every finished job is cached under ``--cache`` (keyed by
-sigma, rule, runs, rounds, seed), so an interrupted run resumes.
+sigma, rule, a digest of the rule's resolved configuration, runs, rounds, seed), so an interrupted
+run resumes. ``default`` and ``posterior`` are the same configuration today, named apart so that a
+table says which row is the default (asking for both simulates it twice; the command below asks for
+``posterior``).
 
     python bench/noise_mixture.py --runs 500 --rules posterior,conservative-0,mixture_draw-0,thompson
 
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import json
 import math
 import sys
 import time
@@ -30,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pasto.algorithm import AlgorithmConfig  # noqa: E402
 from pasto.cli import load_scenario  # noqa: E402
 from pasto.optimum import best_mixture  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
@@ -51,16 +57,25 @@ RULES = tuple(RULE_OPTIONS)
 SIGMAS = (1.0, 3.0)
 
 
+def _configuration_digest(options: dict | None) -> str:
+    """8 hex digits of the rule's resolved configuration (every option of the default preset with the
+    rule's overrides; "thompson" for the bandit), so that a cached job is not reused once a default
+    it relied on changes (``default`` is ``{}``: whatever the default is when it runs)."""
+    resolved = "thompson" if options is None else json.dumps(
+        AlgorithmConfig.from_preset("default", **options).to_dict(), sort_keys=True)
+    return hashlib.sha256(resolved.encode()).hexdigest()[:8]
+
+
 def _job(name: str, sigma: float | None, rule: str, runs: int, rounds: int, seed: int, cache: Path, references,
          support) -> dict:
-    path = cache / f"{name}_sigma{sigma}_{rule}_runs{runs}_rounds{rounds}_seed{seed}.npz"
+    if rule not in RULE_OPTIONS:
+        raise ValueError(f"Unknown rule {rule!r}; the rules are {list(RULE_OPTIONS)}.")
+    options = RULE_OPTIONS[rule]
+    path = cache / f"{name}_sigma{sigma}_{rule}_{_configuration_digest(options)}_runs{runs}_rounds{rounds}_seed{seed}.npz"
     if path.exists():
         data = np.load(path)
         return {key: data[key] for key in data.files}
     scenario = load_scenario(name).with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
-    if rule not in RULE_OPTIONS:
-        raise ValueError(f"Unknown rule {rule!r}; the rules are {list(RULE_OPTIONS)}.")
-    options = RULE_OPTIONS[rule]
     policy = make_policy("thompson") if options is None else make_policy("default", options)
     # The expected observations per arm: the served mixtures summed over the rounds (times the
     # queries per round), read off every state the controller returns.

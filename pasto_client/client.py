@@ -351,8 +351,8 @@ class Client:
 
         ``arms``: every round's per-arm arrays keep the N arms of largest weight (docs/api.md, "Large
         K"). The server picks them per response, and a round that closes between two pages can
-        change them, so each round returned then carries its page's ``arm_summary`` (the positions
-        and names its arrays are aligned with)."""
+        change them, so each round returned carries its page's ``arm_summary`` (the positions and
+        names its arrays are aligned with)."""
         path = self._experiment_path(name, "/rounds")
         if limit is not None:
             page = self.request("GET", path + _query(("since", since), ("limit", limit), ("arms", arms)))
@@ -394,7 +394,7 @@ def _with_arm_summary(page: dict) -> list[dict]:
     """A rounds page's rounds, each with the page's ``arm_summary`` when the page has one."""
     if "arm_summary" not in page:
         return page["rounds"]
-    return [{**entry, "arm_summary": page["arm_summary"]} for entry in page["rounds"]]
+    return [{**entry, "arm_summary": dict(page["arm_summary"])} for entry in page["rounds"]]
 
 
 def retry_delay(backoff: float, retry_after: float | None, max_backoff: float) -> float:

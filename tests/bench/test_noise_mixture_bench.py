@@ -37,3 +37,19 @@ def test_a_tiny_pass_reports_every_rule_and_resumes_from_its_cache(bench, tmp_pa
     second = capsys.readouterr().out
     assert [line for line in second.splitlines() if line.startswith("|")] == [
         line for line in first.splitlines() if line.startswith("|")]
+
+
+def test_a_cached_job_is_not_reused_once_the_configuration_it_ran_with_changes(bench, tmp_path, monkeypatch, capsys):
+    arguments = ["--runs", "2", "--rounds", "10", "--sigmas", "1.0", "--cache", str(tmp_path), "--rules", "default"]
+    bench.main(arguments)
+    assert len(list(tmp_path.glob("*.npz"))) == 1
+    simulated = []
+    original = bench.simulate
+    monkeypatch.setattr(bench, "simulate", lambda *a, **k: simulated.append(1) or original(*a, **k))
+    # The default's options change (as when serving_posterior_draws went from 0 to 4): "default"
+    # must run again, under a new key, not return the old default's figures.
+    monkeypatch.setitem(bench.RULE_OPTIONS, "default", {"serving_posterior_draws": 0})
+    bench.main(arguments)
+    assert simulated == [1]
+    assert len(list(tmp_path.glob("*.npz"))) == 2
+

@@ -93,11 +93,11 @@ def test_at_large_k_the_page_reads_summaries_and_draws_what_the_full_api_says(wi
 
     # Mixture: the 7 arms of largest p_t and "other", read against the full rounds.
     kept = top([max(p, d) for p, d in zip(experiment["probabilities"], experiment["deployed"])], SUMMARY_ARMS)
-    drawn = top(experiment["probabilities"], TOP_ARMS)
+    drawn = [arm for arm in top(experiment["probabilities"], TOP_ARMS) if experiment["probabilities"][arm] > 0]
     assert set(drawn) <= set(kept)  # the arms the chart names were kept: max(p_t, deployed) keeps them
     mixture = chart_data(page, "chart-mixture")
     assert [dataset["label"] for dataset in mixture] == (
-        [experiment["arms"][arm]["name"] for arm in drawn] + [f"other ({N_ARMS - TOP_ARMS} arms)"])
+        [experiment["arms"][arm]["name"] for arm in drawn] + [f"other ({N_ARMS - len(drawn)} arms)"])
     for dataset, arm in zip(mixture, drawn):
         assert dataset["x"] == [entry["index"] for entry in rounds]
         assert dataset["y"] == [entry["probabilities"][arm] for entry in rounds]
@@ -170,26 +170,45 @@ def test_at_large_k_the_page_reads_summaries_and_draws_what_the_full_api_says(wi
     context.close()
 
 
-def test_deployed_bars_name_the_arms_the_mixture_uses_when_not_every_arm_gets_a_bar(wide_server, browser):
-    """A few arms: every arm has a bar, a weight of 0 included. More arms than bars: only arms of
-    positive weight get one (largest first) and the others are summed into "other"."""
+def test_charts_name_the_arms_of_positive_weight_when_not_every_arm_gets_a_name(wide_server, browser):
+    """A few arms (at most 8: 7 names and no "other" of one arm): every arm is named, a weight of 0
+    included. More arms than names: only arms of positive weight are named (largest first) and the
+    others are summed into "other", in full and summarised responses alike, for the deployed bars
+    and the p_t bands."""
     context, page, _ = open_page(browser, "desktop")
     page.goto(f"{wide_server.base_url}/experiments/{NAME}")
     page.wait_for_selector("#experiment[data-rounds]")
+    model = "(await import('/static/dashboard/model.js'))"
 
-    def bars(deployed: list[float]) -> list[tuple[str, float]]:
-        experiment = {"deployed": deployed, "arms": [{"name": f"a{k}"} for k in range(len(deployed))]}
-        drawn = page.evaluate(
-            "async ([experiment, count]) => (await import('/static/dashboard/model.js')).deployedBars(experiment, count)",
-            [experiment, TOP_ARMS])
+    def bars(deployed: list[float], summary: dict | None = None) -> list[tuple[str, float]]:
+        experiment = {"deployed": deployed, "probabilities": deployed,
+                      "arms": [{"name": f"a{k}"} for k in range(len(deployed))], **(summary or {})}
+        drawn = page.evaluate(f"async ([e, count]) => {model}.deployedBars(e, count)", [experiment, TOP_ARMS])
+        series = page.evaluate(f"async ([e, count]) => {model}.mixtureSeries(e, [e], count)", [experiment, TOP_ARMS])
+        assert [entry["label"] for entry in series] == [
+            label if label.startswith("a") else label.replace(")", " arms)") for label, _ in
+            ((bar["label"], bar["value"]) for bar in drawn)]
+        assert [entry["data"][0] for entry in series] == [bar["value"] for bar in drawn]
         return [(bar["label"], bar["value"]) for bar in drawn]
 
     assert bars([0.0, 1.0, 0.0]) == [("a1", 1.0), ("a0", 0.0), ("a2", 0.0)]
+    eight = [0.0] * 8
+    eight[5] = 1.0
+    assert bars(eight) == [("a5", 1.0)] + [(f"a{k}", 0.0) for k in (0, 1, 2, 3, 4, 6, 7)]
     many = [0.0] * 20
     many[12], many[3] = 0.75, 0.25
     assert bars(many) == [("a12", 0.75), ("a3", 0.25), ("other (18)", 0.0)]
     spread = [0.05] * 20
     assert [label for label, _ in bars(spread)] == [f"a{k}" for k in range(TOP_ARMS)] + ["other (13)"]
+    # A summarised response: 10 kept arms (named by position in the full list) of 150, the other 140
+    # summed into rest; zero-weight kept arms are not named even though fewer than 7 arms are.
+    kept = [40, 7, 99, 3, 12, 0, 1, 2, 5, 6]
+    weights = [0.6, 0.3, 0.1] + [0.0] * 7
+    summary = {"arm_summary": {"arms": kept, "names": [f"a{k}" for k in kept], "rest_arms": 140},
+               "rest": {"arms": 140, "probabilities": 0.0, "deployed": 0.0}}
+    drawn = bars(weights, summary)
+    assert [label for label, _ in drawn] == ["a0", "a1", "a2", "other (147)"]
+    assert math.isclose(drawn[-1][1], 0.0, abs_tol=1e-12)
     context.close()
 
 

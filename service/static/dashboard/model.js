@@ -160,13 +160,21 @@ export function topArms(probabilities, count, positions = null) {
   return order.length <= count + 1 ? order : order.slice(0, count);
 }
 
+// The arms a chart names for `weights` (K,): topArms, and when not every arm gets a name, only arms of
+// positive weight (an arm of weight 0 goes to "other": a 0 picked by arm position says nothing, and a
+// summarised response need not keep the zero-weight arms the full one would pick).
+function namedArms(experiment, weights, count) {
+  const ranked = topArms(weights, count, experiment.arm_summary?.arms);
+  return ranked.length < armCount(experiment) ? ranked.filter((arm) => weights[arm] > 0) : ranked;
+}
+
 function sumOf(values, indices) {
   return indices.reduce((sum, index) => sum + values[index], 0);
 }
 
-// Stacked-area series of p_t: the top arms by current probability, then "other".
+// Stacked-area series of p_t: the top arms by current probability (namedArms), then "other".
 export function mixtureSeries(experiment, rounds, count) {
-  const top = topArms(experiment.probabilities, count, experiment.arm_summary?.arms);
+  const top = namedArms(experiment, experiment.probabilities, count);
   const series = top.map((arm) => ({
     arm, label: experiment.arms[arm].name, data: rounds.map((round) => round.probabilities[arm]),
   }));
@@ -181,13 +189,9 @@ export function mixtureSeries(experiment, rounds, count) {
   return series;
 }
 
-// The deployed mixture's largest arms, at most `count`, then "other" for the remaining arms. When not
-// every arm gets a bar, the bars go to arms the mixture uses: an arm of weight 0 goes to "other" (a
-// bar of 0 picked by arm position says nothing, and a summarised response need not keep the
-// zero-weight arms the full one would pick).
+// The deployed mixture's largest arms (namedArms), at most `count`, then "other" for the remaining arms.
 export function deployedBars(experiment, count) {
-  const ranked = topArms(experiment.deployed, count, experiment.arm_summary?.arms);
-  const top = ranked.length < armCount(experiment) ? ranked.filter((arm) => experiment.deployed[arm] > 0) : ranked;
+  const top = namedArms(experiment, experiment.deployed, count);
   const bars = top.map((arm) => ({ arm, label: experiment.arms[arm].name, value: experiment.deployed[arm] }));
   const rest = armCount(experiment) - top.length;
   if (rest > 0) {
