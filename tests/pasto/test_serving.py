@@ -593,3 +593,23 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_
     served = serving.choose(serving.ServingConfig(posterior_draws=0), objective, statistics, 40,
                             np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
     assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
+
+
+def test_batched_posterior_draws_equal_the_same_draws_made_one_after_another():
+    """``drawn_mixture(..., draws=n)`` solves n draws in one mirror ascent: exactly the mixtures of n
+    single calls on a generator in the same state, which leaves the generator where they leave it."""
+    source = np.random.default_rng(3)
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.0, "penalty": 5.0}]})
+    for n_arms in (3, 40):
+        means = source.normal(size=(5, 2, n_arms))
+        errors = 0.3 * np.abs(source.normal(size=(5, 2, n_arms)))
+        start = np.log(source.dirichlet(np.ones(n_arms), size=5))
+        one_by_one, batched = np.random.default_rng([7, 15]), np.random.default_rng([7, 15])
+        expected = np.stack([serving.drawn_mixture(objective, means, errors, start, 100, one_by_one) for _ in range(4)])
+        drawn = serving.drawn_mixture(objective, means, errors, start, 100, batched, 4)
+        assert drawn.shape == (4, 5, n_arms)
+        np.testing.assert_array_equal(drawn, expected)
+        assert one_by_one.random() == batched.random()
+        # Different draws give different mixtures (the test would pass trivially on copies of one).
+        assert not np.array_equal(drawn[0], drawn[1])
