@@ -80,12 +80,13 @@ def test_no_exploration_floor_arms_that_cannot_help_get_no_traffic():
 
 
 def test_served_regret_on_a_soft_guardrail_grows_sublinearly():
-    scenario = load_scenario("setup-a").with_overrides(runs=8, rounds=800, seed=5)
-    scenario = scenario_from_dict({**scenario.to_dict(), "checkpoints": [200, 400, 800]})
+    scenario = load_scenario("setup-a").with_overrides(runs=8, rounds=400, seed=5)
+    scenario = scenario_from_dict({**scenario.to_dict(), "checkpoints": [200, 400]})
     result = simulate(scenario, make_policy("safe"))
     regret = {c["round"]: c["cumulative_regret"]["mean"] for c in result.summary["checkpoints"]}
-    # Linear regret would double from 400 to 800; here the second half adds well under the first.
-    assert regret[800] - regret[400] < 0.6 * regret[400]
+    # Linear regret would double from 200 to 400; here the second half adds well under the first
+    # (seeds 5-10 add 7-30% of the first half's regret, and 10-28% from 400 to 800).
+    assert regret[400] - regret[200] < 0.6 * regret[200]
     assert result.summary["checkpoints"][-1]["objective"]["mean"] > 0.9
 
 
@@ -282,8 +283,10 @@ def test_the_default_preset_runs_the_same_change_detection_as_the_standalone_con
     standalone = serving.initial_state(serving.ServingConfig(), 2, 2, (runs,), objective)
     pooled = Statistics.zeros(2, 2, (runs,))
     agree, alarms = [], []
-    for round_number in range(1, 401):
-        means = before if round_number < 200 else after
+    # The change at round 100 is detected at the end of the block it falls in (round 125 in every
+    # run), so three blocks after it are enough.
+    for round_number in range(1, 176):
+        means = before if round_number < 100 else after
         arms = sample_arms(rng, service_state.probabilities, 1)
         values = np.moveaxis(means[:, arms], 0, -1) + np.sqrt(5.0) * rng.standard_normal((runs, 1, 2))
         statistics = round_statistics(arms, values, 2)
@@ -294,7 +297,7 @@ def test_the_default_preset_runs_the_same_change_detection_as_the_standalone_con
         alarms.append(service_state.changes.copy())
         agree.append(np.allclose(service_state.probabilities, standalone.probabilities, atol=1e-6)
                      and np.allclose(service_state.deployed, standalone.deployed, atol=1e-6))
-    assert np.all(alarms[198] == 0) and np.all(alarms[-1] >= 1)  # no false alarm, then every run detects
+    assert np.all(alarms[98] == 0) and np.all(alarms[-1] >= 1)  # no false alarm, then every run detects
     assert np.mean(agree) >= 0.97
 
 
