@@ -1,8 +1,9 @@
 """Issue 14's noise rows for the default's serving rules, on the same runs.
 
 Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: posterior exploration
-outside the plug-in support with 4 draws, the same as ``posterior``), the default before it
-(``conservative-0``: no posterior draws), the undecided-run rules of branch noise2 without posterior
+outside the plug-in support with 4 draws, its mass scaled by 2, the same as ``posterior``), the
+default before the scale (``posterior-scale1``: the mass itself), the default before posterior
+exploration (``conservative-0``: no posterior draws), the undecided-run rules of branch noise2 without posterior
 exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
 ``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;
 ``mixture_draw_half-0``: half of it), and the Thompson best-arm bandit; with the share of the
@@ -14,7 +15,7 @@ run resumes. ``default`` and ``posterior`` are the same configuration today, nam
 table says which row is the default (asking for both simulates it twice; the command below asks for
 ``posterior``).
 
-    python bench/noise_mixture.py --runs 500 --rules posterior,conservative-0,mixture_draw-0,thompson
+    python bench/noise_mixture.py --runs 500 --rules posterior,posterior-scale1,conservative-0,mixture_draw-0,thompson
 
 prints the markdown table of docs/benchmarks.md's "Noise rows: posterior exploration outside the
 support".
@@ -43,10 +44,12 @@ from pasto.simulate import draw_means, make_policy, reference_values, simulate  
 # Each rule is a set of options of the default preset ("thompson" is the best-arm bandit). The
 # "-0" rules set serving_posterior_draws = 0: "conservative-0" is the default before posterior
 # exploration outside the support, the others are the undecided-run rules of branch noise2 as they
-# were measured there; "posterior" (4 draws) is the default's setting, named for the tables.
+# were measured there; "posterior" (4 draws, scale 2) is the default's setting, named for the
+# tables; "posterior-scale1" is the default before serving_posterior_scale (the mass unscaled).
 RULE_OPTIONS = {
     "default": {},
-    "posterior": {"serving_posterior_draws": 4},
+    "posterior": {"serving_posterior_draws": 4, "serving_posterior_scale": 2.0},
+    "posterior-scale1": {"serving_posterior_draws": 4, "serving_posterior_scale": 1.0},
     "conservative-0": {"serving_undecided": "conservative", "serving_posterior_draws": 0},
     "best_arm-0": {"serving_undecided": "best_arm", "serving_posterior_draws": 0},
     "mixture_draw-0": {"serving_undecided": "mixture_draw", "serving_posterior_draws": 0},

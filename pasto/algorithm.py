@@ -141,6 +141,9 @@ class AlgorithmConfig:
         With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass
         outside the plug-in support is served as exploration (0 to 64, 0 turns it off;
         :class:`pasto.serving.ServingConfig`'s ``posterior_draws``; 4 by default).
+    serving_posterior_scale : float
+        Factor on that mass, in (0, 10], at most half of the traffic in all (1: unscaled and
+        uncapped; :class:`pasto.serving.ServingConfig`'s ``posterior_scale``; 2 by default).
     change_level : float
         With ``serving = "safe"``: family-wise false-alarm probability of each change test
         (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
@@ -169,6 +172,7 @@ class AlgorithmConfig:
     serving_level: float = 0.95
     serving_undecided: str = "conservative"
     serving_posterior_draws: int = 4
+    serving_posterior_scale: float = 2.0
     change_level: float = 1e-4
     change_every: int = 25
 
@@ -195,6 +199,7 @@ class AlgorithmConfig:
             "directed_z",
             "dual_step",
             "serving_level",
+            "serving_posterior_scale",
             "change_level",
         ):
             value = getattr(self, name)
@@ -203,6 +208,10 @@ class AlgorithmConfig:
             object.__setattr__(self, name, float(value))
         if not 0.5 < self.serving_level < 1.0:
             raise ValueError(f"Algorithm option 'serving_level' must be in (0.5, 1), got {self.serving_level}.")
+        if not 0.0 < self.serving_posterior_scale <= 10.0:
+            raise ValueError(
+                f"Algorithm option 'serving_posterior_scale' must be in (0, 10], got {self.serving_posterior_scale}."
+            )
         if not 0.0 <= self.change_level < 1.0:
             raise ValueError(f"Algorithm option 'change_level' must be in [0, 1), got {self.change_level}.")
         if not 0.0 < self.discount <= 1.0:
@@ -806,6 +815,7 @@ def _safe_advance(
             change_every=config.change_every,
             undecided=config.serving_undecided,
             posterior_draws=config.serving_posterior_draws,
+            posterior_scale=config.serving_posterior_scale,
         )
         probabilities, deployed, log_weights = serving.choose(
             rule, objective, statistics, t, state.log_weights, observations, state.deployed

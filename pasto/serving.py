@@ -39,7 +39,8 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    (``conservative``) keeps the conservative path. With ``posterior_draws`` > 0 (the default: 4;
    issue 14's noise rows), every run also serves, as exploration, the
    mass that the optima of ``posterior_draws`` posterior draws of the means put, on average, on
-   arms outside its plug-in support (posterior exploration outside the support): an arm gets
+   arms outside its plug-in support (posterior exploration outside the support), ``posterior_scale``
+   times over (2 by default) and at most half of the traffic in all: an arm gets
    traffic in proportion to its posterior chance of belonging to the optimal mixture, so a run
    that found a mixture better than every single arm keeps testing the arms of better mixtures,
    and that traffic vanishes as the posterior concentrates.
@@ -144,6 +145,12 @@ class ServingConfig:
         default (0 is the behaviour before it): the draws' average has the exploration of Thompson
         sampling over mixtures on those arms with a quarter of one draw's variance
         (docs/benchmarks.md, "Noise rows: posterior exploration outside the support").
+    posterior_scale : float
+        Factor on that mass, in (0, 10]: each run serves ``posterior_scale`` times the draws'
+        average mass outside its support, at most half of its traffic in all (1: the mass itself,
+        uncapped, the behaviour before the option). 2 by default: at sigma 1.0 on setup B it finds
+        the optimal support in more runs (r >= 0.9 in 50% of 500 runs against 44%) for 17% more
+        served regret (docs/benchmarks.md, "Noise rows: the scale of posterior exploration").
     """
 
     level: float = 0.95
@@ -156,13 +163,14 @@ class ServingConfig:
     mirror_steps: int = 50
     undecided: str = "conservative"
     posterior_draws: int = 4
+    posterior_scale: float = 2.0
 
     def __post_init__(self) -> None:
         if self.undecided not in UNDECIDED_RULES:
             raise ValueError(
                 f"Serving option 'undecided' must be one of {list(UNDECIDED_RULES)}, got {self.undecided!r}."
             )
-        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
+        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level", "posterior_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Serving option {name!r} must be a finite number, got {value!r}.")
@@ -172,6 +180,8 @@ class ServingConfig:
                 raise ValueError(f"Serving option {name!r} must be in (0.5, 1), got {getattr(self, name)}.")
         if self.optimism < 0:
             raise ValueError(f"Serving option 'optimism' must be >= 0, got {self.optimism}.")
+        if not 0.0 < self.posterior_scale <= 10.0:
+            raise ValueError(f"Serving option 'posterior_scale' must be in (0, 10], got {self.posterior_scale}.")
         for name in ("min_share", "holdout", "change_level"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"Serving option {name!r} must be in [0, 1), got {getattr(self, name)}.")
@@ -815,6 +825,15 @@ def choose(
                 objective, flat_means, flat_errors, start, 2 * config.mirror_steps, rng, config.posterior_draws
             ).mean(axis=0)
             outside = np.where(plug_in < _SUPPORT, posterior, 0.0)
+            if config.posterior_scale != 1.0:
+                # One posterior draw's optimum rarely holds an arm that is only a close second for
+                # a place in the support, so the draws' average tests such arms too timidly: at
+                # sigma 1.0 on setup B (500 runs), twice the mass found the optimal support in 50%
+                # of runs against 44% (three times: 50%, with more runs below the best arm). The
+                # cap keeps half of the traffic on the run's own path while the posterior is wide.
+                total = outside.sum(axis=-1, keepdims=True)
+                scaled = np.minimum(config.posterior_scale * total, 0.5)
+                outside = np.divide(outside * scaled, total, out=np.zeros_like(outside), where=total > 0)
             explored = (1.0 - outside.sum(axis=-1, keepdims=True)) * anchored + outside
             if config.undecided in ("mixture_draw", "mixture_draw_half"):
                 # Those runs' traffic already follows a posterior draw.

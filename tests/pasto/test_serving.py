@@ -447,7 +447,9 @@ def test_with_best_arm_an_undecided_run_sends_half_its_anchored_traffic_the_way_
     served, deployed, _ = serving.choose(
         config, objective, statistics, 500, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))
     assert deployed[0, 0] == pytest.approx(0.5, abs=0.05) and deployed[0, 1] == pytest.approx(0.5, abs=0.05)
-    assert served[0, 0] + served[0, 1] > 0.9
+    # Most of the traffic (an undecided run's best-arm half would leave it near 0.5); the rest is
+    # the posterior exploration of arm 2, a close second (f 0.6 against 0.7), twice its mass.
+    assert served[0, 0] + served[0, 1] > 0.85
 
 
 # --------------------------------------------------------------------------- Thompson sampling over mixtures
@@ -596,6 +598,40 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_
     served = serving.choose(serving.ServingConfig(posterior_draws=0), objective, statistics, 40,
                             np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
     assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
+
+
+def test_the_posterior_scale_multiplies_the_mass_outside_the_support_up_to_half_of_the_traffic():
+    """Scale 1 serves the draws' average mass outside the support as it is; scale 2 serves twice
+    that mass, spread over the same arms in the same proportions, the support's path scaled down to
+    make room; and the scaled mass never takes more than half of the traffic."""
+    from pasto import algorithm
+
+    def served(scale, n_untested=5, reading=(0.9, 0.6, 0.6), t=40):
+        objective, statistics = _decided_mixture_with_an_untested_arm(n_untested, list(reading))
+        config = serving.ServingConfig(posterior_scale=scale)
+        return serving.choose(config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
+
+    directed = 1.0 / (10.0 * np.sqrt(40.0))  # the directed share arm 2 gets either way
+    once, twice = served(1.0), served(2.0)
+    outside_once = (once[2] - directed) / (1.0 - directed)
+    outside_twice = (twice[2] - directed) / (1.0 - directed)
+    assert 0.05 < outside_once < 0.25, once  # small enough that twice it stays under the cap
+    np.testing.assert_allclose(outside_twice, 2.0 * outside_once, rtol=1e-9)
+    # The support (arms 0 and 1) keeps its proportions and gives up the difference.
+    np.testing.assert_allclose(twice[0] / twice[1], once[0] / once[1], rtol=1e-9)
+    np.testing.assert_allclose(twice.sum(), 1.0)
+    # A large scale is capped at half of the traffic (plus the directed share).
+    capped = served(10.0)
+    np.testing.assert_allclose((capped[2] - directed) / (1.0 - directed), 0.5, rtol=1e-9)
+    # Settled (arm 2 seen 2,000 times at the same reading): the scaled mass is gone too.
+    objective, known = _decided_mixture_with_an_untested_arm(2000, [0.9, 0.6, 0.6])
+    assert _average_served(serving.ServingConfig(posterior_scale=2.0), objective, known)[2] < 0.02
+    assert serving.ServingConfig().posterior_scale == algorithm.AlgorithmConfig().serving_posterior_scale == 2.0
+    for bad in (0.0, -1.0, 10.5, float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="'posterior_scale' must be"):
+            serving.ServingConfig(posterior_scale=bad)
+        with pytest.raises(ValueError, match="'serving_posterior_scale' must be"):
+            algorithm.AlgorithmConfig(serving_posterior_scale=bad)
 
 
 def test_batched_posterior_draws_equal_the_same_draws_made_one_after_another():
