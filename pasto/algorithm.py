@@ -42,7 +42,7 @@ from pasto.estimators import (
 )
 from pasto.objectives import Objective
 from pasto.optimum import mirror_ascent
-from pasto.serving import UNDECIDED_RULES
+from pasto.serving import UNDECIDED_RULES, ServingConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -169,12 +169,13 @@ class AlgorithmConfig:
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
     serving: str = "safe"
-    serving_level: float = 0.95
-    serving_undecided: str = "conservative"
-    serving_posterior_draws: int = 4
-    serving_posterior_scale: float = 2.0
-    change_level: float = 1e-4
-    change_every: int = 25
+    # The safe-serving options' defaults are ServingConfig's (one source).
+    serving_level: float = ServingConfig.level
+    serving_undecided: str = ServingConfig.undecided
+    serving_posterior_draws: int = ServingConfig.posterior_draws
+    serving_posterior_scale: float = ServingConfig.posterior_scale
+    change_level: float = ServingConfig.change_level
+    change_every: int = ServingConfig.change_every
 
     def __post_init__(self) -> None:
         for name, allowed in (
