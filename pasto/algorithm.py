@@ -42,7 +42,7 @@ from pasto.estimators import (
 )
 from pasto.objectives import Objective
 from pasto.optimum import mirror_ascent
-from pasto.serving import UNDECIDED_RULES, ServingConfig
+from pasto.serving import ServingConfig
 
 __all__ = [
     "AlgorithmConfig",
@@ -70,6 +70,17 @@ SERVING_RULES = ("exploration", "safe")
 _SOLVE_LOG_WEIGHT_FLOOR = 30.0
 _LARGEST = np.finfo(float).max
 _MAX_LOG_STEP = 1e6
+
+
+# AlgorithmConfig's safe-serving options and their names in ServingConfig.
+_SERVING_OPTIONS = (
+    ("serving_level", "level"),
+    ("serving_undecided", "undecided"),
+    ("serving_posterior_draws", "posterior_draws"),
+    ("serving_posterior_scale", "posterior_scale"),
+    ("change_level", "change_level"),
+    ("change_every", "change_every"),
+)
 
 
 @dataclass(frozen=True)
@@ -186,7 +197,6 @@ class AlgorithmConfig:
             ("solve_objective", SOLVE_OBJECTIVES),
             ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
             ("serving", SERVING_RULES),
-            ("serving_undecided", UNDECIDED_RULES),
         ):
             value = getattr(self, name)
             if value not in allowed:
@@ -199,22 +209,11 @@ class AlgorithmConfig:
             "directed_share",
             "directed_z",
             "dual_step",
-            "serving_level",
-            "serving_posterior_scale",
-            "change_level",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
             object.__setattr__(self, name, float(value))
-        if not 0.5 < self.serving_level < 1.0:
-            raise ValueError(f"Algorithm option 'serving_level' must be in (0.5, 1), got {self.serving_level}.")
-        if not 0.0 < self.serving_posterior_scale <= 10.0:
-            raise ValueError(
-                f"Algorithm option 'serving_posterior_scale' must be in (0, 10], got {self.serving_posterior_scale}."
-            )
-        if not 0.0 <= self.change_level < 1.0:
-            raise ValueError(f"Algorithm option 'change_level' must be in [0, 1), got {self.change_level}.")
         if not 0.0 < self.discount <= 1.0:
             raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
         for name in ("step_size", "exploration_scale", "dual_step", "directed_z"):
@@ -223,21 +222,30 @@ class AlgorithmConfig:
         for name in ("exploration_floor", "directed_share"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"Algorithm option {name!r} must be in [0, 1], got {getattr(self, name)}.")
-        for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0), ("change_every", 1)):
+        for name, minimum in (("stage_length", 1), ("solve_every", 0), ("solve_steps", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"Algorithm option {name!r} must be an integer >= {minimum}, got {value!r}.")
-        value = self.serving_posterior_draws
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 64:
-            raise ValueError(
-                f"Algorithm option 'serving_posterior_draws' must be an integer from 0 to 64, got {value!r}."
-            )
+        # The safe-serving options are validated once, by ServingConfig, in this class's names.
+        try:
+            rule = self.serving_config()
+        except ValueError as error:
+            message = str(error).replace("Serving option", "Algorithm option")
+            for name, serving_name in _SERVING_OPTIONS:
+                message = message.replace(f"'{serving_name}'", f"'{name}'")
+            raise ValueError(message) from None
+        for name, serving_name in _SERVING_OPTIONS:
+            object.__setattr__(self, name, getattr(rule, serving_name))
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):
             raise ValueError(f"Algorithm option 'horizon' must be a positive integer, got {self.horizon!r}.")
         if self.step_schedule == "horizon" and self.horizon is None:
             raise ValueError("The 'horizon' step schedule needs the option 'horizon' (the number of rounds T).")
+
+    def serving_config(self) -> ServingConfig:
+        """The :class:`pasto.serving.ServingConfig` of the ``serving_*`` and ``change_*`` options."""
+        return ServingConfig(**{serving_name: getattr(self, name) for name, serving_name in _SERVING_OPTIONS})
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides: Any) -> AlgorithmConfig:
@@ -810,14 +818,7 @@ def _safe_advance(
         statistics = evidence if accumulators.discounted is None else accumulators.discounted
         batch = max(1, int(np.prod(state.batch_shape)))
         observations = float(round_statistics.counts[..., 0, :].sum()) / batch
-        rule = serving.ServingConfig(
-            level=config.serving_level,
-            change_level=config.change_level,
-            change_every=config.change_every,
-            undecided=config.serving_undecided,
-            posterior_draws=config.serving_posterior_draws,
-            posterior_scale=config.serving_posterior_scale,
-        )
+        rule = config.serving_config()
         probabilities, deployed, log_weights = serving.choose(
             rule, objective, statistics, t, state.log_weights, observations, state.deployed
         )
