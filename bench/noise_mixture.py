@@ -2,7 +2,8 @@
 
 Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: posterior exploration
 outside the plug-in support with 4 draws, its mass scaled by 2, the same as ``posterior``), the
-default before the scale (``posterior-scale1``: the mass itself), the default before posterior
+default before the scale (``posterior-scale1``: the mass itself), the default with half of an
+undecided run's anchored traffic after a best-arm bandit (``best_arm``), the default before posterior
 exploration (``conservative-0``: no posterior draws), the undecided-run rules of branch noise2 without posterior
 exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
 ``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;
@@ -45,11 +46,13 @@ from pasto.simulate import draw_means, make_policy, reference_values, simulate  
 # "-0" rules set serving_posterior_draws = 0: "conservative-0" is the default before posterior
 # exploration outside the support, the others are the undecided-run rules of branch noise2 as they
 # were measured there; "posterior" (4 draws, scale 2) is the default's setting, named for the
-# tables; "posterior-scale1" is the default before serving_posterior_scale (the mass unscaled).
+# tables; "posterior-scale1" is the default before serving_posterior_scale (the mass unscaled);
+# "best_arm" is the default with the opt-in best-arm half for undecided runs.
 RULE_OPTIONS = {
     "default": {},
     "posterior": {"serving_posterior_draws": 4, "serving_posterior_scale": 2.0},
     "posterior-scale1": {"serving_posterior_draws": 4, "serving_posterior_scale": 1.0},
+    "best_arm": {"serving_undecided": "best_arm"},
     "conservative-0": {"serving_undecided": "conservative", "serving_posterior_draws": 0},
     "best_arm-0": {"serving_undecided": "best_arm", "serving_posterior_draws": 0},
     "mixture_draw-0": {"serving_undecided": "mixture_draw", "serving_posterior_draws": 0},
