@@ -147,7 +147,7 @@ class AlgorithmConfig:
     serving_undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
         With ``serving = "safe"`` and soft guardrails: where the anchored traffic of a run whose
         mixture cannot yet be defended against the best single arm goes
-        (:class:`pasto.serving.ServingConfig`'s ``undecided``; experimental, default unchanged).
+        (:class:`pasto.serving.ServingConfig`'s ``undecided``; ``best_arm`` by default).
     serving_posterior_draws : int
         With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass
         outside the plug-in support is served as exploration (0 to 64, 0 turns it off;

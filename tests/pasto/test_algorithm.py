@@ -127,7 +127,7 @@ def test_field_defaults_are_the_default_preset():
         "stage_length": 10, "exploration": "sqrt", "exploration_scale": 1.0, "exploration_floor": 0.05,
         "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
         "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "safe", "serving_level": 0.95, "serving_undecided": "conservative", "serving_posterior_draws": 4,
+        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 4,
         "serving_posterior_scale": 2.0, "change_level": 1e-4,
         "change_every": 25,
     }
@@ -143,7 +143,7 @@ def test_paper_preset_overrides_only_what_algorithm_1_changes():
         "stage_length": 10, "exploration": "paper", "exploration_scale": 0.1, "exploration_floor": 0.0,
         "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
         "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "exploration", "serving_level": 0.95, "serving_undecided": "conservative",
+        "serving": "exploration", "serving_level": 0.95, "serving_undecided": "best_arm",
         "serving_posterior_draws": 4, "serving_posterior_scale": 2.0, "change_level": 1e-4, "change_every": 25,
     }
 

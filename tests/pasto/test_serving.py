@@ -467,9 +467,10 @@ def test_with_best_arm_an_undecided_run_sends_half_its_anchored_traffic_the_way_
     objective, statistics = _complementary_arms_statistics(500)
     config = serving.ServingConfig(undecided="best_arm")
     t = 40
-    conservative, _, _ = serving.choose(
-        serving.ServingConfig(), objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))
-    assert conservative[0, 2] < 0.27, "the default keeps the conservative path (arm 2 near the uniform 0.25)"
+    conservative, _, _ = serving.choose(serving.ServingConfig(undecided="conservative"), objective, statistics, t,
+                                        np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))
+    assert conservative[0, 2] < 0.27, "the conservative rule keeps its path (arm 2 near the uniform 0.25)"
+    assert serving.ServingConfig().undecided == "best_arm", "best_arm is the default"
     served, deployed, log_weights = serving.choose(
         config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))
     assert deployed[0, 2] == 1.0, "expected arm 2 deployed alone: the mixture is not defended yet"
@@ -506,8 +507,8 @@ def test_the_undecided_rule_is_validated_with_a_sentence():
 
     with pytest.raises(ValueError, match="'serving_undecided' must be one of"):
         algorithm.AlgorithmConfig(serving_undecided="sometimes")
-    assert serving.ServingConfig().undecided == "conservative"
-    assert algorithm.AlgorithmConfig().serving_undecided == "conservative"
+    assert serving.ServingConfig().undecided == "best_arm"
+    assert algorithm.AlgorithmConfig().serving_undecided == "best_arm"
 
 
 @settings(max_examples=40, deadline=None)
@@ -636,10 +637,11 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_
             algorithm.AlgorithmConfig(serving_posterior_draws=bad)
     assert serving.ServingConfig().posterior_draws == 4
     assert algorithm.AlgorithmConfig().serving_posterior_draws == 4
-    # With no draws, what is served is the support's path plus the directed share, nothing else:
-    # the case above gives arm 2 only that share.
+    # With no draws (and the conservative undecided rule: the default best_arm rule would also send
+    # arm 2, a plausible best single arm, its best-arm half), what is served is the support's path
+    # plus the directed share, nothing else: the case above gives arm 2 only that share.
     objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
-    served = serving.choose(serving.ServingConfig(posterior_draws=0), objective, statistics, 40,
+    served = serving.choose(serving.ServingConfig(posterior_draws=0, undecided="conservative"), objective, statistics, 40,
                             np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
     assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
 
@@ -647,12 +649,13 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_
 def test_the_posterior_scale_multiplies_the_mass_outside_the_support_up_to_half_of_the_traffic():
     """Scale 1 serves the draws' average mass outside the support as it is; scale 2 serves twice
     that mass, spread over the same arms in the same proportions, the support's path scaled down to
-    make room; and the scaled mass never takes more than half of the traffic."""
+    make room; and the scaled mass never takes more than half of the traffic. (The undecided rule
+    is the conservative one, so that nothing but the draws' mass reaches arm 2.)"""
     from pasto import algorithm
 
     def served(scale, n_untested=5, reading=(0.9, 0.6, 0.6), t=40):
         objective, statistics = _decided_mixture_with_an_untested_arm(n_untested, list(reading))
-        config = serving.ServingConfig(posterior_scale=scale)
+        config = serving.ServingConfig(posterior_scale=scale, undecided="conservative")
         return serving.choose(config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25))[0][0]
 
     directed = 1.0 / (10.0 * np.sqrt(40.0))  # the directed share arm 2 gets either way
