@@ -32,3 +32,20 @@ def test_a_tiny_pass_times_both_settings_per_k(bench, capsys, monkeypatch):
     for n_arms in (5, 20):
         figures = results[n_arms]
         assert figures["0"] > 0 and figures["4"] > 0 and math.isfinite(figures["ratio"])
+
+
+def test_another_option_can_be_compared(bench, capsys, monkeypatch):
+    calls = []
+    original = bench.measure_update_alone
+
+    def recorded(n_arms, preset, rounds, seed=0, overrides=None):
+        calls.append((n_arms, overrides))
+        return original(n_arms, preset, rounds, seed=seed, overrides=overrides)
+
+    monkeypatch.setattr(bench, "measure_update_alone", recorded)
+    results = bench.main(["--arms", "5", "--rounds", "2", "--repeats", "2",
+                          "--option", "serving_undecided", "--values", "conservative,best_arm"])
+    assert calls == [(5, {"serving_undecided": "conservative"}), (5, {"serving_undecided": "best_arm"}),
+                     (5, {"serving_undecided": "best_arm"}), (5, {"serving_undecided": "conservative"})]
+    assert results[5]["conservative"] > 0 and results[5]["best_arm"] > 0 and math.isfinite(results[5]["ratio"])
+    assert "serving_undecided = conservative" in capsys.readouterr().out
