@@ -791,10 +791,11 @@ def choose(
             # posterior probability of being the best single arm, as Thompson sampling does), so
             # that when the noise forbids a defended mixture the arm deployed instead is found as
             # fast as a best-arm bandit finds it; the other half keeps the conservative path to
-            # the plug-in mixture (the top-two Thompson split, beta = 1/2). On setup B (500 runs,
-            # with posterior exploration) it trades the sigma 1.0 median r (0.884 against 0.899)
-            # for the sigma 3.0 rows (below Thompson in 24.0% of runs against 26.0%); all of it the
-            # best-arm way: 25.4%, and a median r of 0.50 at sigma 1.0 (docs/benchmarks.md, "Noise
+            # the plug-in mixture (the top-two Thompson split, beta = 1/2). On setup B (1000 runs,
+            # with posterior exploration) the deployed f falls below Thompson's at sigma 3.0 in
+            # 25.7% of runs, against 29.2% with the conservative path alone, and sigma 1.0 is even
+            # (median r 0.909 against 0.907); all of it the best-arm way did no better at sigma 3.0
+            # (25.4%) and cost sigma 1.0 its mixtures (median r 0.50) (docs/benchmarks.md, "Noise
             # rows: best-arm serving with the penalty drawn").
             # The draws are seeded by the round, so a round's choice is reproducible.
             best_arm = best_arm_probabilities(
@@ -878,7 +879,7 @@ def best_arm_probabilities(
 
     Thompson sampling on the arms' metric means: each of ``_BEST_ARM_DRAWS`` joint draws
     mu ~ N(means, errors^2) (every metric of every arm independent; only the metrics f reads are
-    drawn) scores each arm by its own objective f(mu e_k), soft penalties included
+    given noise) scores each arm by its own objective f(mu e_k), soft penalties included
     (:meth:`pasto.objectives.Objective.value`), and the share of draws an arm wins estimates
     P(arm k is the best), each share with a standard error of at most 0.5 / sqrt(_BEST_ARM_DRAWS)
     = 0.031 (Thompson sampling averaged over the draws, so the traffic follows the probabilities,
@@ -920,29 +921,26 @@ def best_arm_probabilities(
         np.ones((flat, n_arms), dtype=bool) if allowed is None
         else np.broadcast_to(allowed, batch + (n_arms,)).reshape((flat, n_arms))
     )
-    # Only the metrics f reads are drawn: the primary metrics and the soft guardrails' rows (a hard
-    # guardrail's arms are excluded through ``allowed``, and its penalty is 0).
-    soft = objective.penalties > 0
-    used = np.flatnonzero((objective.primary_weights != 0) | np.isin(np.arange(n_metrics), objective.guardrail_rows[soft]))
-    weights = objective.primary_weights[used]
-    columns = np.searchsorted(used, objective.guardrail_rows[soft])
-    penalties = objective.penalties[soft]
-    soft_thresholds = flat_thresholds[:, soft]
-    arm_means = np.swapaxes(flat_means[:, used, :], -1, -2)  # (R, K, U)
-    arm_errors = np.swapaxes(flat_errors[:, used, :], -1, -2)
+    # Only the metrics f reads get noise: the primary metrics and the soft guardrails' rows (a hard
+    # guardrail's arms are excluded through ``allowed``, and its penalty is 0); the others stay at
+    # their means, so Objective.value scores every draw.
+    read = (objective.primary_weights != 0) | np.isin(np.arange(n_metrics), objective.guardrail_rows[objective.penalties > 0])
+    used = np.flatnonzero(read)
+    arm_means = np.swapaxes(flat_means, -1, -2)  # (R, K, M)
+    arm_errors = np.swapaxes(flat_errors, -1, -2)[..., used]  # (R, K, U)
     wins = np.zeros((flat, n_arms))
     # Draws in chunks and runs in blocks, so that the drawn metric vectors stay near 2^16 values
-    # (one draw of K = 10,000 arms and 3 metrics is 30,000); the chunks take the generator's
+    # (one draw of K = 10,000 arms and 5 metrics is 50,000); the chunks take the generator's
     # normals in the order one (draws, K, U) call would.
-    chunk = int(np.clip((1 << 16) // (used.size * n_arms), 1, _BEST_ARM_DRAWS))
-    block = max(1, (1 << 16) // (chunk * used.size * n_arms))
+    chunk = int(np.clip((1 << 16) // (n_metrics * n_arms), 1, _BEST_ARM_DRAWS))
+    block = max(1, (1 << 16) // (chunk * n_metrics * n_arms))
     for first in range(0, _BEST_ARM_DRAWS, chunk):
         noise = rng.standard_normal((min(chunk, _BEST_ARM_DRAWS - first), n_arms, used.size))
         for start in range(0, flat, block):
             stop = min(flat, start + block)
-            drawn = arm_means[start:stop, None] + arm_errors[start:stop, None] * noise[None]  # (b, S, K, U)
-            shortfall = np.minimum(0.0, drawn[..., columns] - soft_thresholds[start:stop, None, None, :])
-            scores = drawn @ weights - shortfall**2 @ penalties  # (b, S, K): f(mu e_k) per draw
+            drawn = np.repeat(arm_means[start:stop, None], noise.shape[0], axis=1)  # (b, S, K, M)
+            drawn[..., used] += arm_errors[start:stop, None] * noise[None]
+            scores = objective.value(drawn, flat_thresholds[start:stop, None, None, :])  # (b, S, K)
             scores = np.where(flat_allowed[start:stop, None, :], scores, -np.inf)
             winners = np.argmax(scores, axis=-1)  # (b, S)
             np.add.at(wins, (np.arange(start, stop)[:, None], winners), 1.0)
