@@ -12,10 +12,11 @@ Unknown tokens (not revoked or expired ones: those are clients not updated yet, 
 counted per client address in the database (``auth_failures``), so the limit holds
 across every worker process: the first failure of an address in a window of
 :data:`AUTH_FAILURE_WINDOW_SECONDS` is logged (one line per address and window, not one per
-attempt), and after ``PASTO_AUTH_FAILURE_LIMIT`` failures in the window every request of that
-address that is not already authenticated is refused 429 with ``Retry-After`` until the window ends.
-The address is the TCP peer (``REMOTE_ADDR``): behind a reverse proxy every client shares the
-proxy's address.
+attempt), and after ``PASTO_AUTH_FAILURE_LIMIT`` failures in the window every further unknown token
+from that address is refused 429 with ``Retry-After`` until the window ends. Valid tokens (and
+revoked or expired ones, which get their 401) are never throttled: the address is the TCP peer
+(``REMOTE_ADDR``), which clients share behind a reverse proxy or on one host, and a burst of bad
+tokens from one of them must not lock the others out.
 
 ``PASTO_ADMIN_TOKEN`` is checked at start (:func:`admin_token_weakness`): a weak one is accepted (a
 placeholder is normal for a server on loopback: the demo, the tests) but logged as a warning that
@@ -151,14 +152,17 @@ class _Authenticator:
         database = get_db()
         now = utcnow()
         with database.read() as session:
-            self._refuse_if_throttled(session, address, now)
             row = session.execute(
                 sa.select(Token.token_hash, Token.role, Token.expires_at, Token.revoked_at)
                 .where(Token.token_hash == digest)
             ).first()
+            if row is None or not hmac.compare_digest(row.token_hash, digest):
+                # Only unknown tokens are throttled: refusing every token of a throttled address
+                # would let anyone who shares it (loopback, a reverse proxy, a NAT) lock the
+                # valid clients out with 20 bad requests a minute. A revoked or expired token is
+                # a client not updated yet, not a guess, so it does not count either.
+                self._refuse_if_throttled(session, address, now)
         if row is None or not hmac.compare_digest(row.token_hash, digest):
-            # Only unknown tokens count towards throttling: a revoked or expired one is a client
-            # not updated yet, not a guess, and must not get its whole address refused.
             self._record_failure(address, now)
             return None
         if row.revoked_at is not None or (row.expires_at is not None and row.expires_at <= now):
