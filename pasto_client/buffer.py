@@ -51,8 +51,9 @@ class ObservationBuffer:
     on_overflow : callable(dict), optional
     initial_backoff, max_backoff : float
         Seconds before the first retry, and the cap of the doubling delay. A retryable answer with
-        ``Retry-After`` (503 ``database_unavailable``) is retried no sooner than it asks, up to
-        ``max_backoff``.
+        ``Retry-After`` (503 ``database_unavailable``, 429) is retried no sooner than it asks, even
+        when that is longer than ``max_backoff`` (up to
+        :data:`pasto_client.client.MAX_RETRY_AFTER_SECONDS`, 300 s).
     """
 
     def __init__(
@@ -241,7 +242,7 @@ class ObservationBuffer:
                     self.duplicates += int(result.get("duplicates", 0))
                 return
             self.retries += 1
-            delay = retry_delay(backoff, getattr(reason, "retry_after", None), self.max_backoff)
+            delay = retry_delay(backoff, getattr(reason, "retry_after", None))
             logger.warning(
                 "Sending %d observations of %r failed (%s); retrying in %.2f s.",
                 len(batch), self.experiment_name, reason, delay,

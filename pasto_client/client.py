@@ -22,6 +22,10 @@ import requests
 from pasto_client.errors import PastoAPIError, PastoConnectionError
 
 API_PREFIX = "/api/v1"
+#: The longest ``Retry-After`` the retrying calls honour: the server asks for seconds (a database
+#: outage's 5 s, the rest of a throttling minute), so a far date is a misconfigured proxy, not a
+#: reason to stall a client for hours.
+MAX_RETRY_AFTER_SECONDS = 300.0
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +301,7 @@ class Client:
 
         Network errors, 5xx and 429 are retried, at most ``attempts`` sends in all, with the same
         exponential backoff (with jitter) as :class:`~pasto_client.ObservationBuffer`, and no sooner
-        than a ``Retry-After`` asks (capped at ``max_backoff``). Retrying is safe: a batch the server
+        than a ``Retry-After`` asks (up to :data:`MAX_RETRY_AFTER_SECONDS`). Retrying is safe: a batch the server
         applied before its answer was lost comes back as a duplicate. Returns ``{"batch_id",
         "duplicate", "cells", "units", "late_cells"}``; ``duplicate`` is true when this id was applied
         before with the same content (nothing was added). Other errors raise :class:`PastoAPIError` at
@@ -323,7 +327,7 @@ class Client:
                 reason = error
             if attempt == attempts:
                 raise reason
-            delay = retry_delay(backoff, getattr(reason, "retry_after", None), max_backoff)
+            delay = retry_delay(backoff, getattr(reason, "retry_after", None))
             logger.warning("Sending statistics batch %r of %r failed (%s); retrying in %.2f s.",
                            batch_id, name, reason, delay)
             time.sleep(delay)
@@ -397,13 +401,15 @@ def _with_arm_summary(page: dict) -> list[dict]:
     return [{**entry, "arm_summary": dict(page["arm_summary"])} for entry in page["rounds"]]
 
 
-def retry_delay(backoff: float, retry_after: float | None, max_backoff: float) -> float:
+def retry_delay(backoff: float, retry_after: float | None) -> float:
     """Seconds to wait before a retry: ``backoff`` with jitter (0.5x to 1.5x), and no less than the
     server's ``Retry-After`` (503 ``database_unavailable``: retrying sooner only adds load to its
-    outage), capped at ``max_backoff`` so that a far date cannot stall the client."""
+    outage; 429: a retry before the window ends is refused again), up to
+    :data:`MAX_RETRY_AFTER_SECONDS` so that a far date cannot stall the client. The backoff's own cap
+    does not bound the ``Retry-After``: the server knows when it can answer, the client does not."""
     delay = backoff * (0.5 + random.random())
     if retry_after is not None:
-        delay = max(delay, min(retry_after, max_backoff))
+        delay = max(delay, min(retry_after, MAX_RETRY_AFTER_SECONDS))
     return delay
 
 
