@@ -3,6 +3,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+# `make run PORT=8001` when 8000 is taken.
+PORT   ?= 8000
 
 .PHONY: run test install install-test bench clean
 
@@ -23,7 +25,7 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 run: install
-	$(BIN)/pasto demo
+	$(BIN)/pasto demo --port $(PORT)
 
 test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -39,8 +39,14 @@ _ERRORS = {
     "413": "The request body is larger than the server accepts.",
     "415": "The body is not JSON (Content-Type must be application/json).",
     "422": "The body is JSON but invalid; the message and details name the offending item.",
+    "429": "Too many unknown tokens from this client address (code too_many_requests); Retry-After says when "
+           "the minute ends. A valid token is never refused this way.",
     "502": "The experiment's metric source failed (code source_failed, with the source's sentence); nothing changed.",
+    "503": "The database is down, stalled, locked or out of connections (code database_unavailable); nothing "
+           "changed: send the same request again after Retry-After.",
 }
+#: The statuses whose answer carries ``Retry-After`` (seconds).
+_RETRY_AFTER = {"429", "503"}
 
 _NAME_PARAMETER = {
     "name": "name", "in": "path", "required": True, "description": "The experiment's name.",
@@ -87,7 +93,7 @@ def _operation(summary: str, role: str | None, responses: dict[str, Any], errors
         operation["security"] = []
     else:
         operation["description"] = f"Needs a token with the `{role}` role (or higher)."
-        errors = ("401", "403", *errors)
+        errors = ("401", "403", "429", "503", *errors)
     if path_name:
         operation["parameters"] = [_NAME_PARAMETER]
         errors = (*errors, "404")
@@ -96,6 +102,10 @@ def _operation(summary: str, role: str | None, responses: dict[str, Any], errors
         errors = (*errors, "400", "413", "415", "422")
     for status in sorted(set(errors)):
         operation["responses"][status] = _json(_ref("Error"), _ERRORS[status])
+        if status in _RETRY_AFTER:
+            operation["responses"][status]["headers"] = {"Retry-After": {
+                "description": "Seconds to wait before sending the same request again.",
+                "schema": {"type": "integer", "minimum": 1}}}
     return operation
 
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if port_in_use(args.port):
         print(f"pasto demo: error: port {args.port} on 127.0.0.1 is already in use (another `pasto demo` "
-              "or server?); choose another with --port.", file=sys.stderr)
+              "or server?); choose another with --port (`make run PORT=8001`).", file=sys.stderr)
         return 1
     from ..config import ConfigurationError
     from ..db import DatabaseUnreachable

@@ -70,7 +70,7 @@ def print_where_to_look(server_url: str, port: int, read_token: str, database_ur
     dashboard = sign_in_url(server_url, read_token)
     same_environment = " (with the same PASTO_DATABASE_URL)" if os.environ.get("PASTO_DATABASE_URL") else ""
     print(f"Dashboard, signed in with the demo's read token: {dashboard}\n"
-          f"  The server listens on 127.0.0.1, port {port} (choose another with --port).\n"
+          f"  The server listens on 127.0.0.1, port {port} (choose another with --port, or `make run PORT=...`).\n"
           f"  Admin and ingest tokens for this database{same_environment}, to use the API beside the demo:\n"
           f"    {tokens_command(database_url, 'admin')}\n"
           f"    {tokens_command(database_url, 'ingest')}\n"

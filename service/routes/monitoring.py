@@ -16,4 +16,4 @@ bp = Blueprint("monitoring", __name__)
 @require_role("metrics")  # a scrape token, unless PASTO_METRICS_ANONYMOUS opts in
 def metrics() -> Response:
     return Response(generate_latest(scrape_registry(current_app._get_current_object())),
-                    mimetype=CONTENT_TYPE_LATEST)
+                    content_type=CONTENT_TYPE_LATEST)  # already has its charset: mimetype= adds a second

@@ -31,6 +31,7 @@ def scrape(api) -> dict[str, list]:
     response = api("GET", "/metrics", role="read")
     assert response.status_code == 200
     assert response.mimetype == "text/plain"
+    assert response.headers["Content-Type"].count("charset") == 1, response.headers["Content-Type"]
     samples: dict[str, list] = {}
     for family in text_string_to_metric_families(response.get_data(as_text=True)):
         for sample in family.samples:

@@ -126,3 +126,16 @@ def test_every_response_matches_its_published_schema(api, setup_a):
     check("DELETE", one)
     check("GET", "/healthz", role=None)
     assert {status for _, _, status in checked} == {200, 201, 202, 404, 409, 422}
+
+
+def test_every_authenticated_operation_documents_429_and_503_with_retry_after(api):
+    """A client generated from the document must know that these two are retried after Retry-After."""
+    document = api("GET", "/api/v1/openapi.json", role=None).get_json()
+    authenticated = [(path, method, operation) for path, item in document["paths"].items()
+                     for method, operation in item.items() if "401" in operation["responses"]]
+    assert len(authenticated) >= 15
+    for path, method, operation in authenticated:
+        for status in ("429", "503"):
+            response = operation["responses"].get(status)
+            assert response is not None, (method, path, status)
+            assert response["headers"]["Retry-After"]["schema"]["type"] == "integer", (method, path, status)
