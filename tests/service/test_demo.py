@@ -428,3 +428,24 @@ def test_closing_the_terminal_stops_the_demo_and_its_server(tmp_path):
     assert "Traceback" not in stderr_path.read_text()
     assert port_is_closed(port)
 
+
+
+def test_the_demo_server_keeps_ids_fifteen_minutes_unless_the_environment_says_otherwise(tmp_path, monkeypatch):
+    """At 600 sessions a second the server's 7-day retention would grow the demo's database by GBs a day."""
+    from service.demo import supervise
+
+    started = []
+
+    class Started:
+        pid = 1
+
+        def __init__(self, command, env, **kwargs):
+            started.append(env)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", Started)
+    monkeypatch.delenv("PASTO_RETENTION_SECONDS", raising=False)
+    supervise.ServerProcess("sqlite:///x.sqlite", 8000, tmp_path / "server.log")
+    monkeypatch.setenv("PASTO_RETENTION_SECONDS", "forever")
+    supervise.ServerProcess("sqlite:///x.sqlite", 8000, tmp_path / "server.log")
+    assert [env["PASTO_RETENTION_SECONDS"] for env in started] == ["900", "forever"]
+    assert started[0]["PASTO_DATABASE_URL"] == "sqlite:///x.sqlite"
