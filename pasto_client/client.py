@@ -372,7 +372,8 @@ class Client:
     def events(self, name: str, since: int | None = None) -> list[dict]:
         """``GET .../events``: what happened to the experiment (created, paused, resumed, stopped,
         controller_started), each with its round, oldest first, from event id ``since`` (default 0);
-        every page, followed by its ``next_since`` cursor."""
+        every page, followed by its ``next_since`` cursor. Event ids are never given out twice, so a
+        ``since`` kept across a delete and re-creation of the name misses none of the new events."""
         events: list[dict] = []
         cursor: int | None = since or 0
         while cursor is not None:

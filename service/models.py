@@ -140,12 +140,16 @@ EVENT_KINDS = ("created", "paused", "resumed", "stopped", "controller_started")
 class ExperimentEvent(Base):
     """Something that happened to an experiment, with the round it happened in (for the time axis).
 
-    ``id`` orders the events and is the cursor of the events endpoint's pages; ``details`` holds what
-    a kind has to add (the scheduler's name for ``controller_started``), or None.
+    ``id`` orders the events and is the cursor of the events endpoint's pages (never reused, so a
+    cursor never skips a later event); ``details`` holds what a kind has to add (the scheduler's name
+    for ``controller_started``), or None.
     """
 
     __tablename__ = "experiment_events"
-    __table_args__ = (sa.Index("ix_experiment_events_experiment_id_id", "experiment_id", "id"),)
+    # AUTOINCREMENT on SQLite: an id is never given out twice, even after the newest events were deleted
+    # (migration 0013). PostgreSQL's sequence never goes back.
+    __table_args__ = (sa.Index("ix_experiment_events_experiment_id_id", "experiment_id", "id"),
+                      {"sqlite_autoincrement": True})
 
     id: Mapped[int] = mapped_column(primary_key=True)
     experiment_id: Mapped[int] = mapped_column(sa.ForeignKey("experiments.id", ondelete="CASCADE"))

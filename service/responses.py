@@ -284,7 +284,8 @@ class RoundList(_Response):
 
 
 class ExperimentEvent(_Response):
-    id: int = Field(description="Orders the events of every experiment; the `since` of a page.")
+    id: int = Field(description="Orders the events of every experiment; the `since` of a page. Never given out "
+                               "twice, even after a delete.")
     kind: Literal["created", "paused", "resumed", "stopped", "controller_started"] = Field(
         description="What happened; controller_started: a scheduler process (pasto serve or pasto worker) started.")
     round: int = Field(description="The round being served when it happened.")

@@ -1,5 +1,5 @@
 """Experiment events: status changes and controller starts are recorded with their round, and served
-paged by ``GET /api/v1/experiments/<name>/events``."""
+paged by ``GET /api/v1/experiments/<name>/events``; no event id is given out twice, on either backend."""
 
 from __future__ import annotations
 
@@ -107,3 +107,25 @@ def test_each_start_of_a_real_scheduler_is_recorded(api, app, setup_a):
         assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
     assert [event["round"] for event in starts()] == [0, 1]
     assert {event["details"]["scheduler"] for event in starts()} == {scheduler_name()}
+
+
+def test_event_ids_are_never_reused_after_a_delete(backend_api, setup_a):
+    """SQLite would give a new event the largest id present plus one, so the events of a deleted
+    experiment that held the newest ones would hand their ids on, and a poller holding a ``since`` for
+    a name deleted and created again would miss the new experiment's first events. Every id is new."""
+    api = backend_api
+    assert api("POST", "/api/v1/experiments", json=setup_a("a")).status_code == 201
+    assert api("POST", "/api/v1/experiments", json=setup_a("b")).status_code == 201
+    assert api("POST", "/api/v1/experiments/b/pause").status_code == 200
+    assert api("POST", "/api/v1/experiments/b/archive").status_code == 200  # records a stop
+    b_ids = [event["id"] for event in events(api, "b")]
+    assert len(b_ids) == 3 and max(b_ids) > max(event["id"] for event in events(api, "a"))
+    since = max(b_ids) + 1  # where a poller of "b" is
+    assert api("DELETE", "/api/v1/experiments/b").status_code == 200
+
+    assert api("POST", "/api/v1/experiments", json=setup_a("b")).status_code == 201
+    assert api("POST", "/api/v1/experiments/b/pause").status_code == 200
+    c_events = events(api, "b")
+    assert [event["kind"] for event in c_events] == ["created", "paused"]
+    assert min(event["id"] for event in c_events) > max(b_ids)
+    assert events(api, "b", f"?since={since}") == c_events  # the poller sees the new one from its creation

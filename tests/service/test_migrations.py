@@ -317,3 +317,68 @@ def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url
         assert "experiment_events" not in _tables(sqlite_url)
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_event_ids_are_never_reused_after_0013(backend, request):
+    """0013: on SQLite ``experiment_events`` is rebuilt with AUTOINCREMENT, keeping every row, its id, the
+    foreign key's cascade and the index, so an event inserted after the newest ones were deleted gets a
+    greater id than theirs (PostgreSQL's sequence already did; there the revision changes nothing).
+    The downgrade rebuilds it without AUTOINCREMENT and keeps the rows."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0012")
+    engine = sa.create_engine(url)
+    if backend == "sqlite":  # as the service does: without it SQLite ignores ON DELETE CASCADE
+        sa.event.listen(engine, "connect", lambda dbapi_connection, _: dbapi_connection.execute(
+            "PRAGMA foreign_keys=ON"))
+    select_events = sa.text("SELECT id, experiment_id, kind, round_index, at, details FROM experiment_events "
+                            "ORDER BY id")
+    insert_event = sa.text("INSERT INTO experiment_events (experiment_id, kind, round_index, at) VALUES "
+                           "(:experiment, 'paused', 1, '2026-01-03 00:00:00')")
+
+    def sqlite_sequence(connection) -> list[tuple]:
+        return [tuple(row) for row in connection.execute(sa.text(
+            "SELECT name, seq FROM sqlite_sequence WHERE name = 'experiment_events'"))]
+
+    try:
+        with engine.begin() as connection:
+            for name in ("first", "second"):
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
+                    "version, created_at, updated_at) VALUES (:name, '{}', 'running', 1, 1, 1, '{}', 1, "
+                    "'2026-01-02 00:00:00', '2026-01-02 00:00:00')"), {"name": name})
+            first, second = connection.execute(sa.text("SELECT id FROM experiments ORDER BY id")).scalars()
+            for experiment in (first, first, second, second, second):
+                connection.execute(insert_event, {"experiment": experiment})
+            before = connection.execute(select_events).all()
+        assert len(before) == 5
+
+        migrations.upgrade(url, "0013")
+        inspector = sa.inspect(engine)
+        (foreign_key,) = inspector.get_foreign_keys("experiment_events")
+        assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
+        assert [(index["name"], index["column_names"]) for index in inspector.get_indexes("experiment_events")] == [
+            ("ix_experiment_events_experiment_id_id", ["experiment_id", "id"])]
+        with engine.begin() as connection:
+            assert connection.execute(select_events).all() == before
+            if backend == "sqlite":
+                assert sqlite_sequence(connection) == [("experiment_events", before[-1].id)]
+            # The newest events go with their experiment; the next one gets an id above theirs.
+            connection.execute(sa.text("DELETE FROM experiments WHERE id = :id"), {"id": second})
+            assert connection.execute(select_events).all() == before[:2]
+            connection.execute(insert_event, {"experiment": first})
+            after = connection.execute(select_events).all()
+        assert after[:2] == before[:2] and after[2].id > before[-1].id
+
+        migrations.downgrade(url, "0012")
+        with engine.connect() as connection:
+            assert connection.execute(select_events).all() == after
+            if backend == "sqlite":
+                assert sqlite_sequence(connection) == []
+                table_sql = connection.execute(sa.text(
+                    "SELECT sql FROM sqlite_master WHERE name = 'experiment_events'")).scalar_one()
+                assert "AUTOINCREMENT" not in table_sql.upper() and "pk_experiment_events" in table_sql
+        (foreign_key,) = sa.inspect(engine).get_foreign_keys("experiment_events")
+        assert foreign_key["options"].get("ondelete") == "CASCADE"
+    finally:
+        engine.dispose()
