@@ -104,31 +104,31 @@ def test_503_with_retry_after_waits_at_least_that_long(server, proxy, create_exp
         assert counted(admin, name) == 10
 
 
-def test_retry_after_is_honoured_beyond_max_backoff(server, proxy, create_experiment, true_means):
-    """The server knows when it can answer: a Retry-After longer than the backoff cap still holds."""
+def send_after_one_503(server, proxy, create_experiment, true_means, retry_after: int) -> ObservationBuffer:
+    """10 observations through a buffer whose first send is answered 503 with ``retry_after``;
+    the backoff's own cap (0.2 s) is below it."""
     name = create_experiment()
     with Client(proxy.url, server.admin_token) as through_proxy:
         with LocalAssigner(through_proxy, name) as assigner:
-            proxy.script[:] = ["503 retry-after 2"]
+            proxy.script[:] = [f"503 retry-after {retry_after}"]
             buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01, max_backoff=0.2)
             add_assigned(buffer, assigner, 10, true_means)
             buffer.close(timeout=30)
+    assert buffer.retries == 1 and buffer.accepted == 10 and buffer.pending == 0
+    return buffer
+
+
+def test_retry_after_is_honoured_beyond_max_backoff(server, proxy, create_experiment, true_means):
+    """The server knows when it can answer: a Retry-After longer than the backoff cap still holds."""
+    send_after_one_503(server, proxy, create_experiment, true_means, 2)
     sent = [at for line, at in zip(proxy.seen, proxy.seen_at) if "observations" in line]
     assert len(sent) == 2 and sent[1] - sent[0] >= 2.0, sent
-    assert buffer.retries == 1 and buffer.accepted == 10 and buffer.pending == 0
 
 
 def test_a_far_retry_after_is_bounded(server, proxy, create_experiment, true_means, monkeypatch):
     """A far date (a misconfigured proxy) waits MAX_RETRY_AFTER_SECONDS, not an hour."""
     monkeypatch.setattr("pasto_client.client.MAX_RETRY_AFTER_SECONDS", 0.2)
-    name = create_experiment()
-    with Client(proxy.url, server.admin_token) as through_proxy:
-        with LocalAssigner(through_proxy, name) as assigner:
-            proxy.script[:] = ["503 retry-after 3600"]
-            buffer = ObservationBuffer(through_proxy, name, initial_backoff=0.01, max_backoff=0.2)
-            add_assigned(buffer, assigner, 10, true_means)
-            buffer.close(timeout=30)
-    assert buffer.retries == 1 and buffer.accepted == 10 and buffer.pending == 0
+    send_after_one_503(server, proxy, create_experiment, true_means, 3600)
 
 
 def test_the_client_reports_retry_after(server, proxy, create_experiment):

@@ -294,6 +294,15 @@ def test_the_stored_algorithm_loses_its_preset_key(backend, request):
         engine.dispose()
 
 
+def _insert_experiments(connection, names, rounds: int, created_at: str) -> None:
+    """Experiment rows as a revision between 0006 and 0013 has them, with ``rounds`` rounds applied."""
+    for name in names:
+        connection.execute(sa.text(
+            "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, version, "
+            "created_at, updated_at) VALUES (:name, '{}', 'running', 1, :rounds, :rounds, '{}', 1, :at, :at)"),
+            {"name": name, "rounds": rounds, "at": created_at})
+
+
 def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url):
     """0011: every experiment present at the upgrade gets a ``created`` event in round 0 at its
     ``created_at``; the downgrade drops the table."""
@@ -301,11 +310,7 @@ def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url
     engine = sa.create_engine(sqlite_url)
     try:
         with engine.begin() as connection:
-            for name in ("first", "second"):
-                connection.execute(sa.text(
-                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, version, "
-                    "created_at, updated_at) VALUES (:name, '{}', 'running', 1, 4, 4, '{}', 1, "
-                    "'2026-01-02 03:04:05', '2026-01-02 03:04:05')"), {"name": name})
+            _insert_experiments(connection, ("first", "second"), 4, "2026-01-02 03:04:05")
         migrations.upgrade(sqlite_url, "0011")
         with engine.connect() as connection:
             rows = connection.execute(sa.text(
@@ -342,11 +347,7 @@ def test_event_ids_are_never_reused_after_0013(backend, request):
 
     try:
         with engine.begin() as connection:
-            for name in ("first", "second"):
-                connection.execute(sa.text(
-                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
-                    "version, created_at, updated_at) VALUES (:name, '{}', 'running', 1, 1, 1, '{}', 1, "
-                    "'2026-01-02 00:00:00', '2026-01-02 00:00:00')"), {"name": name})
+            _insert_experiments(connection, ("first", "second"), 1, "2026-01-02 00:00:00")
             first, second = connection.execute(sa.text("SELECT id FROM experiments ORDER BY id")).scalars()
             for experiment in (first, first, second, second, second):
                 connection.execute(insert_event, {"experiment": experiment})
