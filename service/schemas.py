@@ -61,7 +61,9 @@ def _json_value(value: Any, depth: int = 0) -> Any:
 Identifier = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_storable)]
 ShortName = Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_storable)]
 MetricName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$")]
-ExperimentName = Annotated[str, Field(pattern=r"^[a-z0-9_-]{1,64}$")]
+#: Longest experiment name (also the longest name a request path may hold: ``service.params``).
+MAX_EXPERIMENT_NAME = 64
+ExperimentName = Annotated[str, Field(pattern=rf"^[a-z0-9_-]{{1,{MAX_EXPERIMENT_NAME}}}$")]
 Number = Annotated[FiniteFloat, Field(ge=-MAX_MAGNITUDE, le=MAX_MAGNITUDE)]
 Seconds = Annotated[FiniteFloat, Field(le=MAX_SECONDS)]
 

@@ -48,6 +48,23 @@ def test_unknown_url_is_a_json_404(api):
     assert error_of(api("GET", "/api/v1/nothing"), 404)["code"] == "not_found"
 
 
+@pytest.mark.parametrize("length", [65, 129, 5000])
+def test_an_experiment_name_in_the_path_over_the_limit_is_404_saying_the_limit(api, created, length):
+    """Experiment names are at most 64 characters (every name in a path is one): the message says so."""
+    for method, suffix in (("GET", ""), ("POST", "/assign"), ("GET", "/diagnostics")):
+        error = error_of(api(method, f"{EXPERIMENTS}/{'a' * length}{suffix}", json={"unit": "u"}), 404)
+        assert error["code"] == "not_found"
+        assert error["message"] == (f"Nothing here: an experiment name is at most 64 characters, "
+                                    f"this one has {length:,}.")
+
+
+def test_an_experiment_name_of_the_longest_length_is_served(api, setup_a):
+    name = "a" * 64
+    assert api("POST", EXPERIMENTS, json=setup_a(name)).status_code == 201
+    assert api("GET", f"{EXPERIMENTS}/{name}", role="read").get_json()["name"] == name
+    assert api("POST", EXPERIMENTS, json=setup_a(name + "a")).status_code == 422
+
+
 def test_wrong_method_is_a_json_405(api, created):
     error = error_of(api("PUT", "/api/v1/experiments/setup-a"), 405)  # DELETE is allowed (admin): delete
     assert error["code"] == "method_not_allowed"
