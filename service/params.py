@@ -6,8 +6,8 @@ is: each of those used to be a 500. Here:
 
 * every ``<name>``-style path parameter (Werkzeug's default converter, so routes need no change and
   new ones are covered) goes through :class:`PathSegmentConverter`: at most
-  :data:`MAX_PATH_SEGMENT` characters, no NUL or other control character, else a 404 (no resource
-  can have that name);
+  :data:`MAX_PATH_SEGMENT` characters (every path parameter is an experiment name), no NUL or other
+  control character, else a 404 (no resource can have that name);
 * every query parameter, of any route, is refused with a 422 before the view runs when its name or
   value holds a control character or is longer than :data:`MAX_QUERY_VALUE` characters
   (:func:`check_query_strings`);
@@ -24,9 +24,11 @@ from werkzeug.exceptions import NotFound
 from werkzeug.routing import BaseConverter
 
 from .errors import invalid
+from .schemas import MAX_EXPERIMENT_NAME
 
-#: Longest path parameter accepted; experiment names are at most 64 characters.
-MAX_PATH_SEGMENT = 128
+#: Longest path parameter accepted: every one is an experiment name (a route with another kind of
+#: name in its path needs its own converter, or this limit and its message to change).
+MAX_PATH_SEGMENT = MAX_EXPERIMENT_NAME
 #: Longest query parameter value accepted.
 MAX_QUERY_VALUE = 1024
 #: Most digits a query integer may have (2**63 has 19): checked before ``int()`` sees the text.
@@ -42,7 +44,7 @@ class PathSegmentConverter(BaseConverter):
 
     def to_python(self, value: str) -> str:
         if len(value) > MAX_PATH_SEGMENT:
-            raise NotFound(f"Nothing here: a name in the path is at most {MAX_PATH_SEGMENT} characters, "
+            raise NotFound(f"Nothing here: an experiment name is at most {MAX_PATH_SEGMENT} characters, "
                            f"this one has {len(value):,}.")
         if _CONTROL.search(value):
             raise NotFound("Nothing here: a name in the path cannot contain NUL or other control characters.")

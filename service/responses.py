@@ -80,9 +80,11 @@ class ArmRest(_Response):
     best_mixture: Finite = Field(default=None, description="Their summed probability in the best mixture.")
     deployed_means: dict[str, Finite] | None = Field(default=None, description=(
         "Per metric, the sum over these arms of deployed probability x estimated mean (arms of zero "
-        "deployed probability left out; null when one of the others has no estimate)."))
+        "deployed probability left out; null when one of the others has no observation of the metric yet: "
+        "its mean in `estimate` is then only the other arms' average)."))
     deployed_variances: dict[str, Finite] | None = Field(default=None, description=(
-        "Per metric, the sum over these arms of (deployed probability x standard error)^2, likewise."))
+        "Per metric, the sum over these arms of (deployed probability x standard error)^2, likewise (also null "
+        "when one of them has no standard error yet)."))
 
 
 class SegmentsView(_Response):

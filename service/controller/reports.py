@@ -191,6 +191,9 @@ class Diagnostics:
     units: np.ndarray  # (K,)
     late_observations: int
     srm: dict[str, Any]
+    #: (M, K): whether each arm has an observation of each metric (pooled counts > 0); where not, the
+    #: estimate's mean is a stand-in (the other arms' average, :func:`pasto.estimators.fill_missing`).
+    observed: np.ndarray
     source_error: dict[str, Any] | None = None  # see source_error_view
     segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
 
@@ -225,7 +228,8 @@ def diagnostics(name: str) -> Diagnostics:
                           solve=cached_solver(get_db(), snapshot.id, snapshot.version))
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=regret_per_round,
-                       units=units, late_observations=late, srm=srm, source_error=source_error,
+                       units=units, late_observations=late, srm=srm, observed=pooled.counts > 0,
+                       source_error=source_error,
                        segments=segments)
 
 

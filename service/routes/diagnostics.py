@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from flask import Blueprint
 
 from ..auth import require_role
@@ -52,14 +53,22 @@ def diagnostics(name: str):
         **({"segments": segments_kept(diagnostics.segments, selection)} if diagnostics.segments is not None else {}),
         **({} if selection is None else {
             "arm_summary": arm_summary_view(snapshot, selection),
-            "rest": _rest(selection, snapshot.deployed, report, diagnostics.units, metrics)}),
+            "rest": _rest(selection, snapshot.deployed, report, diagnostics.units, diagnostics.observed, metrics)}),
     ))
 
 
-def _rest(selection: ArmSelection, deployed, report, units, metrics) -> ArmRest:
+def _rest(selection: ArmSelection, deployed, report, units, observed, metrics) -> ArmRest:
     """The arms ``selection`` leaves out of the diagnostics, summed: enough for the deployed mixture's
-    estimate and its interval (``sum p_k mean_k`` and ``sum (p_k se_k)^2`` per metric)."""
-    means, errors = report.estimate.means, report.estimate.standard_errors
+    estimate and its interval (``sum p_k mean_k`` and ``sum (p_k se_k)^2`` per metric).
+
+    An arm without an observation of a metric (``observed`` (M, K) False) has no estimate of it: its
+    mean is only the estimator's stand-in, so it counts as unknown (nan) in both sums, and a metric's
+    sums are null when such an arm has positive deployed probability (arms of zero probability add
+    nothing, known or not). A variance is also null when a used arm with data has no standard error
+    yet (pooled: fewer than two observations)."""
+    unknown = ~np.asarray(observed, dtype=bool)
+    means = np.where(unknown, np.nan, report.estimate.means)
+    errors = np.where(unknown, np.nan, report.estimate.standard_errors)
     return ArmRest(
         arms=len(selection.rest), best_mixture=selection.rest_sum(report.best_mixture),
         units=int(selection.rest_sum(units)),

@@ -125,15 +125,19 @@ def check_diagnostics(full: dict, summary: dict, kept: list[int], arm_summary: d
     for metric in full["estimate"]["means"]:
         means, errors = full["estimate"]["means"][metric], full["estimate"]["standard_errors"][metric]
         used = [k for k in range(N_ARMS) if k not in kept and deployed[k] > 0]
-        expected_mean = None if any(means[k] is None for k in used) else sum(deployed[k] * means[k] for k in used)
-        expected_variance = (None if any(errors[k] is None for k in used)
+        # play() observes every unit on both metrics, so an arm has data on a metric iff it has units;
+        # an arm without data has no estimate (its mean in `estimate` is a stand-in): null, both sums.
+        unknown = any(full["units"][k] == 0 for k in used)
+        expected_mean = (None if unknown or any(means[k] is None for k in used)
+                         else sum(deployed[k] * means[k] for k in used))
+        expected_variance = (None if unknown or any(errors[k] is None for k in used)
                              else sum((deployed[k] * errors[k]) ** 2 for k in used))
         assert rest["deployed_means"][metric] == (None if expected_mean is None
                                                   else pytest.approx(expected_mean, abs=1e-12))
         assert rest["deployed_variances"][metric] == (None if expected_variance is None
                                                       else pytest.approx(expected_variance, abs=1e-12))
     # The deployed mixture's primary estimate, as the dashboard sums it: kept arms plus the rest.
-    if all(value is not None for value in full["estimate"]["means"]["x"]):
+    if all(units > 0 for p, units in zip(deployed, full["units"]) if p > 0):
         whole = sum(p * mean for p, mean in zip(deployed, full["estimate"]["means"]["x"]))
         kept_part = sum(deployed[k] * full["estimate"]["means"]["x"][k] for k in kept)
         assert kept_part + rest["deployed_means"]["x"] == pytest.approx(whole, abs=1e-9)
@@ -176,6 +180,46 @@ def test_summaries_keep_the_top_deployed_arms_and_sum_the_rest(api):
     deployed = get(api, PATH)["deployed"]
     assert len(set(deployed)) > 1  # the order is decided by the data now, not by the tie rule only
     check_all_reads(api)
+
+
+def test_the_rest_has_no_deployed_mean_of_a_metric_a_deployed_arm_has_no_data_on(api):
+    """docs/api.md: ``deployed_means`` and ``deployed_variances`` are null for a metric when an arm of
+    positive deployed probability has no estimate of it yet; the estimate's mean of such an arm is the
+    other arms' average (a stand-in), which must not enter the sum."""
+    # The paper's serving: the deployed mixture is the average of the served p, every arm of positive probability.
+    three = {**body(), "arms": [{"name": f"arm{k}", "params": {"k": k}} for k in range(3)],
+             "algorithm": {"preset": "default", "serving": "exploration", "deploy": "average"}}
+    assert api("POST", "/api/v1/experiments", json=three).status_code == 201
+    means_x, means_y = [1.0, 0.5, -1.0], [0.5, 1.0, 0.2]  # arm2: the worst on x, so never the arm kept
+    assigned = api("POST", f"{PATH}/assign", role="ingest",
+                   json={"units": [f"u{i}" for i in range(300)]}).get_json()["assignments"]
+    rng = np.random.default_rng(5)
+    observations = []
+    for assignment in assigned:
+        k = int(assignment["arm"][3:])
+        values = {"x": float(means_x[k] + rng.normal(scale=0.1))}
+        if k != 2:  # arm2 is never observed on y
+            values["y"] = float(means_y[k] + rng.normal(scale=0.1))
+        observations.append({"id": assignment["unit"], "unit": assignment["unit"], "round": assignment["round"],
+                             "values": values})
+    assert {int(a["arm"][3:]) for a in assigned} == {0, 1, 2}
+    assert api("POST", f"{PATH}/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    assert api("POST", f"{PATH}/rounds").status_code == 200
+    full = get(api, f"{PATH}/diagnostics")
+    deployed = get(api, PATH)["deployed"]
+    assert deployed[2] > 0
+    # arm2's y mean is filled in (not null) and its standard error is not: the response says which is known.
+    assert full["estimate"]["means"]["y"][2] is not None and full["estimate"]["standard_errors"]["y"][2] is None
+    summary = get(api, f"{PATH}/diagnostics?arms=1")
+    assert 2 not in summary["arm_summary"]["arms"]
+    rest = summary["rest"]
+    assert rest["deployed_means"]["y"] is None and rest["deployed_variances"]["y"] is None
+    used = [k for k in range(3) if k not in summary["arm_summary"]["arms"]]
+    means, errors = full["estimate"]["means"]["x"], full["estimate"]["standard_errors"]["x"]
+    assert rest["deployed_means"]["x"] == pytest.approx(sum(deployed[k] * means[k] for k in used), abs=1e-12)
+    assert rest["deployed_variances"]["x"] == pytest.approx(sum((deployed[k] * errors[k]) ** 2 for k in used),
+                                                            abs=1e-12)
 
 
 def test_a_summarised_rounds_page_has_the_default_page_size_of_k_arms(api, monkeypatch):

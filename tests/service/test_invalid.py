@@ -9,6 +9,7 @@ import sqlalchemy as sa
 
 from service.db import get_db
 from service.models import ArmRoundCount, Experiment, ObservationId, RoundStatistic, RoundUnit
+from tests.service.conftest import setup_a_body
 
 EXPERIMENTS = "/api/v1/experiments"
 ASSIGN = "/api/v1/experiments/setup-a/assign"
@@ -45,6 +46,23 @@ def count_rows(app, model) -> int:
 # ------------------------------------------------------------------------- generic HTTP errors
 def test_unknown_url_is_a_json_404(api):
     assert error_of(api("GET", "/api/v1/nothing"), 404)["code"] == "not_found"
+
+
+@pytest.mark.parametrize("length", [65, 129, 5000])
+def test_an_experiment_name_in_the_path_over_the_limit_is_404_saying_the_limit(api, created, length):
+    """Experiment names are at most 64 characters (every name in a path is one): the message says so."""
+    for method, suffix in (("GET", ""), ("POST", "/assign"), ("GET", "/diagnostics")):
+        error = error_of(api(method, f"{EXPERIMENTS}/{'a' * length}{suffix}", json={"unit": "u"}), 404)
+        assert error["code"] == "not_found"
+        assert error["message"] == (f"Nothing here: an experiment name is at most 64 characters, "
+                                    f"this one has {length:,}.")
+
+
+def test_an_experiment_name_of_the_longest_length_is_served(api, setup_a):
+    name = "a" * 64
+    assert api("POST", EXPERIMENTS, json=setup_a(name)).status_code == 201
+    assert api("GET", f"{EXPERIMENTS}/{name}", role="read").get_json()["name"] == name
+    assert api("POST", EXPERIMENTS, json=setup_a(name + "a")).status_code == 422
 
 
 def test_wrong_method_is_a_json_405(api, created):
@@ -87,6 +105,71 @@ def test_malformed_json_is_400(api, created):
 def test_absurdly_nested_json_is_400(api, created):
     response = api("POST", ASSIGN, data="[" * 100_000, content_type="application/json")
     assert "nests" in error_of(response, 400)["message"]
+
+
+# A key twice in one object (raw texts: json.dumps cannot write them), on every route with a JSON body:
+# (path, text, location of the repeated key). Python's parser, like pydantic's, would keep the last value.
+_SETUP_A_TEXT = json.dumps(setup_a_body("second"))
+REPEATED_KEYS = [
+    (ASSIGN, '{"unit": "x", "unit": "y"}', "unit"),
+    (ASSIGN, '{"units": ["x"], "units": ["y"]}', "units"),
+    (ASSIGN, '{"unit": "x", "units": ["y"], "unit": "x"}', "unit"),  # not next to each other
+    (OBSERVATIONS, '{"observations": [{"id": "o1", "unit": "u1", "unit": "u2", "round": 0, "values": {"x": 1}}]}',
+     "observations[0].unit"),
+    (OBSERVATIONS, '{"observations": [{"id": "o1", "unit": "u1", "round": 0, "values": {"x": 1}}, '
+                   '{"id": "o2", "unit": "u2", "round": 0, "values": {"x": 1, "y": 2, "x": 3}}]}',
+     "observations[1].values.x"),
+    (OBSERVATIONS, '{"observations": [], "observations": [{"id": "o1", "unit": "u1", "round": 0, '
+                   '"values": {"x": 1}}]}', "observations"),
+    ("/api/v1/experiments/setup-a/statistics",
+     '{"batch_id": "b", "cells": [{"round": 0, "arm": "a", "metric": "x", "count": 3, "sum": 6.0, '
+     '"sum_of_squares": 14.0, "sum": 60.0}]}', "cells[0].sum"),
+    ("/api/v1/experiments/setup-a/statistics",
+     '{"batch_id": "b", "batch_id": "c", "cells": [{"round": 0, "arm": "a", "metric": "x", "count": 3, "sum": 6.0, '
+     '"sum_of_squares": 14.0}]}', "batch_id"),
+    (EXPERIMENTS, _SETUP_A_TEXT.replace('"name": "second"', '"name": "second", "name": "third"'), "name"),
+    (EXPERIMENTS, _SETUP_A_TEXT.replace('"weight": 1.0', '"weight": 1.0, "weight": 2.0'), "arms[0].params.weight"),
+    ("/api/v1/experiments/setup-a/rounds", '{"round": 5, "round": 0}', "round"),
+]
+
+
+@pytest.mark.parametrize("path, text, location", REPEATED_KEYS, ids=[f"{path.rsplit('/', 1)[-1]}:{location}"
+                                                                      for path, _, location in REPEATED_KEYS])
+def test_a_repeated_key_is_400_naming_it(api, app, created, path, text, location):
+    before = {model: count_rows(app, model) for model in (Experiment, ObservationId, RoundStatistic, ArmRoundCount)}
+    round_before = api("GET", "/api/v1/experiments/setup-a", role="read").get_json()["round"]
+    error = error_of(api("POST", path, data=text, content_type="application/json"), 400)
+    key = location.rsplit(".", 1)[-1]
+    assert error["code"] == "duplicate_key"
+    assert error["details"] == [{"location": location, "message": f"Duplicate key {key!r}: a key may appear only "
+                                                                  f"once in an object."}]
+    assert error["message"] == f"{location}: Duplicate key {key!r}: a key may appear only once in an object."
+    # Nothing written, no round closed.
+    assert {model: count_rows(app, model) for model in before} == before
+    assert api("GET", "/api/v1/experiments/setup-a", role="read").get_json()["round"] == round_before
+
+
+def test_the_first_object_with_a_repeated_key_is_named(api, created):
+    """Body order: the object that opens first (an outer one before the objects inside it), then its
+    first key seen twice."""
+    text = ('{"observations": [{"id": "o1", "unit": "u1", "round": 0, "values": {"x": 1, "x": 2}, "round": 0}, '
+            '{"id": "o2", "id": "o3", "unit": "u2", "round": 0, "values": {"x": 1}}]}')
+    error = error_of(api("POST", OBSERVATIONS, data=text, content_type="application/json"), 400)
+    assert [detail["location"] for detail in error["details"]] == ["observations[0].round"]
+    text = '{"unit": "x", "units": [], "units": [], "unit": "y"}'
+    error = error_of(api("POST", ASSIGN, data=text, content_type="application/json"), 400)
+    assert [detail["location"] for detail in error["details"]] == ["units"]
+
+
+def test_equal_keys_in_different_objects_are_fine(api, created):
+    text = ('{"observations": [{"id": "o1", "unit": "u1", "round": 0, "values": {"x": 1, "y": 1}}, '
+            '{"id": "o2", "unit": "u2", "round": 0, "values": {"x": 1, "y": 2}}]}')
+    response = api("POST", OBSERVATIONS, data=text, content_type="application/json")
+    assert response.status_code == 202, response.get_data(as_text=True)
+    # Escapes are decoded before keys are compared: "\u0075nit" is "unit".
+    error = error_of(api("POST", ASSIGN, data='{"unit": "a", "\\u0075nit": "b"}', content_type="application/json"),
+                     400)
+    assert error["details"][0]["location"] == "unit"
 
 
 @pytest.mark.parametrize("body", [[1, 2], "u1", 3, None])
