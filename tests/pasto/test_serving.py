@@ -260,39 +260,6 @@ def test_a_baseline_below_an_absolute_threshold_is_trusted_only_until_its_data_r
     assert refuted.matrix[0, 2] == pytest.approx(0.041)
 
 
-@needs_hard
-def test_while_nothing_is_known_to_keep_a_hard_guardrail_the_served_mixture_keeps_its_estimate():
-    """The demo's first rounds: its baseline is refuted (like rate 0.046 against 0.06) and no mixture
-    keeps the guardrail's lower bound yet. The optimistic mixture leans on the arm with the large
-    primary metric and the low guarded one; it is padded with the arm of most estimated slack until
-    the guardrail holds at the point estimates, and still explores that arm."""
-    objective = Objective.from_spec(["x", "y"], {"primary": "x", "baseline": "2",
-                                                  "guardrails": [{"metric": "y", "threshold": 0.06, "hard": True}]},
-                                    ["0", "1", "2"])
-    means = np.array([[2.0, 0.0, 0.2], [0.03, 0.065, 0.046]])
-    std = np.array([[0.3], [0.05]])
-    counts = np.full((2, 3), 150.0)
-    statistics = Statistics(counts, counts * means, counts * (std**2 + means**2))
-    served, deployed, _ = serving.choose(serving.ServingConfig(), objective, statistics, 2,
-                                         np.full(3, -np.log(3)), 150.0, np.full(3, 1 / 3))
-    estimate = serving.arm_posterior(statistics)
-    z = 2.128045234184983  # 95% for the 3 arms at once
-    lower = serving.hard_constraints(objective, estimate.means - z * estimate.standard_errors,
-                                     estimate.means + z * estimate.standard_errors)
-    mixtures = np.eye(3)
-    assert np.all(np.einsum("hk,nk->nh", lower.matrix, mixtures) < lower.bounds)  # nothing is known to hold
-    assert served @ estimate.means[1] >= 0.06 - 1e-9  # it holds at the estimates
-    assert served @ estimate.means[1] <= 0.06 + 1e-3  # padded only as far as needed ...
-    assert served[0] > 0.1  # ... so the optimistic arm is still explored
-    # Unpadded, the optimistic mixture breaks the guardrail at the estimates.
-    z_optimism = np.sqrt(2 * np.log(2))
-    hopeful_rows = serving.hard_constraints(objective, estimate.means + z_optimism * estimate.standard_errors,
-                                            estimate.means + z_optimism * estimate.standard_errors)
-    gains = estimate.means[0] + z_optimism * estimate.standard_errors[0]
-    hopeful, _ = serving.served_lp(gains, hopeful_rows, np.zeros(3))
-    assert hopeful @ estimate.means[1] < 0.058
-
-
 # --------------------------------------------------------------------------- change detection in the service path
 
 
