@@ -740,9 +740,6 @@ def choose(
         # Every arm at its upper bound (the reference arm of a relative guardrail too).
         hopeful = hard_constraints(objective, means + z_optimism * errors, means + z_optimism * errors)
         hopeful_rows = _unbatched(hopeful, flat)
-        # The guardrails at the point estimates, no arm trusted: the fallback while nothing is known
-        # to keep the lower bounds.
-        estimated_rows = _unbatched(hard_constraints(objective, means, means, trust_baseline=False), flat)
         for run in range(flat):
             # Optimistic in the objective and in the guardrails (every arm at its upper bound):
             # the arms that could improve the objective or make room for others get traffic ...
@@ -753,19 +750,8 @@ def choose(
             # the largest-slack LP (a quarter of a segmented run's time) is then skipped.
             if _meets(hopeful_mixture, rows[run]):
                 served[run] = hopeful_mixture
-                continue
-            safest = largest_slack(rows[run], fixed)
-            if _meets(safest, rows[run]):
-                served[run] = _pad(hopeful_mixture, safest, rows[run])
-                continue
-            # Nothing is known to keep the lower bounds (the first rounds; a safe setting its own
-            # data refute, like the demo's production blend at like rate 0.046 against 0.06): the
-            # hopeful mixture is padded as far as the point estimates need, with the mixture of
-            # most estimated slack. Unpadded, it served the demo a true like rate of 0.052-0.055 in
-            # rounds 1-3 (the optimistic guardrails let it lean on arms below the threshold); the
-            # hopeful part keeps exploring, so the bounds still narrow. When even the estimates
-            # cannot be met, the hopeful mixture is served: exploring is the way to find out.
-            served[run] = _pad(hopeful_mixture, largest_slack(estimated_rows[run], fixed), estimated_rows[run])
+            else:
+                served[run] = _pad(hopeful_mixture, largest_slack(rows[run], fixed), rows[run])
             plug_in[run], _ = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
         log_weights = np.log(np.maximum(plug_in, 1e-300))
     else:
