@@ -21,9 +21,12 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
 3. **Serve.** With hard guardrails: the LP max U_primary . p subject to those constraints, U the
    optimistic (upper) bound of the primary metrics with z_t = optimism * sqrt(2 ln t): arms whose
    upper bound could enter the optimal support get traffic, and that traffic shrinks as the bounds
-   narrow. No fixed exploration floor. When no mixture is feasible even with the baseline (no
-   baseline, or the fixed shares forbid it), the mixture with the largest worst relative slack is
-   served. Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of
+   narrow. No fixed exploration floor. That optimistic mixture is padded, just enough that every
+   lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
+   baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
+   baseline its own data refute, or none), it is served as it is: exploring is the way to find out
+   (padding it to the point estimates instead starved the demo's reference arm and broke its
+   deployed mixture, docs/benchmarks.md, "Live demo check"). Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of
    E f(mu p) (mirror ascent), reached from the starting mixture p0 (the baseline arm, else uniform)
    only as far as the evidence defends (conservative bandits: p0 + a (optimum - p0) with the largest
    a in {0, 0.1, ..., 1} whose expected objective beats p0's by ``deploy_level`` Student-t standard
