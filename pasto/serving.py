@@ -34,15 +34,17 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    whose optimistic gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the
    optimum's level; each gets 1 / (n sqrt(t)) of the traffic (n observations per round), so the
    exploration vanishes as soon as no arm outside the support can still improve the objective.
-   While no mixture is defended (step 5), the option ``undecided`` sends the anchored traffic
-   elsewhere: by default (``best_arm``) half of it after a best-arm bandit (each arm in proportion
-   to its posterior probability of being the best single arm, :func:`best_arm_probabilities`:
-   Thompson sampling on the arms' metric means), so that a run whose noise forbids a defended
-   mixture finds the single arm it deploys instead nearly as a best-arm bandit does; or all of it
+   While no mixture is defended (step 5), the option ``undecided`` sends the run's own traffic
+   elsewhere: by default (``best_arm``) half of its own path (the conservative path and the
+   directed share) after a best-arm bandit (each arm in proportion to its posterior probability
+   of being the best single arm, :func:`best_arm_probabilities`: Thompson sampling on the arms'
+   metric means), so that a run whose noise forbids a defended mixture finds the single arm it
+   deploys instead nearly as a best-arm bandit does; or all of its anchored traffic
    to the optimum of one posterior draw of the means (``mixture_draw``: Thompson sampling over
    mixtures, :func:`drawn_mixture`); ``conservative`` keeps the conservative path (the default
    before issue 14's noise rows were re-measured). With ``posterior_draws`` > 0 (the default: 4;
-   issue 14's noise rows), every run also serves, as exploration, the
+   issue 14's noise rows), every run also serves, as exploration beside its own path (p =
+   (1 - m) own + outside, m the outside mass), the
    mass that the optima of ``posterior_draws`` posterior draws of the means put, on average, on
    arms outside its plug-in support (posterior exploration outside the support), ``posterior_scale``
    times over (2 by default) and at most half of the traffic in all: an arm gets
@@ -136,11 +138,13 @@ class ServingConfig:
     undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
         What the anchored traffic of an *undecided* run is (soft guardrails only: its plug-in
         optimum is a mixture the data cannot yet defend against the best single arm).
-        ``best_arm`` (the default): half of it follows each arm's posterior probability of being
-        the best single arm (:func:`best_arm_probabilities`), half the conservative path; on
-        setup B at sigma 3.0 (1000 runs) the deployed f is below Thompson's in 25.7% of runs
-        against 29.2% with ``conservative``, and at sigma 1.0 the two are even
-        (docs/benchmarks.md, "Noise rows: best-arm serving with the penalty drawn").
+        ``best_arm`` (the default): half of the run's own path (the conservative path and the
+        directed share) follows each arm's posterior probability of being the best single arm
+        (:func:`best_arm_probabilities`), half keeps that path; the posterior exploration outside
+        the support keeps its mass. On setup B at sigma 3.0 (1000 runs) the deployed f is below
+        Thompson's in 23.1% of runs against 29.2% with ``conservative``, and at sigma 1.0 the
+        median r is 0.901 (docs/benchmarks.md, "Noise rows: the best-arm half of the run's own
+        path").
         ``conservative``: the conservative path to the plug-in mixture. ``mixture_draw``:
         Thompson sampling over mixtures, all of it goes to the optimum of one posterior draw of
         the arms' means (:func:`drawn_mixture`); ``mixture_draw_half``: half of it that way, half
