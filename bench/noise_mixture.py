@@ -3,7 +3,7 @@
 Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: posterior exploration
 outside the plug-in support with 4 draws, its mass scaled by 2, the same as ``posterior``), the
 default before the scale (``posterior-scale1``: the mass itself), the default with half of an
-undecided run's anchored traffic after a best-arm bandit (``best_arm``), the default before posterior
+undecided run's own path after a best-arm bandit (``best_arm``), the default before posterior
 exploration (``conservative-0``: no posterior draws), the undecided-run rules of branch noise2 without posterior
 exploration (``best_arm-0``: half of an undecided run's traffic after a best-arm bandit;
 ``mixture_draw-0``: all of it to the optimum of one posterior draw of the means;

@@ -145,8 +145,8 @@ class AlgorithmConfig:
     serving_level : float
         One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
     serving_undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
-        With ``serving = "safe"`` and soft guardrails: where the anchored traffic of a run whose
-        mixture cannot yet be defended against the best single arm goes
+        With ``serving = "safe"`` and soft guardrails: where the traffic of a run whose mixture
+        cannot yet be defended against the best single arm goes
         (:class:`pasto.serving.ServingConfig`'s ``undecided``; ``best_arm`` by default).
     serving_posterior_draws : int
         With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass

@@ -102,7 +102,7 @@ __all__ = [
     "served_lp",
 ]
 
-# What an undecided run's anchored traffic is (ServingConfig.undecided).
+# Where an undecided run's traffic goes (ServingConfig.undecided).
 UNDECIDED_RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half")
 # Prior degrees of freedom pooling an arm's own noise variance with the metric's pooled one.
 _VARIANCE_PRIOR_DF = 5.0
@@ -136,7 +136,7 @@ class ServingConfig:
     mirror_steps : int
         Mirror-ascent steps of the plug-in solve (soft guardrails).
     undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
-        What the anchored traffic of an *undecided* run is (soft guardrails only: its plug-in
+        Where the traffic of an *undecided* run goes (soft guardrails only: its plug-in
         optimum is a mixture the data cannot yet defend against the best single arm).
         ``best_arm`` (the default): half of the run's own path (the conservative path and the
         directed share) follows each arm's posterior probability of being the best single arm
