@@ -17,7 +17,7 @@ bp = Blueprint("observations", __name__, url_prefix="/api/v1/experiments")
 def ingest_observations(name: str):
     body = json_bytes()
     snapshot = ingestion.open_experiment(name)  # 404 or 409 before a 422 about the body
-    # Decoded refusing repeated keys, then validated (schemas.parse_json).
+    # Validated straight from the bytes (schemas.parse_json): no intermediate Python objects.
     batch = parse_json(ObservationBatch, body, also_check=lambda data: ingestion.name_problems(name, data))
     result = ingestion.ingest(snapshot, batch.observations)
     return respond(IngestResult(accepted=result.accepted, duplicates=result.duplicates), 202)

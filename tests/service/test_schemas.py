@@ -1,6 +1,7 @@
-"""``parse_json`` (the ingestion routes' parser) accepts exactly what ``parse(model, decode_json(body))``
-accepts, with the same values, and fails with the same error; on a body without a repeated key, that
-is what ``parse(model, json.loads(body))`` does (``decode_json`` only adds the repeated-key check)."""
+"""``parse_json`` (pydantic's JSON parser on the raw body, the ingestion fast path) accepts exactly
+what ``parse(model, decode_json(body))`` accepts, with the same values, and fails with the same error,
+for bodies without a repeated key; that is what ``parse(model, json.loads(body))`` does too
+(``decode_json`` only adds the repeated-key check of the other routes)."""
 
 from __future__ import annotations
 
@@ -66,10 +67,18 @@ def test_parse_json_agrees_with_the_two_step_path(document):
     b'{"observations": [{"id": "a", "unit": "u", "round": 0, "values": {"x": NaN}}]}',
     b'{"observations": [{"id": "a", "unit": "u", "round": 0, "values": {"x": 1e309}}]}',
     b'{"observations": [{"id": "a\\ud800", "unit": "u", "round": 0, "values": {"x": 1}}]}',
-    b'{"observations": [{"id": "a", "id": "b", "unit": "u", "round": 0, "values": {"x": 1}}]}',
     b'{"observations": [{"id": "a", "unit": "u", "round": 1.0, "values": {"x": 1}}]}',
     b'{"observations": [{"id": "a", "unit": "u", "round": 0, "values": {"x": 1}}]} trailing',
     b'{"observations": [', b'\xff\xfe', b'', b'[]', b'"text"',
 ])
 def test_parse_json_agrees_on_edge_cases(body):
     assert _outcome(parse_json, body) == _outcome(_two_step, body)
+
+
+def test_parse_json_keeps_the_last_value_of_a_repeated_key_where_the_other_routes_refuse_it():
+    body = b'{"observations": [{"id": "a", "id": "b", "unit": "u", "round": 0, "values": {"x": 1}}]}'
+    assert _outcome(parse_json, body) == _outcome(_plain_json, body)
+    assert parse_json(ObservationBatch, body).observations[0].id == "b"
+    with pytest.raises(ApiError) as refused:
+        decode_json(body)
+    assert refused.value.code == "duplicate_key"
