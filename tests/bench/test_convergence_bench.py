@@ -101,3 +101,27 @@ def test_a_tiny_serving_pass_reports_served_and_deployed_figures_and_the_targets
     assert "| demo: served holds every hard guardrail in >= 97% of (run, round) pairs after round 20 |" not in text
     assert "| drift: deployed mean r >= 0.9 within 300 rounds of the change (round 70) |" in text
     assert "| drift: no run ends on a guardrail-breaking single arm |" in text
+
+
+def test_noise_rows_run_in_blocks_of_their_own_seeds_and_are_pooled(bench, monkeypatch):
+    # The sigma 1.0 row in two blocks of 2 runs (seeds 0 and 1) is the two separate runs side by side.
+    monkeypatch.setattr(bench, "NOISE_BLOCK_RUNS", 2)
+    rows = (("B sigma=1.0", "setup-b", 1.0, 6, ("default", "thompson")),
+            ("B sigma=0.1", "setup-b", 0.1, 6, ("default",)))
+    results = bench.run_serving(runs=3, seed=0, workers=1, rows=rows, noise_runs=4)
+    noise, other = results["B sigma=1.0"], results["B sigma=0.1"]
+    assert (noise["runs"], noise["seeds"], other["runs"], other["seeds"]) == (4, [0, 1], 3, [0])
+    summary, f, r, _ = noise["default"]
+    assert f.shape == r.shape == (len(noise["scenario"].checkpoints), 4) and summary["runs"] == 4
+    for block, seed in enumerate((0, 1)):
+        scenario = bench.load_scenario("setup-b").with_overrides(runs=2, rounds=6, seed=seed, noise_std=1.0)
+        alone = bench.simulate(scenario, bench.make_policy("default"))
+        assert (f[:, 2 * block:2 * block + 2] == alone.deployed_values[[c - 1 for c in scenario.checkpoints]]).all()
+        regret = alone.summary["checkpoints"][-1]["cumulative_regret"]["mean"]
+        if block == 0:
+            first = regret
+    assert summary["checkpoints"][-1]["cumulative_regret"]["mean"] == pytest.approx((first + regret) / 2)
+    text = bench.render_serving(results, "python bench/convergence.py --serving", 3, 1.0)
+    assert "Rows B sigma=1.0: 4 runs each, in 2 blocks of 2 (seeds 0, 1;" in text
+    with pytest.raises(SystemExit, match="does not split"):
+        bench._blocks("B sigma=1.0", 3, 5, 0)
