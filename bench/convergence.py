@@ -20,7 +20,10 @@ change what is served, so this equals a separate run with ``deploy`` overridden.
 over ``--workers`` processes (one numpy thread each).
 
 Run: ``python bench/convergence.py`` (1000 runs, takes a while); ``--runs 100`` for a quick pass;
-``--print-only`` to leave docs/benchmarks.md untouched.
+``--print-only`` to leave docs/benchmarks.md untouched. ``--serving`` runs only issue 14's
+safe-serving rows; ``--noise-runs 1000`` runs their sigma 1.0 and 3.0 rows (whose median and shares
+sit near their targets) on 1000 runs in blocks of 500 with seeds ``--seed`` and ``--seed + 1``, about
+40 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -272,7 +275,15 @@ def _pool_blocks(parts: list[tuple[dict, np.ndarray, np.ndarray, float]]) -> tup
     sizes = np.array([summary["runs"] for summary in summaries], dtype=float)
     pooled = {**summaries[0], "runs": int(sizes.sum()), "seed": [summary["seed"] for summary in summaries],
               "runs_ending_on_a_breaking_arm": sum(s["runs_ending_on_a_breaking_arm"] for s in summaries)}
-    pooled.pop("hard_guardrails", None)  # the noise rows have soft guardrails only
+    if "hard_guardrails" in pooled:  # shares of (run, round) pairs: weighted by the blocks' runs
+        hard = [summary["hard_guardrails"] for summary in summaries]
+        pooled["hard_guardrails"] = {
+            **hard[0],
+            **{key: float(np.dot(sizes, [h[key] for h in hard]) / sizes.sum())
+               for key in ("served_hold_share", "deployed_hold_share")},
+            "deployed_hold_share_at": {at: float(np.dot(sizes, [h["deployed_hold_share_at"][at] for h in hard])
+                                                 / sizes.sum()) for at in hard[0]["deployed_hold_share_at"]},
+        }
     checkpoints = []
     for index, checkpoint in enumerate(summaries[0]["checkpoints"]):
         gains = r[index][~np.isnan(r[index])]

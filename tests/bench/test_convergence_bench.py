@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.bench.conftest import bench_script
@@ -125,3 +126,20 @@ def test_noise_rows_run_in_blocks_of_their_own_seeds_and_are_pooled(bench, monke
     assert "Rows B sigma=1.0: 4 runs each, in 2 blocks of 2 (seeds 0, 1;" in text
     with pytest.raises(SystemExit, match="does not split"):
         bench._blocks("B sigma=1.0", 3, 5, 0)
+
+
+def test_pooled_blocks_weight_the_hard_guardrail_shares_by_their_runs(bench):
+    def block(runs, share, seed):
+        summary = {"runs": runs, "seed": seed, "runs_ending_on_a_breaking_arm": seed,
+                   "hard_guardrails": {"tolerance": 0.001, "served_hold_share": share, "deployed_hold_share": share,
+                                       "deployed_hold_share_at": {"10": share}},
+                   "checkpoints": [{"round": 10, "cumulative_regret": {"mean": 10.0 * share, "standard_error": 1.0}}]}
+        return summary, np.full((1, runs), share), np.full((1, runs), share), 1.0
+
+    summary, f, r, seconds = bench._pool_blocks([block(1, 1.0, 1), block(3, 0.6, 2)])
+    assert summary["runs"] == 4 and summary["seed"] == [1, 2] and summary["runs_ending_on_a_breaking_arm"] == 3
+    assert summary["hard_guardrails"]["served_hold_share"] == pytest.approx(0.7)
+    assert summary["hard_guardrails"]["deployed_hold_share_at"] == {"10": pytest.approx(0.7)}
+    assert summary["checkpoints"][0]["cumulative_regret"]["mean"] == pytest.approx(7.0)
+    assert summary["checkpoints"][0]["cumulative_regret"]["standard_error"] == pytest.approx(np.sqrt(10) / 4)
+    assert f.shape == (1, 4) and seconds == 2.0
