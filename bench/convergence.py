@@ -54,6 +54,7 @@ from pasto.simulate import (  # noqa: E402
     References,
     draw_means,
     make_policy,
+    quartile_summary,
     reference_values,
     simulate,
 )
@@ -287,13 +288,13 @@ def _pool_blocks(parts: list[tuple[dict, np.ndarray, np.ndarray, float]]) -> tup
     checkpoints = []
     for index, checkpoint in enumerate(summaries[0]["checkpoints"]):
         gains = r[index][~np.isnan(r[index])]
-        relative_gain = _summary(gains)
+        relative_gain = quartile_summary(gains)
         relative_gain["excluded"] = int(r.shape[1] - gains.size)
         regrets = [s["checkpoints"][index]["cumulative_regret"] for s in summaries]
         errors = [regret["standard_error"] for regret in regrets]
         checkpoints.append({
             "round": checkpoint["round"],
-            "objective": _summary(f[index]),
+            "objective": quartile_summary(f[index]),
             "relative_gain": relative_gain,
             # The mean of equal-weighted blocks' means and its standard error (blocks independent).
             "cumulative_regret": {
@@ -304,13 +305,6 @@ def _pool_blocks(parts: list[tuple[dict, np.ndarray, np.ndarray, float]]) -> tup
         })
     pooled["checkpoints"] = checkpoints
     return pooled, f, r, sum(seconds for _, _, _, seconds in parts)
-
-
-def _summary(values: np.ndarray) -> dict:
-    if values.size == 0:
-        return {"mean": None, "median": None, "p25": None, "p75": None}
-    p25, median, p75 = np.percentile(values, [25, 50, 75])
-    return {"mean": float(values.mean()), "median": float(median), "p25": float(p25), "p75": float(p75)}
 
 
 def run_serving(runs: int, seed: int, workers: int, rows=None, noise_runs: int | None = None) -> dict:

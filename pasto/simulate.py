@@ -52,6 +52,7 @@ __all__ = [
     "round_statistics",
     "simulate",
     "format_table",
+    "quartile_summary",
 ]
 
 ALGORITHMS = ("paper", "default", "safe", "scgd", "thompson")
@@ -296,7 +297,8 @@ def _breaking_single_arm(objective, means, thresholds, deployed) -> np.ndarray:
 # --------------------------------------------------------------------------- results
 
 
-def _summary(values: np.ndarray) -> dict[str, float | None]:
+def quartile_summary(values: np.ndarray) -> dict[str, float | None]:
+    """Mean, median and quartiles of ``values`` (1-D), each None when it is empty: a checkpoint's shape."""
     if values.size == 0:
         return {"mean": None, "median": None, "p25": None, "p75": None}
     p25, median, p75 = np.percentile(values, [25, 50, 75])
@@ -448,12 +450,12 @@ def simulate(
         for checkpoint in scenario.checkpoints:
             index = checkpoint - 1
             mask = included[index]
-            gains = _summary(gains_by_round[index][mask])
+            gains = quartile_summary(gains_by_round[index][mask])
             gains["excluded"] = int(runs - mask.sum())
             rows.append(
                 {
                     "round": checkpoint,
-                    "objective": _summary(values[index]),
+                    "objective": quartile_summary(values[index]),
                     "relative_gain": gains,
                     "cumulative_regret": {
                         "mean": float(checkpoint_regret[checkpoint]),
