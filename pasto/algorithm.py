@@ -78,6 +78,8 @@ _SERVING_OPTIONS = (
     ("serving_undecided", "undecided"),
     ("serving_posterior_draws", "posterior_draws"),
     ("serving_posterior_scale", "posterior_scale"),
+    ("serving_min_share", "min_share"),
+    ("serving_holdout", "holdout"),
     ("change_level", "change_level"),
     ("change_every", "change_every"),
 )
@@ -155,6 +157,14 @@ class AlgorithmConfig:
     serving_posterior_scale : float
         Factor on that mass, in (0, 10], at most half of the traffic in all (1: unscaled and
         uncapped; :class:`pasto.serving.ServingConfig`'s ``posterior_scale``; 2 by default).
+    serving_min_share : float
+        With ``serving = "safe"``: the share every arm is served in every round, in [0, 1 / K)
+        (0 by default: no floor; :class:`pasto.serving.ServingConfig`'s ``min_share``).
+    serving_holdout : float
+        With ``serving = "safe"``: a fixed share of every round served the baseline arm, in
+        [0, 1) (0 by default; needs an objective with a baseline arm; the lift of the served and
+        deployed mixtures is then over this holdout; :class:`pasto.serving.ServingConfig`'s
+        ``holdout``).
     change_level : float
         With ``serving = "safe"``: family-wise false-alarm probability of each change test
         (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
@@ -185,6 +195,8 @@ class AlgorithmConfig:
     serving_undecided: str = ServingConfig.undecided
     serving_posterior_draws: int = ServingConfig.posterior_draws
     serving_posterior_scale: float = ServingConfig.posterior_scale
+    serving_min_share: float = ServingConfig.min_share
+    serving_holdout: float = ServingConfig.holdout
     change_level: float = ServingConfig.change_level
     change_every: int = ServingConfig.change_every
 
@@ -512,7 +524,8 @@ def initial_state(
         Leading batch dimensions (independent runs).
     objective : Objective, optional
         Supplies the initial guardrail weights lambda_0; without it the first update takes them
-        from the objective it is given.
+        from the objective it is given. With ``serving = "safe"`` and a ``serving_holdout``, it
+        names the baseline arm, whose holdout share p_1 already serves.
     """
     if isinstance(n_arms, bool) or not isinstance(n_arms, (int, np.integer)) or n_arms < 1:
         raise ValueError(f"The number of arms must be a positive integer, got {n_arms!r}.")
@@ -521,11 +534,17 @@ def initial_state(
     batch_shape = tuple(int(b) for b in batch_shape)
     vector_shape = batch_shape + (int(n_arms),)
     uniform = np.full(vector_shape, 1.0 / n_arms)
+    served = uniform
+    if config.serving == "safe":
+        from pasto import serving
+
+        served = np.broadcast_to(serving.starting_probabilities(config.serving_config(), objective, int(n_arms)),
+                                 vector_shape).copy()
     penalties = np.zeros(0) if objective is None else objective.penalties
     accumulators = _estimator(config).start(n_metrics, n_arms, batch_shape)
     return ControllerState(
         round_index=0,
-        probabilities=uniform,
+        probabilities=served,
         deployed=uniform.copy(),
         log_weights=np.full(vector_shape, -math.log(n_arms)),
         probability_sum=np.zeros(vector_shape),

@@ -100,6 +100,7 @@ __all__ = [
     "initial_state",
     "update",
     "served_lp",
+    "starting_probabilities",
 ]
 
 # Where an undecided run's traffic goes (ServingConfig.undecided).
@@ -489,12 +490,22 @@ def largest_slack(constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray
 # --------------------------------------------------------------------------- the controller
 
 
+def starting_probabilities(config: ServingConfig, objective: Objective | None, n_arms: int) -> np.ndarray:
+    """p_1, the traffic before any data: the fixed shares, the rest uniform; shape (K,).
+
+    Raises ValueError when the fixed shares cannot be served (see ``min_share`` and ``holdout``).
+    """
+    fixed = _fixed_shares(config, objective, n_arms)
+    return fixed + (1.0 - fixed.sum()) / n_arms
+
+
 def _fixed_shares(config: ServingConfig, objective: Objective | None, n_arms: int) -> np.ndarray:
     fixed = np.full(n_arms, config.min_share)
     if config.holdout > 0:
         baseline = None if objective is None else _baseline_index(objective)
         if baseline is None:
-            raise ValueError("Serving option 'holdout' needs a baseline arm (the objective's 'baseline').")
+            raise ValueError("A holdout share needs a baseline arm: name one in the objective ('baseline'), "
+                             "or a relative guardrail's 'relative_to' arm.")
         fixed[baseline] = max(fixed[baseline], config.holdout)
     if fixed.sum() >= 1.0:
         raise ValueError(
@@ -513,9 +524,7 @@ def initial_state(
 ) -> ServingState:
     """Before any data: uniform traffic (no arm is known better), uniform deployed mixture."""
     batch_shape = tuple(int(b) for b in batch_shape)
-    fixed = _fixed_shares(config, objective, n_arms)
-    uniform = fixed + (1.0 - fixed.sum()) / n_arms
-    probabilities = np.broadcast_to(uniform, batch_shape + (n_arms,)).copy()
+    probabilities = np.broadcast_to(starting_probabilities(config, objective, n_arms), batch_shape + (n_arms,)).copy()
     return ServingState(
         round_index=0,
         probabilities=probabilities,

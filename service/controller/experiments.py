@@ -168,6 +168,10 @@ def create(body: ExperimentCreate) -> Snapshot:
                                                "controller serves the joint solution with exploration "
                                                "(give serving 'exploration' or leave it out).")
         algorithm_spec["serving"] = "exploration"
+        for option in ("serving_min_share", "serving_holdout"):
+            if algorithm_spec.get(option):
+                raise invalid(f"algorithm.{option}", f"'{option}' is a safe-serving option, and the segmented "
+                                                     "controller does not serve that way (leave it out).")
     algorithm = build_algorithm(algorithm_spec)
     segments = _segments_config(body, objective)
     config = {
@@ -184,7 +188,10 @@ def create(body: ExperimentCreate) -> Snapshot:
         config["source"] = check_source(body.source, body.metrics)
     segment_state = segment_probabilities = None
     if segments is None:
-        state = initial_state(algorithm, len(arm_names), len(body.metrics))
+        try:  # the objective names the holdout's baseline arm; the fixed shares must leave traffic to learn with
+            state = initial_state(algorithm, len(arm_names), len(body.metrics), objective=objective)
+        except ValueError as error:
+            raise invalid("algorithm", str(error)) from None
     else:
         config["segments"] = segments
         segmented = initial_segmented_state(segmented_config(config, algorithm), len(segments["names"]),

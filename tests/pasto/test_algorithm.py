@@ -128,7 +128,7 @@ def test_field_defaults_are_the_default_preset():
         "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
         "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
         "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 4,
-        "serving_posterior_scale": 2.0, "change_level": 1e-4,
+        "serving_posterior_scale": 2.0, "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 1e-4,
         "change_every": 25,
     }
 
@@ -144,7 +144,8 @@ def test_paper_preset_overrides_only_what_algorithm_1_changes():
         "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
         "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
         "serving": "exploration", "serving_level": 0.95, "serving_undecided": "best_arm",
-        "serving_posterior_draws": 4, "serving_posterior_scale": 2.0, "change_level": 1e-4, "change_every": 25,
+        "serving_posterior_draws": 4, "serving_posterior_scale": 2.0, "serving_min_share": 0.0, "serving_holdout": 0.0,
+        "change_level": 1e-4, "change_every": 25,
     }
 
 

@@ -55,6 +55,9 @@ def test_unknown_baseline_is_422(api, setup_a):
     ({"change_every": 0}, "change_every"),
     ({"serving": "safe", "serving_level": 1.5}, "serving_level"),
     ({"serving": "greedy"}, "serving"),
+    ({"serving_holdout": 1.0}, "serving_holdout"),
+    ({"serving_min_share": 0.5}, "leave no traffic"),  # K = 2: two halves leave nothing to learn with
+    ({"serving_min_share": 0.45, "serving_holdout": 0.6}, "leave no traffic"),
 ])
 def test_invalid_serving_options_are_422(api, setup_a, algorithm, fragment):
     response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, **algorithm))
@@ -62,6 +65,44 @@ def test_invalid_serving_options_are_422(api, setup_a, algorithm, fragment):
     detail = response.get_json()["error"]["details"][0]
     assert detail["location"] == "algorithm"
     assert fragment in detail["message"]
+
+
+def test_a_holdout_and_a_minimum_share_are_served_from_the_first_round_on(api, setup_a):
+    """GrowthBook users asked for both (issues 4037 and 6145 there): every arm keeps serving_min_share
+    and the baseline b keeps serving_holdout in every round, the first one included, while a (x = 2,
+    y = -2 against b's -2 and 2) takes what the guardrail allows."""
+    body = hard_body(setup_a, serving_min_share=0.05, serving_holdout=0.3)
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 201, response.get_json()
+    assert (response.get_json()["algorithm"]["serving_min_share"],
+            response.get_json()["algorithm"]["serving_holdout"]) == (0.05, 0.3)
+    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
+    served = [response.get_json()["probabilities"]]
+    for round_index in range(4):
+        assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                       json={"units": [f"r{round_index}-u{i}" for i in range(200)]}).get_json()["assignments"]
+        observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
+                         "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
+                                    "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
+                        for i, item in enumerate(assigned)]
+        assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
+                   json={"observations": observations}).status_code == 202
+        assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+        served.append(api("GET", "/api/v1/experiments/setup-a").get_json()["probabilities"])
+    for probabilities in served:
+        assert probabilities[1] >= 0.3 - 1e-9 and min(probabilities) >= 0.05 - 1e-9, served
+    # a is learned up to what the guardrail allows (y = 2 - 4 p_a >= 0: p_a <= 1/2), from 0.375 in round 0.
+    assert 0.45 < served[-1][0] <= 0.5 + 1e-9, served
+
+
+def test_a_holdout_needs_a_baseline(api, setup_a):
+    body = setup_a(objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+                   algorithm={"serving_holdout": 0.2})
+    response = api("POST", "/api/v1/experiments", json=body)
+    assert response.status_code == 422, response.get_json()
+    detail = response.get_json()["error"]["details"][0]
+    assert detail["location"] == "algorithm" and "needs a baseline arm" in detail["message"]
+    assert api("GET", "/api/v1/experiments/setup-a").status_code == 404  # nothing half-written
 
 
 @pytest.mark.parametrize("estimator", ["ips", "control_variate"])

@@ -462,3 +462,8 @@ def test_a_segmented_experiment_runs_exploration_serving_and_refuses_safe_servin
     assert response.status_code == 422
     assert any(p["location"] == "algorithm.serving" and "not available with segments" in p["message"]
                for p in _problems(response))
+    # Its options, too: a holdout the segmented controller would not serve is refused, not ignored.
+    response = api("POST", "/api/v1/experiments", json=segmented_body("held", algorithm={"serving_holdout": 0.1}))
+    assert response.status_code == 422
+    assert any(p["location"] == "algorithm.serving_holdout" and "safe-serving option" in p["message"]
+               for p in _problems(response))
