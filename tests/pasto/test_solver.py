@@ -126,7 +126,7 @@ def _close(value, reference):
 def test_solve_matches_active_set_enumeration(seed):
     rng = np.random.default_rng(seed)
     k = int(rng.integers(2, 8))
-    n_guardrails = int(rng.integers(0, 5))
+    n_guardrails = int(rng.integers(0, 6))  # the 0-5
     objective, means, thresholds = _random_instance(rng, k, n_guardrails)
     lower = np.zeros(k)
     min_shares = None
@@ -244,6 +244,22 @@ def test_infeasible_hard_guardrail_is_reported_with_the_smallest_shortfall():
     np.testing.assert_allclose(solution.probabilities, [0.0, 1.0, 0.0], atol=1e-7)
     assert np.isnan(solution.shadow_prices).all()
     assert solution.hard_slack[0] == pytest.approx(-0.2, abs=1e-8)
+
+
+def test_infeasible_hard_guardrails_are_reported_at_k_10000():
+    # Two hard guardrails and a soft one over 10,000 arms; y0 >= 1.5 is above every arm's y0 (at most
+    # 1), so no mixture keeps it: reported infeasible with the smallest largest shortfall, 1.5 minus
+    # the largest y0 (the arm with the largest y0 alone, which y1 >= -2 does not restrict).
+    rng = np.random.default_rng(7)
+    k = 10_000
+    objective = _objective(["hard", "hard", "soft"], [0.0, 0.0, 1e9], [1.5, -2.0, 0.2])
+    means = rng.uniform(-1.0, 1.0, (4, k))
+    solution = solve(objective, means)
+    assert not solution.feasible
+    assert solution.largest_shortfall == pytest.approx(1.5 - means[1].max(), abs=1e-7)
+    assert np.isnan(solution.shadow_prices).all()
+    assert solution.hard_slack[0] == pytest.approx(means[1].max() - 1.5, abs=1e-7)
+    assert solution.probabilities[np.argmax(means[1])] > 0.999  # the rest within the shortfall tolerance
 
 
 def test_infeasible_pair_returns_the_minimax_mixture_then_the_best_objective():
@@ -445,8 +461,6 @@ def test_scaled_instances_keep_the_enumerated_optimum(seed):
     k, n_guardrails = int(rng.integers(2, 7)), int(rng.integers(1, 4))
     objective, means, thresholds = _random_instance(rng, k, n_guardrails)
     reference, _ = _oracle(objective, means, thresholds, np.zeros(k))
-    if reference is None:
-        pytest.skip("The hard guardrails of this instance are infeasible.")
     factors = 10.0 ** rng.uniform(-80, 80, n_guardrails + 1)
     primary_scale = 10.0 ** rng.uniform(-80, 80)
     guardrails = tuple(
@@ -458,6 +472,10 @@ def test_scaled_instances_keep_the_enumerated_optimum(seed):
                        guardrails=guardrails)
     scaled_means = means * factors[:, None]
     solution = solve(scaled, scaled_means)
+    if reference is None:  # infeasible at every scale, and reported so
+        assert not solution.feasible and solution.largest_shortfall > 0
+        assert np.isnan(solution.shadow_prices).all()
+        return
     assert solution.feasible
     assert solution.value == pytest.approx(reference * primary_scale, rel=1e-6)
 
