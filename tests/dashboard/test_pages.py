@@ -363,16 +363,18 @@ def test_the_time_range_draws_the_last_rounds_and_keeps_totals(live_server, brow
     context.close()
 
 
+@pytest.mark.parametrize("kind", [{"penalty": 5.0}, {"hard": True}], ids=["soft", "hard"])
 def test_a_guardrail_no_mixture_can_keep_is_red_on_the_overview_and_the_experiment_page(
-        live_server, browser, anonymous_loopback):
-    """Both arms have y well below the threshold 0: whatever is served breaks the guardrail, and the
-    overview and the experiment page say so in red, naming the served traffic."""
-    name = "no-feasible-mixture"
+        live_server, browser, anonymous_loopback, kind):
+    """Both arms have y well below the threshold 0: whatever is served breaks the guardrail (a hard
+    one has no mixture to keep it, and no baseline to fall back on), and the overview and the
+    experiment page say so in red, naming the served traffic."""
+    name = f"no-feasible-mixture-{'hard' if kind.get('hard') else 'soft'}"
     live_server.api("POST", "/experiments", json={
         "name": name,
         "arms": [{"name": "left", "params": {}}, {"name": "right", "params": {}}],
         "metrics": ["x", "y"],
-        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
+        "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, **kind}]},
         "round_seconds": 3600,
         "seed": 5,
     })
