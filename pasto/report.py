@@ -31,7 +31,16 @@ from pasto.diagnostics import Z_95, guardrail_report
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
 
-__all__ = ["Lift", "MixtureReport", "Optimum", "RoundReport", "baseline_lift", "round_report", "solve_optimum"]
+__all__ = [
+    "Lift",
+    "MixtureReport",
+    "Optimum",
+    "RoundReport",
+    "baseline_lift",
+    "round_report",
+    "shadow_price_report",
+    "solve_optimum",
+]
 
 
 @dataclass(frozen=True)
@@ -182,12 +191,19 @@ class Optimum:
         Index of argmax_k f(V e_k).
     best_single_value : float
         Its value.
+    shadow_prices : ndarray, shape (H,), or None
+        The best mixture's shadow price of each hard guardrail, in the order of
+        ``Objective.hard_indices`` (:attr:`pasto.optimum.Solution.shadow_prices`): objective units
+        gained per unit the guardrail's resolved threshold c_j is lowered, >= 0, 0 when it does not
+        bind, nan when no mixture meets every hard guardrail. None when the optimum was made without
+        them (an ``Optimum`` built by hand or by an older solve): unknown, not zero.
     """
 
     best_mixture: np.ndarray
     best_mixture_value: float
     best_single_arm: int
     best_single_value: float
+    shadow_prices: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,9 @@ class RoundReport:
         The mixture the algorithm recommends (``state.deployed``).
     baseline_arm : int or None
         Column of the arm the lifts are measured against (``objective.baseline_index``), or None.
+    shadow_prices : tuple of dict
+        One per guardrail, in the objective's order (:func:`shadow_price_report` of ``optimum``):
+        ``metric``, ``hard`` and ``shadow_price``.
     """
 
     round_index: int
@@ -222,6 +241,7 @@ class RoundReport:
     served: MixtureReport
     deployed: MixtureReport
     baseline_arm: int | None = None
+    shadow_prices: tuple[dict[str, Any], ...] = ()
 
     @property
     def best_mixture(self) -> np.ndarray:
@@ -245,12 +265,43 @@ class RoundReport:
 
 
 def solve_optimum(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
-    """:class:`Optimum` of ``objective`` on ``means`` (M, K) with guardrail ``thresholds`` (G,)
-    (:func:`pasto.optimum.best_mixture` and :func:`pasto.optimum.best_single`)."""
-    best_probabilities, best_value = optimum.best_mixture(objective, means, thresholds)
+    """:class:`Optimum` of ``objective`` on ``means`` (M, K) with guardrail ``thresholds`` (G,).
+
+    The best mixture is :func:`pasto.optimum.solve` on the point estimates (the hard guardrails'
+    constraints on ``means`` too), the solve :func:`pasto.optimum.best_mixture` makes for one
+    problem, kept whole so that its shadow prices come along; the best single arm is
+    :func:`pasto.optimum.best_single`.
+    """
+    solution = optimum.solve(objective, means, thresholds)
     best_arm, best_single_value = optimum.best_single(objective, means, thresholds)
-    return Optimum(best_mixture=np.asarray(best_probabilities, dtype=float), best_mixture_value=float(best_value),
-                   best_single_arm=int(best_arm), best_single_value=float(best_single_value))
+    return Optimum(best_mixture=np.asarray(solution.probabilities, dtype=float),
+                   best_mixture_value=float(solution.value),
+                   best_single_arm=int(best_arm), best_single_value=float(best_single_value),
+                   shadow_prices=np.asarray(solution.shadow_prices, dtype=float))
+
+
+def shadow_price_report(objective: Objective, best: Optimum) -> list[dict[str, Any]]:
+    """Each guardrail's shadow price at the best mixture, in the objective's order.
+
+    The shadow price of hard guardrail j is d f(V p*) / d(-c_j): objective units (the primary
+    metric's, soft penalties included) gained per unit the resolved threshold c_j is lowered, at the
+    best mixture on the point estimates; for a relative guardrail c_j = (1 + r_j) V[g_j, b], so a unit
+    is one unit of the guarded metric (lowering r_j by delta lowers c_j by delta V[g_j, b]).
+
+    Returns
+    -------
+    list of dict
+        ``metric``, ``hard`` and ``shadow_price``: >= 0 for a hard guardrail (0 when it does not
+        bind), nan for a soft guardrail (its penalty already prices it), for every hard guardrail
+        when no mixture meets them all, and when ``best`` has no shadow prices.
+    """
+    prices = np.full(len(objective.guardrails), np.nan)
+    if best.shadow_prices is not None:
+        prices[objective.hard_indices] = np.maximum(np.asarray(best.shadow_prices, dtype=float), 0.0)
+    return [
+        {"metric": guardrail.metric, "hard": bool(guardrail.hard), "shadow_price": float(prices[j])}
+        for j, guardrail in enumerate(objective.guardrails)
+    ]
 
 
 def round_report(
@@ -334,4 +385,5 @@ def round_report(
         served=mixture(served),
         deployed=mixture(np.asarray(state.deployed, dtype=float)),
         baseline_arm=baseline,
+        shadow_prices=tuple(shadow_price_report(objective, best)),
     )

@@ -11,7 +11,7 @@ import pytest
 from pasto.algorithm import AlgorithmConfig, initial_state, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
-from pasto.report import Optimum, baseline_lift, round_report, solve_optimum
+from pasto.report import Optimum, baseline_lift, round_report, shadow_price_report, solve_optimum
 
 # f(x) = x_0 - 5 min(0, x_1)^2. With p = (q, 1 - q): x = (2q, 2 - 4q); for q > 1/2 the guardrail is
 # short by 4q - 2, f = 2q - 5 (4q - 2)^2, maximal at 4q - 2 = 0.05: p* = (0.5125, 0.4875), f = 1.0125.
@@ -231,3 +231,42 @@ def test_the_optimum_comes_from_the_solve_given():
     np.testing.assert_array_equal(default.best_mixture, solved.best_mixture)
     assert (default.best_mixture_value, default.best_single_arm, default.best_single_value) == (
         solved.best_mixture_value, solved.best_single_arm, solved.best_single_value)
+
+
+def test_shadow_prices_of_the_best_mixture_by_hand():
+    """f = x with arms a (x, y) = (2, -2) and b = (-2, 2), hard y >= c: q = p_a <= (2 - c) / 4 and
+    f* = 4 q* - 2 = -c, so lowering c by one raises f* by one (shadow price 1). The hard guardrail on z
+    (0 on both arms, threshold -5) does not bind: 0. The soft one on w has no shadow price: nan."""
+    objective = Objective.from_spec(["x", "y", "z", "w"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.0, "hard": True},
+        {"metric": "w", "threshold": 0.0, "penalty": 5.0},
+        {"metric": "z", "threshold": -5.0, "hard": True}]})
+    means = np.array([[2.0, -2.0], [-2.0, 2.0], [0.0, 0.0], [1.0, 1.0]])
+    thresholds = objective.thresholds(means)
+    best = solve_optimum(objective, means, thresholds)
+    np.testing.assert_allclose(best.best_mixture, [0.5, 0.5], atol=1e-12)
+    np.testing.assert_allclose(best.shadow_prices, [1.0, 0.0], atol=1e-9)
+    report = shadow_price_report(objective, best)
+    assert [(item["metric"], item["hard"]) for item in report] == [("y", True), ("w", False), ("z", True)]
+    assert report[0]["shadow_price"] == pytest.approx(1.0, abs=1e-9)
+    assert math.isnan(report[1]["shadow_price"])
+    assert report[2]["shadow_price"] == pytest.approx(0.0, abs=1e-12)
+    # round_report carries them (the default solve is solve_optimum).
+    config = AlgorithmConfig.from_preset("default")
+    state = initial_state(config, 2, 4)
+    rounded = round_report(config, objective, state, _exact_statistics(means, 101))
+    assert [item["metric"] for item in rounded.shadow_prices] == ["y", "w", "z"]
+    assert rounded.shadow_prices[0]["shadow_price"] == pytest.approx(1.0, abs=1e-9)
+    # An optimum made without shadow prices (by hand, or cached by an older solve) has them unknown, not 0.
+    bare = Optimum(best_mixture=np.array([0.5, 0.5]), best_mixture_value=0.0, best_single_arm=1,
+                   best_single_value=-2.0)
+    assert all(math.isnan(item["shadow_price"]) for item in shadow_price_report(objective, bare))
+
+
+def test_shadow_prices_are_nan_when_no_mixture_meets_the_hard_guardrails():
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 5.0, "hard": True}]})
+    means = np.array([[2.0, -2.0], [-2.0, 2.0]])
+    best = solve_optimum(objective, means, objective.thresholds(means))
+    (item,) = shadow_price_report(objective, best)
+    assert item["hard"] is True and math.isnan(item["shadow_price"])
