@@ -306,9 +306,30 @@ class MixtureValues(_Response):
     deployed: Finite
 
 
+class ShadowPrice(_Response):
+    """One guardrail's shadow price at the best mixture."""
+
+    metric: str = Field(description="The guarded metric (entries are in the objective's guardrail order, as "
+                                    "`guardrails`).")
+    hard: bool = Field(description="Whether the guardrail is hard (a constraint); only a hard one has a price.")
+    shadow_price: Finite = Field(description=(
+        "Objective units the best mixture's value would gain per unit the guardrail's threshold is lowered "
+        "(the derivative of the optimum in the threshold, at the point estimates): >= 0, and 0 when the "
+        "guardrail does not bind. A unit is one unit of the guarded metric, i.e. of the resolved `threshold` "
+        "also for a relative guardrail (lowering its relative allowance by d lowers the threshold by d times "
+        "the `relative_to` arm's estimate). Null for a soft guardrail (its penalty is already in the "
+        "objective) and for every hard guardrail when no mixture meets them all (the best mixture is then "
+        "the one of smallest shortfall, and has no price)."))
+
+
 class BestMixture(_Response):
     probabilities: list[Number]
     value: Finite
+    shadow_prices: list[ShadowPrice] = Field(description=(
+        "One per guardrail, in the objective's order (as `guardrails`; a list, not a map by metric, since "
+        "two guardrails may guard one metric): what relaxing each hard guardrail would be worth. A property "
+        "of the optimum, not of the deployed mixture, so it is here and not in `guardrails`. In a segmented "
+        "experiment, those of this best mixture: one mixture for all the traffic on the pooled estimate."))
 
 
 class Regret(_Response):

@@ -343,10 +343,13 @@ def cached_solver(database: Database, experiment_id: int, version: int):
         key = (version, digest.digest())
         with cache.lock:
             entry = cache.entries.get(experiment_id)
-        if entry is not None and entry[0] == key:
+        # An entry without shadow prices (made by a solve that did not keep them) is solved again.
+        if entry is not None and entry[0] == key and entry[1].shadow_prices is not None:
             return entry[1]
         fresh = solve_optimum(objective, means, thresholds)
-        fresh.best_mixture.flags.writeable = False  # shared by the requests that reuse it
+        for array in (fresh.best_mixture, fresh.shadow_prices):
+            if array is not None:
+                array.flags.writeable = False  # shared by the requests that reuse it
         with cache.lock:
             cache.entries[experiment_id] = (key, fresh)
         return fresh

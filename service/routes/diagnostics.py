@@ -9,7 +9,7 @@ from ..auth import require_role
 from ..controller import reports
 from ..controller.reports import ArmSelection, json_safe, lift_summary, segments_kept, select_arms
 from ..responses import (ArmRest, BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
-                         Regret, SampleRatioMismatch, SourceErrorView, respond)
+                         Regret, SampleRatioMismatch, ShadowPrice, SourceErrorView, respond)
 
 from .experiments import arm_summary_view, summary_arms
 
@@ -33,7 +33,8 @@ def diagnostics(name: str):
     return respond(Diagnostics(
         round=snapshot.round_index,
         objective=MixtureValues(probabilities=report.served.value, deployed=report.deployed.value),
-        best_mixture=BestMixture(probabilities=per_arm(report.best_mixture), value=report.best_mixture_value),
+        best_mixture=BestMixture(probabilities=per_arm(report.best_mixture), value=report.best_mixture_value,
+                                 shadow_prices=[ShadowPrice(**item) for item in json_safe(list(report.shadow_prices))]),
         best_single=BestSingle(arm=snapshot.arm_names[report.best_single_arm], value=report.best_single_value),
         mixing_gain=report.mixing_gain,
         regret=Regret(cumulative=float(sum(value for value in diagnostics.regret_per_round if value is not None)),

@@ -216,3 +216,104 @@ def test_no_baseline_means_no_lift(api, setup_a):
     assert closed["lift"] is None
     assert api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()["lift"] is None
     assert not [sample for sample in scrape(api).get("pasto_lift", []) if sample.labels["experiment"] == "setup-a"]
+
+
+SHADOW_OBJECTIVE = {"primary": "x", "guardrails": [
+    # Binding: arm a has the better x but y = -2 < (1 - 0.5) * y_b = 1 (relative to arm b, y_b = 2).
+    {"metric": "y", "threshold": -0.5, "relative_to": "b", "hard": True},
+    {"metric": "w", "threshold": 0.0, "penalty": 5.0},  # soft: no shadow price
+    {"metric": "z", "threshold": -5.0, "hard": True},  # z = 0 on both arms: does not bind
+]}
+
+
+def shadow_experiment(api, setup_a, objective=SHADOW_OBJECTIVE) -> dict:
+    """Setup A with metrics z and w as well, observed 400 times; its diagnostics."""
+    body = setup_a(metrics=["x", "y", "z", "w"], objective=objective, algorithm={"preset": "default"})
+    assert api("POST", "/api/v1/experiments", json=body).status_code == 201
+    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                   json={"units": [f"u{i}" for i in range(400)]}).get_json()["assignments"]
+    means = {"a": (2.0, -2.0, 0.0, 1.0), "b": (-2.0, 2.0, 0.0, 1.0)}
+    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
+                     "values": {metric: means[item["arm"]][m] + (i % 3 - 1) * 0.1
+                                for m, metric in enumerate(("x", "y", "z", "w"))}}
+                    for i, item in enumerate(assigned)]
+    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    response = api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read")
+    assert response.status_code == 200, response.get_json()
+    return response.get_json()
+
+
+def test_diagnostics_report_each_hard_guardrails_shadow_price(api, setup_a):
+    """The shadow price of a hard guardrail is what lowering its (resolved) threshold by one unit would add
+    to the best mixture's value: checked against a finite difference of pasto.optimum.solve on the same
+    point estimates. A hard guardrail that does not bind is worth 0; a soft one has no price (null)."""
+    import numpy as np
+
+    from pasto.objectives import Objective
+    from pasto.optimum import solve
+
+    diagnostics = shadow_experiment(api, setup_a)
+    prices = diagnostics["best_mixture"]["shadow_prices"]
+    assert [(item["metric"], item["hard"]) for item in prices] == [("y", True), ("w", False), ("z", True)]
+    assert [item["metric"] for item in prices] == [item["metric"] for item in diagnostics["guardrails"]]
+    # The point estimates the diagnostics solved on, and the thresholds resolved on them.
+    estimate = diagnostics["estimate"]["means"]
+    means = np.array([estimate[metric] for metric in ("x", "y", "z", "w")])
+    objective = Objective.from_spec(["x", "y", "z", "w"], SHADOW_OBJECTIVE, arm_names=["a", "b"])
+    thresholds = objective.thresholds(means)
+    assert thresholds[0] == pytest.approx(diagnostics["guardrails"][0]["threshold"], rel=1e-12)
+    base = solve(objective, means, thresholds)
+    assert base.value == pytest.approx(diagnostics["best_mixture"]["value"], rel=1e-12)
+    step = 1e-6
+    relaxed = thresholds.copy()
+    relaxed[0] -= step
+    gained = (solve(objective, means, relaxed).value - base.value) / step
+    assert gained > 0.5  # it binds
+    assert prices[0]["shadow_price"] == pytest.approx(gained, rel=1e-4)
+    assert prices[2]["shadow_price"] == 0.0
+    relaxed = thresholds.copy()
+    relaxed[2] -= step
+    assert solve(objective, means, relaxed).value == pytest.approx(base.value, abs=1e-12)
+    assert prices[1]["shadow_price"] is None
+    # Nowhere else: the deployed and served guardrails have no price (it belongs to the optimum).
+    assert all("shadow_price" not in item for item in diagnostics["guardrails"] + diagnostics["guardrails_served"])
+
+
+def test_shadow_prices_are_null_when_no_mixture_meets_the_hard_guardrails(api, setup_a):
+    objective = {"primary": "x", "guardrails": [{"metric": "y", "threshold": 5.0, "hard": True},
+                                                {"metric": "z", "threshold": -5.0, "hard": True}]}
+    prices = shadow_experiment(api, setup_a, objective)["best_mixture"]["shadow_prices"]
+    assert prices == [{"metric": "y", "hard": True, "shadow_price": None},
+                      {"metric": "z", "hard": True, "shadow_price": None}]
+
+
+def test_a_cached_optimum_without_shadow_prices_is_solved_again(api, setup_a, monkeypatch):
+    """The optimum cache (service.controller.reports.cached_solver) may hold an optimum made without shadow
+    prices (by a solve that did not keep them): it is not served as is, but solved again."""
+    import dataclasses
+
+    from service.controller import reports
+
+    real = reports.solve_optimum
+    calls = []
+
+    def older(*args):
+        calls.append("older")
+        return dataclasses.replace(real(*args), shadow_prices=None)
+
+    monkeypatch.setattr(reports, "solve_optimum", older)
+    diagnostics = shadow_experiment(api, setup_a)
+    assert [item["shadow_price"] for item in diagnostics["best_mixture"]["shadow_prices"]] == [None, None, None]
+
+    def current(*args):
+        calls.append("current")
+        return real(*args)
+
+    monkeypatch.setattr(reports, "solve_optimum", current)
+    again = api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read").get_json()
+    assert calls == ["older", "current"]
+    assert again["best_mixture"]["shadow_prices"][0]["shadow_price"] > 0.5
+    assert again["best_mixture"]["value"] == diagnostics["best_mixture"]["value"]
+    api("GET", "/api/v1/experiments/setup-a/diagnostics", role="read")
+    assert calls == ["older", "current"]  # and kept
