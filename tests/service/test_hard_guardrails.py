@@ -11,6 +11,23 @@ def hard_body(setup_a, **algorithm):
                    algorithm={"preset": "default", **algorithm})
 
 
+#: Arm a breaks y >= 0 (y = -2) and is better on x; arm b keeps it.
+MEANS = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
+
+
+def observe_and_close(api, units: list[str]) -> None:
+    """Assign ``units``, post one observation each (MEANS plus a -0.1 / 0 / 0.1 wobble), close the round."""
+    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
+                   json={"units": units}).get_json()["assignments"]
+    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
+                     "values": {"x": MEANS[item["arm"]][0] + (i % 3 - 1) * 0.1,
+                                "y": MEANS[item["arm"]][1] + (i % 3 - 1) * 0.1}}
+                    for i, item in enumerate(assigned)]
+    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
+               json={"observations": observations}).status_code == 202
+    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+
+
 def test_hard_guardrail_baseline_and_safe_serving_are_stored(api, setup_a):
     response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe", serving_level=0.9))
     assert response.status_code == 201, response.get_json()
@@ -76,18 +93,9 @@ def test_a_holdout_and_a_minimum_share_are_served_from_the_first_round_on(api, s
     assert response.status_code == 201, response.get_json()
     assert (response.get_json()["algorithm"]["serving_min_share"],
             response.get_json()["algorithm"]["serving_holdout"]) == (0.05, 0.3)
-    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
     served = [response.get_json()["probabilities"]]
     for round_index in range(4):
-        assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
-                       json={"units": [f"r{round_index}-u{i}" for i in range(200)]}).get_json()["assignments"]
-        observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
-                         "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
-                                    "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
-                        for i, item in enumerate(assigned)]
-        assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
-                   json={"observations": observations}).status_code == 202
-        assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+        observe_and_close(api, [f"r{round_index}-u{i}" for i in range(200)])
         served.append(api("GET", "/api/v1/experiments/setup-a").get_json()["probabilities"])
     for probabilities in served:
         assert probabilities[1] >= 0.3 - 1e-9 and min(probabilities) >= 0.05 - 1e-9, served
@@ -130,16 +138,7 @@ def test_rounds_and_diagnostics_report_served_and_deployed_guardrails(api, setup
     """Arm a breaks y >= 0 (y = -2), arm b keeps it (y = 2): the served traffic of round 0 (half and
     half) holds on the estimate; the reports say so for served and deployed alike, with intervals."""
     assert api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe")).status_code == 201
-    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
-                   json={"units": [f"u{i}" for i in range(400)]}).get_json()["assignments"]
-    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
-    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
-                     "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
-                                "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
-                    for i, item in enumerate(assigned)]
-    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
-               json={"observations": observations}).status_code == 202
-    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    observe_and_close(api, [f"u{i}" for i in range(400)])
     rounds = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"]
     closed = rounds[0]
     (served,) = closed["guardrails_served"]
@@ -168,16 +167,7 @@ def test_lift_over_the_baseline_in_rounds_diagnostics_and_metrics(api, setup_a):
     from tests.service.test_monitoring import by_label, scrape
 
     assert api("POST", "/api/v1/experiments", json=hard_body(setup_a, serving="safe")).status_code == 201
-    assigned = api("POST", "/api/v1/experiments/setup-a/assign", role="ingest",
-                   json={"units": [f"u{i}" for i in range(400)]}).get_json()["assignments"]
-    means = {"a": (2.0, -2.0), "b": (-2.0, 2.0)}
-    observations = [{"id": item["unit"], "unit": item["unit"], "round": item["round"],
-                     "values": {"x": means[item["arm"]][0] + (i % 3 - 1) * 0.1,
-                                "y": means[item["arm"]][1] + (i % 3 - 1) * 0.1}}
-                    for i, item in enumerate(assigned)]
-    assert api("POST", "/api/v1/experiments/setup-a/observations", role="ingest",
-               json={"observations": observations}).status_code == 202
-    assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
+    observe_and_close(api, [f"u{i}" for i in range(400)])
     closed = api("GET", "/api/v1/experiments/setup-a/rounds", role="read").get_json()["rounds"][0]
     lift = closed["lift"]
     assert lift["baseline"] == "b"
