@@ -248,6 +248,11 @@ class AlgorithmConfig:
             raise ValueError(message) from None
         for name, serving_name in _SERVING_OPTIONS:
             object.__setattr__(self, name, getattr(rule, serving_name))
+        if self.serving != "safe":
+            for name in ("serving_min_share", "serving_holdout"):
+                if getattr(self, name) > 0:
+                    raise ValueError(f"Algorithm option {name!r} shapes safe serving's traffic, and serving "
+                                     f"{self.serving!r} would ignore it: give serving 'safe' or leave it out.")
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):
