@@ -248,11 +248,6 @@ class AlgorithmConfig:
             raise ValueError(message) from None
         for name, serving_name in _SERVING_OPTIONS:
             object.__setattr__(self, name, getattr(rule, serving_name))
-        if self.serving != "safe":
-            for name in ("serving_min_share", "serving_holdout"):
-                if getattr(self, name) > 0:
-                    raise ValueError(f"Algorithm option {name!r} shapes safe serving's traffic, and serving "
-                                     f"{self.serving!r} would ignore it: give serving 'safe' or leave it out.")
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):
@@ -275,7 +270,14 @@ class AlgorithmConfig:
             raise ValueError(
                 f"Unknown algorithm option(s) {unknown}; the valid options are {valid}."
             )
-        return cls(**{**PRESETS[preset], **overrides})
+        config = cls(**{**PRESETS[preset], **overrides})
+        # Checked where a configuration is asked for, not in __post_init__: a stored one must load.
+        if config.serving != "safe":
+            for name in ("serving_min_share", "serving_holdout"):
+                if getattr(config, name) > 0:
+                    raise ValueError(f"Algorithm option {name!r} shapes safe serving's traffic, and serving "
+                                     f"{config.serving!r} would ignore it: give serving 'safe' or leave it out.")
+        return config
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -95,6 +95,7 @@ __all__ = [
     "best_arm_probabilities",
     "drawn_mixture",
     "change_detected",
+    "check_objective",
     "choose",
     "hard_constraints",
     "initial_state",
@@ -272,6 +273,21 @@ class HardConstraints:
     @property
     def count(self) -> int:
         return int(self.matrix.shape[-2])
+
+
+def check_objective(objective: Objective) -> None:
+    """Raise ValueError for an objective safe serving cannot serve yet: hard and soft guardrails mixed.
+
+    The exact optimum of such an objective is solved (:func:`pasto.optimum.solve`); serving it
+    safely is not, so a controller is refused it before its first round rather than at a round close.
+    """
+    kinds = {_is_hard(g) for g in objective.guardrails}
+    if kinds == {True, False}:
+        raise ValueError(
+            "Safe serving supports hard guardrails, or soft guardrails, but not both in one "
+            "objective yet; make every guardrail hard or every guardrail soft (or give the "
+            "algorithm serving 'exploration')."
+        )
 
 
 def has_hard_guardrails(objective: Objective) -> bool:
@@ -507,7 +523,8 @@ def _fixed_shares(config: ServingConfig, objective: Objective | None, n_arms: in
             raise ValueError("A holdout share needs a baseline arm: name one in the objective ('baseline'), "
                              "or a relative guardrail's 'relative_to' arm.")
         fixed[baseline] = max(fixed[baseline], config.holdout)
-    if fixed.sum() >= 1.0:
+    # 1 - sum below 1e-9 is no traffic: K shares of exactly 1 / K can sum to just under 1 in floats.
+    if fixed.sum() >= 1.0 - 1e-9:
         raise ValueError(
             f"The fixed shares (min_share {config.min_share} on each of {n_arms} arms, holdout "
             f"{config.holdout}) leave no traffic to optimise; their sum must stay below 1."
@@ -745,12 +762,7 @@ def choose(
     # in 37% of runs, against 1%).
     deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
     if constraints.count:
-        soft = [g for g in objective.guardrails if not _is_hard(g)]
-        if soft:
-            raise ValueError(
-                "Safe serving supports hard guardrails, or soft guardrails, but not both in one "
-                "objective yet; make every guardrail hard or every guardrail soft."
-            )
+        check_objective(objective)
         optimistic = optimistic_gains.reshape((flat, n_arms))
         plain = plain_gains.reshape((flat, n_arms))
         # Every arm at its upper bound (the reference arm of a relative guardrail too).

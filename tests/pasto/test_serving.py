@@ -177,6 +177,25 @@ def test_infeasible_hard_guardrail_falls_back_to_the_baseline():
 
 
 @needs_hard
+@pytest.mark.parametrize("n_arms", [3, 6, 7, 13, 19, 22])
+def test_a_minimum_share_of_one_over_k_leaves_no_traffic_and_is_refused(n_arms):
+    # K shares of 1 / K can sum to just under 1 in floats (K = 6, 7, 13, ...): still nothing to learn with.
+    with pytest.raises(ValueError, match="leave no traffic"):
+        serving.starting_probabilities(serving.ServingConfig(min_share=1.0 / n_arms), None, n_arms)
+    probabilities = serving.starting_probabilities(serving.ServingConfig(min_share=0.99 / n_arms), None, n_arms)
+    np.testing.assert_allclose(probabilities, 1.0 / n_arms)
+
+
+def test_fixed_shares_with_exploration_serving_are_refused_where_asked_for_and_load_when_stored():
+    from pasto import algorithm
+
+    for option in ("serving_min_share", "serving_holdout"):
+        with pytest.raises(ValueError, match="would ignore it"):
+            algorithm.AlgorithmConfig.from_preset("paper", **{option: 0.1})
+        stored = algorithm.AlgorithmConfig.from_dict({"serving": "exploration", option: 0.1})
+        assert getattr(stored, option) == 0.1  # an experiment stored with it still loads and runs
+
+
 def test_holdout_and_min_share_are_kept_in_every_round():
     objective = hard_objective(baseline="2")
     means = np.array([[2.0, 0.0, 0.2], [0.0, 1.0, 0.6]])
