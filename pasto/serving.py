@@ -27,10 +27,11 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out
    (padding it to the point estimates instead starved the demo's reference arm and broke its
    deployed mixture, docs/benchmarks.md, "Live demo check"). Without hard guardrails (soft
-   penalties only, or none): the hedged plug-in optimum of E f(mu p) (mirror ascent), reached from the starting mixture p0 (the baseline arm, else uniform)
-   only as far as the evidence defends (conservative bandits: p0 + a (optimum - p0) with the largest
-   a in {0, 0.1, ..., 1} whose expected objective beats p0's by ``deploy_level`` Student-t standard
-   errors on the pooled degrees of freedom), plus a share directed at the *plausible* arms, those
+   penalties only, or none): the hedged plug-in optimum of E f(mu p) (mirror ascent), reached from
+   the starting mixture p0 (the baseline arm, else uniform) only as far as the evidence defends
+   (conservative bandits: p0 + a (optimum - p0) with the largest a in {0, 0.1, ..., 1} whose
+   expected objective beats p0's by ``deploy_level`` Student-t standard errors on the pooled
+   degrees of freedom), plus a share directed at the *plausible* arms, those
    whose optimistic gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the
    optimum's level; each gets 1 / (n sqrt(t)) of the traffic (n observations per round), so the
    exploration vanishes as soon as no arm outside the support can still improve the objective.
