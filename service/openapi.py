@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from . import responses, schemas
+from . import ofrep, responses, schemas
 
 API_VERSION = "1.0.0"
 _REF = "#/components/schemas/{model}"
@@ -195,12 +195,49 @@ def _paths() -> dict[str, Any]:
     }
 
 
+def _ofrep_paths() -> dict[str, Any]:
+    """The OpenFeature Remote Evaluation Protocol's two operations (``service.routes.ofrep``), with the
+    protocol's operationIds and error shapes (``service.ofrep``)."""
+    context = {"content": {"application/json": {"schema": _ref("OfrepEvaluationRequest")}}, "required": True}
+    auth = ("401", "403", "429", "503", "413")
+    single = _operation("OpenFeature: evaluate one flag (an experiment) for the context's targetingKey (the unit).",
+                        "ingest", {
+                            "200": _json(_ref("OfrepEvaluationSuccess"), "The arm: value = its params, variant = its "
+                                                                    "name, reason SPLIT, metadata = propensity, "
+                                                                    "round, mixture_version, segment."),
+                            "400": _json(_ref("OfrepEvaluationFailure"), "PARSE_ERROR, TARGETING_KEY_MISSING or "
+                                                                    "INVALID_CONTEXT (a missing or unknown segment)."),
+                            "404": _json(_ref("OfrepFlagNotFound"), "FLAG_NOT_FOUND: no experiment with this name.")},
+                        auth, path_name=False)
+    bulk = _operation("OpenFeature: evaluate every experiment not archived for the context's targetingKey.",
+                      "ingest", {
+                          "200": {**_json(_ref("OfrepBulkEvaluationSuccess"), "One evaluation per experiment, oldest "
+                                                                         "first (an INVALID_CONTEXT item for a "
+                                                                         "segmented one the context cannot serve)."),
+                                  "headers": {"ETag": {"description": "Send it back in If-None-Match: 304 while "
+                                                                      "every answer is the same.",
+                                                       "schema": {"type": "string"}}}},
+                          "304": {"description": "Not modified: the answers are those of the ETag sent."},
+                          "400": _json(_ref("OfrepBulkEvaluationFailure"), "PARSE_ERROR, TARGETING_KEY_MISSING or "
+                                                                      "INVALID_CONTEXT.")},
+                      auth, path_name=False)
+    single.update(operationId="evaluateFlag", tags=["OpenFeature (OFREP)"], requestBody=context,
+                  parameters=[{"name": "key", "in": "path", "required": True, "description": "The experiment's name.",
+                               "schema": {"type": "string"}}])
+    bulk.update(operationId="evaluateFlagsBulk", tags=["OpenFeature (OFREP)"], requestBody=context,
+                parameters=[{"name": "If-None-Match", "in": "header", "required": False,
+                             "description": "The ETag of a previous answer.", "schema": {"type": "string"}}])
+    return {"/ofrep/v1/evaluate/flags/{key}": {"post": single}, "/ofrep/v1/evaluate/flags": {"post": bulk}}
+
+
 @functools.cache
 def _document() -> dict[str, Any]:
     _, generated = models_json_schema(
         [(model, "validation") for model in (schemas.ExperimentCreate, schemas.AssignOne, schemas.AssignMany,
                                              schemas.ObservationBatch, schemas.StatisticsBatch)]
-        + [(model, "serialization") for model in responses.MODELS],
+        + [(model, "serialization") for model in responses.MODELS]
+        + [(model, "validation") for model in ofrep.REQUEST_MODELS]
+        + [(model, "serialization") for model in ofrep.RESPONSE_MODELS],
         ref_template=_REF,
     )
     components = generated["$defs"]
@@ -214,7 +251,7 @@ def _document() -> dict[str, Any]:
             "schemas": components,
         },
         "security": [{"bearerAuth": []}],
-        "paths": _paths(),
+        "paths": {**_paths(), **_ofrep_paths()},
     }
 
 

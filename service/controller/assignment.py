@@ -18,14 +18,17 @@ from ..exposures import record_exposures
 from .ingestion import segment_position, segment_problem
 
 
-def assign_one(name: str, unit: str, segment: str | None = None
+def assign_one(name: str, unit: str, segment: str | None = None, segment_optional: bool = False
                ) -> tuple[Snapshot, bool, int, float, str | None]:
     """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``),
     the arm position of ``unit``, its propensity and the segment whose mixture served it (None:
     unsegmented). A segmented experiment serves the mixture of the unit's ``segment`` (422 when it is
-    missing or unknown, or given to an unsegmented experiment; in an open set a value without a mixture
-    of its own, or no value, is served the long tail's, "(other)")."""
+    missing or unknown, or given to an unsegmented experiment unless ``segment_optional``, with which
+    an unsegmented experiment ignores it; in an open set a value without a mixture of its own, or no
+    value, is served the long tail's, "(other)")."""
     snapshot, stale = get_cache().serve(name)
+    if segment_optional and not snapshot.segmented:
+        segment = None
     problem = segment_problem(snapshot, segment)
     if problem is not None:
         raise invalid("segment", problem)

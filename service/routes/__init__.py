@@ -10,9 +10,9 @@ from flask import Flask
 
 def register(app: Flask) -> None:
     """Register every blueprint of the service on ``app``."""
-    from . import (assignment, dashboard, diagnostics, experiments, health, monitoring, observations, rounds,
-                   statistics)
+    from . import (assignment, dashboard, diagnostics, experiments, health, monitoring, observations, ofrep,
+                   rounds, statistics)
 
     for module in (health, experiments, assignment, observations, statistics, rounds, diagnostics, monitoring,
-                   dashboard):
+                   ofrep, dashboard):
         app.register_blueprint(module.bp)
