@@ -45,6 +45,7 @@ class _Snapshot:
     segments: Mapping[str, _SegmentMixture] | None = None
     # Open sets: the long tail's mixture, served to values without one of their own (and to no value).
     tail: _SegmentMixture | None = None
+    mixture_version: str | None = None  # the experiment's updated_at when it was fetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +236,12 @@ class LocalAssigner:
         return self._snapshot.mixture
 
     @property
+    def mixture_version(self) -> str | None:
+        """The experiment's ``updated_at`` when it was last fetched: what identifies the served mixture
+        (exposure records and the server's OFREP metadata carry the same string)."""
+        return self._snapshot.mixture_version
+
+    @property
     def arms(self) -> tuple[str, ...]:
         """Arm names, in the server's order."""
         return tuple(a.arm for a in self._snapshot.assignments)
@@ -370,6 +377,7 @@ class LocalAssigner:
             overdue_poll=overdue_poll,
             segments=segments,
             tail=tail,
+            mixture_version=experiment.get("updated_at"),
         )
 
     def _segment_mixture(self, name: str, mixture: tuple[float, ...], arms: Sequence[Mapping[str, Any]],
