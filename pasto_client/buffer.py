@@ -103,6 +103,8 @@ class ObservationBuffer:
         round: int,
         values: Mapping[str, float],
         arm: str | None = None,
+        segment: str | None = None,
+        id: str | None = None,
     ) -> str:
         """Queue one observation of ``unit`` in ``round`` and return its idempotency id.
 
@@ -114,6 +116,12 @@ class ObservationBuffer:
         values : mapping of metric name to finite number
         arm : str, optional
             The assigned arm; the server checks it against the sticky assignment when given.
+        segment : str, optional
+            Segmented experiments: the unit's segment (``Assignment.segment``).
+        id : str, optional
+            The observation's idempotency id (1 to 256 characters), when the caller has one that is
+            stable across its own retries (an event id): adding the same observation twice under it is
+            counted once. Default: a new uuid4.
         """
         if not values or not all(
             isinstance(name, str) and _is_finite_number(value) for name, value in values.items()
@@ -121,14 +129,18 @@ class ObservationBuffer:
             raise ValueError(
                 f"The values must map metric names to finite numbers, got {dict(values)!r}."
             )
+        if id is not None and not (isinstance(id, str) and 1 <= len(id) <= 256):
+            raise ValueError(f"An observation id must be a string of 1 to 256 characters, got {id!r}.")
         observation: dict[str, Any] = {
-            "id": str(uuid.uuid4()),
+            "id": str(uuid.uuid4()) if id is None else id,
             "unit": unit,
             "round": round,
             "values": dict(values),
         }
         if arm is not None:
             observation["arm"] = arm
+        if segment is not None:
+            observation["segment"] = segment
         self._raise_pending_error()
         overflow = not self._batches.put(observation)
         if overflow and self._batches.closing:
