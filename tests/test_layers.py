@@ -110,8 +110,14 @@ RULES = (
         "the client (pasto_client) imports only itself, the core, numpy, requests and the standard "
         "library (requests is its one third-party dependency beyond the core's numpy and scipy)",
         files=("pasto_client/**/*.py",),
-        exempt=("pasto_client/exposure.py",),
+        exempt=("pasto_client/exposure.py", "pasto_client/openfeature_provider.py"),
         allowed_imports=CLIENT_IMPORTS,
+    ),
+    Rule(
+        "the client's OpenFeature provider may also import the OpenFeature SDK, the optional "
+        "'openfeature' extra (pasto_client imports it only when pasto_client.openfeature_provider is)",
+        files=("pasto_client/openfeature_provider.py",),
+        allowed_imports=(*CLIENT_IMPORTS, "openfeature"),
     ),
     Rule(
         "the client's exposure log may also import pyarrow, the optional 'parquet' extra, which "
