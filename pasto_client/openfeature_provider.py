@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from openfeature.evaluation_context import EvaluationContext
@@ -83,6 +84,8 @@ class PastoProvider(AbstractProvider):
             for name, assigner in self._assigners.items()}
         self._buffers: dict[str, ObservationBuffer] = {}
         self._metric_names: dict[str, tuple[str, ...]] = {}
+        self._served: dict[str, tuple[LocalAssigner, bool]] = {}  # name -> (assigner, segmented)
+        self._metadata: dict[int, tuple[Any, Mapping[str, Any]]] = {}  # id(Assignment) -> (it, metadata)
         self._lock = threading.Lock()
         self._hooks: list[Hook] = []
         #: The exposure log the hook writes to, or None without an exposure sink.
@@ -109,6 +112,7 @@ class PastoProvider(AbstractProvider):
         with self._lock:
             buffers, self._buffers = list(self._buffers.values()), {}
             assigners, self._assigners = list(self._assigners.values()), {}
+            self._served.clear()
         for buffer in buffers:
             buffer.close()
         for assigner in assigners:
@@ -140,24 +144,45 @@ class PastoProvider(AbstractProvider):
 
     def resolve_object_details(self, flag_key: str, default_value: Any,
                                evaluation_context: EvaluationContext | None = None) -> FlagResolutionDetails[Any]:
+        served = self._served.get(flag_key) or self._serve(flag_key)
         unit = evaluation_context.targeting_key if evaluation_context is not None else None
         if not unit:
             raise TargetingKeyMissingError("The evaluation context has no targeting key: give the unit to assign.")
         segment = evaluation_context.attributes.get("segment")
-        if segment is not None and not isinstance(segment, str):
+        if segment is not None and not isinstance(segment, str):  # refused by every flag, as the server does
             raise InvalidContextError(f"The segment must be a string, got {type(segment).__name__}.")
-        assigner = self._assigners.get(flag_key) or self.assigner(flag_key)
+        assigner, segmented = served
         try:
-            # One context serves every flag: an unsegmented experiment ignores the segment.
-            assignment = assigner.assign(unit, segment if assigner.segments else None)
+            if segmented:  # one context serves every flag: an unsegmented experiment ignores the segment
+                assignment = assigner.assign(unit, segment)
+            else:
+                assignment = assigner.assign(unit)
         except (ValueError, TypeError) as error:
             raise InvalidContextError(str(error)) from None
+        cached = self._metadata.get(id(assignment))
+        if cached is None or cached[0] is not assignment:
+            cached = self._remember_metadata(assigner, assignment)
+        # params is a read-only mapping (a dict or a mappingproxy): .copy() is the cheapest fresh dict.
+        return FlagResolutionDetails(value=assignment.params.copy(), reason=_SPLIT, variant=assignment.arm,
+                                     flag_metadata=cached[1])
+
+    def _serve(self, name: str) -> tuple[LocalAssigner, bool]:
+        assigner = self.assigner(name)
+        served = self._served[name] = (assigner, bool(assigner.segments))  # segments never change
+        return served
+
+    def _remember_metadata(self, assigner: LocalAssigner, assignment: Any) -> tuple[Any, Mapping[str, Any]]:
+        """The (read-only) flag metadata of ``assignment``, built once per arm and served mixture: the
+        assigner answers with one Assignment object per arm and round, which the cache holds, so its id
+        is not reused while the entry lives."""
         metadata: dict[str, Any] = {"propensity": assignment.probability, "round": assignment.round,
                                     "mixture_version": assigner.mixture_version or ""}
         if assignment.segment is not None:
             metadata["segment"] = assignment.segment
-        return FlagResolutionDetails(value=dict(assignment.params), reason=_SPLIT, variant=assignment.arm,
-                                     flag_metadata=metadata)
+        if len(self._metadata) > 100_000:
+            self._metadata.clear()
+        entry = self._metadata[id(assignment)] = (assignment, MappingProxyType(metadata))
+        return entry
 
     def _not_an_object(self, flag_key: str, default_value: Any = None,
                        evaluation_context: EvaluationContext | None = None) -> FlagResolutionDetails[Any]:
