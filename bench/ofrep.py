@@ -220,7 +220,7 @@ def main() -> int:
     parser.add_argument("--arms", type=int, default=10)
     parser.add_argument("--write-docs", action="store_true", help="replace the section of docs/benchmarks.md")
     arguments = parser.parse_args()
-    requests, evaluations, passes = (100, 2000, 2) if arguments.quick else (2000, 100_000, 4)
+    requests, evaluations, passes = (100, 2000, 2) if arguments.quick else (2000, 100_000, 6)
     with tempfile.TemporaryDirectory() as directory:
         server = Server(Path(directory))
         try:
