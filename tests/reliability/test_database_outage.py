@@ -215,6 +215,9 @@ def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluste
     units = {"units": [f"u{i}" for i in range(200)]}
     before = requests.post(f"{server.url}{API}/assign", json=units, headers=HEADERS, timeout=30)
     assert before.status_code == 200 and "Pasto-Stale" not in before.headers
+    flag = f"{server.url}/ofrep/v1/evaluate/flags/{NAME}"  # OpenFeature: the same assignment, the same cache
+    flag_before = requests.post(flag, json={"context": {"targetingKey": "u7"}}, headers=HEADERS, timeout=30)
+    assert flag_before.status_code == 200 and "Pasto-Stale" not in flag_before.headers
     observations = {"observations": [
         {"id": f"o{i}", "unit": a["unit"], "round": a["round"], "arm": a["arm"], "values": {"x": 1.0, "y": 1.0}}
         for i, a in enumerate(before.json()["assignments"])]}
@@ -238,6 +241,9 @@ def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluste
             one = requests.post(f"{server.url}{API}/assign", json={"unit": "u7"}, headers=HEADERS, timeout=60)
             assert one.status_code == 200 and one.headers["Pasto-Stale"].startswith("database unavailable")
             assert one.json() == before.json()["assignments"][7]
+            evaluated = requests.post(flag, json={"context": {"targetingKey": "u7"}}, headers=HEADERS, timeout=60)
+            assert evaluated.status_code == 200 and evaluated.headers["Pasto-Stale"].startswith("database unavailable")
+            assert evaluated.json() == flag_before.json()
         refused = requests.post(f"{server.url}{API}/observations", json=observations, headers=HEADERS, timeout=60)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "database_unavailable"
