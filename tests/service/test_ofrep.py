@@ -151,3 +151,17 @@ def test_empty_and_null_bodies_are_protocol_errors(api, setup_a, body):
     response = api("POST", ONE.format("feed"), role="ingest", data=body, content_type="application/json")
     assert response.status_code == 400
     assert response.get_json()["errorCode"] in ("PARSE_ERROR", "INVALID_CONTEXT", "TARGETING_KEY_MISSING")
+
+
+def test_each_backend_evaluates_as_it_assigns(backend_api, setup_a):
+    api = backend_api
+    assert api("POST", "/api/v1/experiments", json=setup_a("feed", arms=ARMS)).status_code == 201
+    assert api("POST", "/api/v1/experiments/feed/rounds").status_code == 200  # round 1
+    units = [f"user-{i}" for i in range(100)]
+    assigned = api("POST", "/api/v1/experiments/feed/assign", role="ingest", json={"units": units}).get_json()
+    for unit, expected in zip(units, assigned["assignments"]):
+        got = evaluate(api, "feed", {"targetingKey": unit}).get_json()
+        assert (got["variant"], got["metadata"]["propensity"], got["metadata"]["round"]) == (
+            expected["arm"], expected["probability"], 1)
+    bulk = api("POST", BULK, role="ingest", json={"context": {"targetingKey": "user-3"}}).get_json()
+    assert bulk["flags"][0]["variant"] == assigned["assignments"][3]["arm"]
