@@ -29,7 +29,17 @@ Keys and their meaning:
 ``arms``
     Either ``{"means": M x K list}`` (fixed true means), or
     ``{"count": K, "means": {"uniform": [low, high]}}`` (every entry drawn i.i.d. uniform, afresh
-    for every run).
+    for every run), or ``{"count": K, "means": {"knob_grid": {"levels": [L1, L2, ...], "base": [...],
+    "effect": [...], "tradeoff": rho}}}``: the K = L1 L2 ... settings of a grid of knobs (each knob's
+    levels evenly spaced in [0, 1]), metric m's mean ``base[m] (1 + effect[m] h_m(u))`` with h_m a
+    smooth random function of the knobs u drawn afresh per run (a random quadratic plus ``roughness``
+    times independent per-setting noise, in units of the quadratic's spread over the grid; centred
+    and scaled to at most 1 in absolute value), and every metric after the first traded off
+    against the first: h_m = -rho h_0 + sqrt(1 - rho^2) g_m with g_m independent (rescaled
+    likewise). With
+    ``"reference": k``, the setting of median primary value is swapped into column k, so that a
+    relative guardrail ``relative_to`` arm k is set against a middling production setting.
+    Arm k is grid point k in row-major order of the levels.
 ``noise``
     Additive noise on every observed metric value. ``std`` is a number, or a list with one std per
     metric. ``kind`` is one of
@@ -68,6 +78,7 @@ import numpy as np
 
 __all__ = [
     "NOISE_KINDS",
+    "KnobGrid",
     "MeansSpec",
     "Noise",
     "Drift",
@@ -93,8 +104,55 @@ _DEFAULT_RUNS = 100
 
 
 @dataclass(frozen=True)
+class KnobGrid:
+    """Means on a grid of knobs, drawn afresh per run (the ``knob_grid`` form of ``arms.means``)."""
+
+    levels: tuple[int, ...]
+    base: tuple[float, ...]
+    effect: tuple[float, ...]
+    tradeoff: float
+    roughness: float = 0.0
+    reference: int | None = None
+
+    def draw(self, rng: np.random.Generator, runs: int) -> np.ndarray:
+        """(runs, M, K) means."""
+        axes = [np.linspace(0.0, 1.0, level) for level in self.levels]
+        points = np.stack([grid.ravel() for grid in np.meshgrid(*axes, indexing="ij")], axis=-1)  # (K, d)
+        features = [points] + [points[:, i:i + 1] * points[:, i:] for i in range(points.shape[1])]
+        features = np.concatenate(features, axis=-1)  # (K, F): linear and quadratic terms
+
+        def smooth(size):
+            values = rng.standard_normal(size + (features.shape[1],)) @ features.T  # (..., K)
+            values = values / np.std(values, axis=-1, keepdims=True)
+            values = values + self.roughness * rng.standard_normal(values.shape)
+            values = values - values.mean(axis=-1, keepdims=True)
+            return values / np.max(np.abs(values), axis=-1, keepdims=True)
+
+        n_metrics = len(self.base)
+        shapes = np.empty((runs, n_metrics, points.shape[0]))
+        shapes[:, 0] = smooth((runs,))
+        for m in range(1, n_metrics):
+            traded = -self.tradeoff * shapes[:, 0] + math.sqrt(1.0 - self.tradeoff**2) * smooth((runs,))
+            shapes[:, m] = traded / np.max(np.abs(traded), axis=-1, keepdims=True)
+        if self.reference is not None:
+            # The reference setting (what production runs) is the one of median primary value,
+            # moved to column ``reference``: neither the best nor the worst setting.
+            middle = np.argsort(shapes[:, 0], axis=-1)[:, (shapes.shape[-1] - 1) // 2]
+            order = np.tile(np.arange(shapes.shape[-1]), (runs, 1))
+            order[np.arange(runs), middle] = self.reference
+            order[:, self.reference] = middle
+            shapes = np.take_along_axis(shapes, order[:, None, :], axis=-1)
+        base, effect = np.array(self.base)[:, None], np.array(self.effect)[:, None]
+        return base * (1.0 + effect * shapes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"knob_grid": {"levels": list(self.levels), "base": list(self.base), "effect": list(self.effect),
+                              "tradeoff": self.tradeoff, "roughness": self.roughness, "reference": self.reference}}
+
+
+@dataclass(frozen=True)
 class MeansSpec:
-    """True arm means: a fixed M x K matrix, or i.i.d. uniform entries drawn afresh per run.
+    """True arm means: a fixed M x K matrix, or drawn afresh per run (i.i.d. uniform, or a knob grid).
 
     Attributes
     ----------
@@ -104,22 +162,29 @@ class MeansSpec:
         ``(low, high)`` when every entry is drawn uniformly per run.
     n_arms : int
         K.
+    grid : KnobGrid or None
+        The knob grid the means are drawn on per run.
     """
 
     fixed: tuple[tuple[float, ...], ...] | None
     uniform: tuple[float, float] | None
     n_arms: int
+    grid: KnobGrid | None = None
 
     def draw(self, rng: np.random.Generator, n_metrics: int, runs: int) -> np.ndarray:
         """Return the true means: ``(M, K)`` when fixed, ``(runs, M, K)`` drawn afresh per run."""
         if self.fixed is not None:
             return np.array(self.fixed, dtype=np.float64)
+        if self.grid is not None:
+            return self.grid.draw(rng, runs)
         low, high = self.uniform
         return rng.uniform(low, high, size=(runs, n_metrics, self.n_arms))
 
     def to_json(self) -> Any:
         if self.fixed is not None:
             return [list(row) for row in self.fixed]
+        if self.grid is not None:
+            return self.grid.to_json()
         return {"uniform": list(self.uniform)}
 
 
@@ -416,6 +481,14 @@ def _means(value: Any, where: str, n_metrics: int, n_arms: int | None) -> MeansS
         means = value
         key = f"{where}.means"
 
+    if isinstance(means, dict) and "knob_grid" in means:
+        _check_keys(means, key, ("knob_grid",), ())
+        grid = _knob_grid(means["knob_grid"], f"{key}.knob_grid", n_metrics)
+        size = math.prod(grid.levels)
+        if count is not None and count != size:
+            raise ValueError(f"arms.count is {count} but {key}.knob_grid.levels make {size} settings.")
+        return MeansSpec(fixed=None, uniform=None, n_arms=size, grid=grid)
+
     if isinstance(means, dict):
         _check_keys(means, key, ("uniform",), ())
         bounds = means["uniform"]
@@ -456,6 +529,39 @@ def _means(value: Any, where: str, n_metrics: int, n_arms: int | None) -> MeansS
         raise ValueError(f"{key} has {width} columns but arms has {count} arms.")
     fixed = tuple(tuple(float(entry) for entry in row) for row in means)
     return MeansSpec(fixed=fixed, uniform=None, n_arms=width)
+
+
+def _knob_grid(value: Any, key: str, n_metrics: int) -> KnobGrid:
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be an object, not {_describe(value)}.")
+    _check_keys(value, key, ("levels", "base", "effect", "tradeoff"), ("roughness", "reference"))
+    levels = value["levels"]
+    if not isinstance(levels, list) or not levels:
+        raise ValueError(f"{key}.levels must be a non-empty list of integers, not {_describe(levels)}.")
+    levels = tuple(_integer(level, f"{key}.levels[{i}]", minimum=2) for i, level in enumerate(levels))
+    lists = {}
+    for name in ("base", "effect"):
+        entries = value[name]
+        if not isinstance(entries, list) or len(entries) != n_metrics:
+            raise ValueError(f"{key}.{name} must be a list with one number per metric ({n_metrics}), "
+                             f"not {_describe(entries)}.")
+        lists[name] = tuple(_number(entry, f"{key}.{name}[{i}]") for i, entry in enumerate(entries))
+    if any(effect < 0 for effect in lists["effect"]):
+        raise ValueError(f"{key}.effect must be >= 0 for every metric.")
+    tradeoff = _number(value["tradeoff"], f"{key}.tradeoff")
+    if not -1.0 <= tradeoff <= 1.0:
+        raise ValueError(f"{key}.tradeoff must be in [-1, 1], not {tradeoff}.")
+    roughness = _number(value.get("roughness", 0.0), f"{key}.roughness")
+    if roughness < 0:
+        raise ValueError(f"{key}.roughness must be >= 0, not {roughness}.")
+    reference = value.get("reference")
+    if reference is not None:
+        reference = _integer(reference, f"{key}.reference", minimum=0)
+        if reference >= math.prod(levels):
+            raise ValueError(f"{key}.reference must name one of the {math.prod(levels)} settings (0 to "
+                             f"{math.prod(levels) - 1}), not {reference}.")
+    return KnobGrid(levels=levels, base=lists["base"], effect=lists["effect"], tradeoff=tradeoff,
+                    roughness=roughness, reference=reference)
 
 
 def _noise(value: Any, n_metrics: int) -> Noise:

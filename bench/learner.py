@@ -1,0 +1,169 @@
+"""What the default learner serves, beside the Thompson best-arm bandit on the same runs.
+
+For each scenario row, the ``default`` preset and ``thompson`` run on the same seed (hence the same
+true means and the same optimum per run). Per run: the deployed relative gain r at the last round,
+the served objective averaged over the rounds (what users got), the served regret (sum over rounds
+of f_mix* - f(mu p_t)) and whether every served mixture holds the guardrails the best mixture holds
+(soft ones too) under the true means. Reported with 90% bootstrap intervals over runs:
+
+- r: mean, median, share of runs below 0 (deployed worse than the best single arm);
+- the share of runs whose served objective is above Thompson's;
+- the median of the paired ratio (pasto's served regret / Thompson's);
+- the share of (run, round) pairs after round 20 whose served mixture keeps the optimum's guardrails.
+
+Run: ``python bench/learner.py --runs 100 --seed 100`` (rows in parallel over ``--workers``
+processes); ``--rows online-soft,demo-soft`` picks rows; ``--write-docs`` replaces the "Learner:
+served against Thompson" section of docs/benchmarks.md. Tuning used seed 11 (20 runs); acceptance
+figures use a fresh seed block.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
+
+import argparse  # noqa: E402
+import multiprocessing  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from pasto.cli import load_scenario  # noqa: E402
+from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+HEADING = "## Learner: served against Thompson"
+
+# label: (scenario, noise std override, rounds)
+ROWS = {
+    "online-hard": ("online-hard", None, 1000),
+    "online-soft": ("online-soft", None, 1000),
+    "demo-soft": ("demo-soft", None, 300),
+    "demo": ("demo", None, 300),
+    "setup-a": ("setup-a", None, 2000),
+    "B sigma=0.3": ("setup-b", 0.3, 1000),
+    "B sigma=1.0": ("setup-b", 1.0, 1000),
+    "B sigma=3.0": ("setup-b", 3.0, 1000),
+    "B hard": ("setup-b-hard", None, 300),
+    "A drift": ("setup-a-drift", None, 2000),
+}
+AFTER_ROUND = 20
+
+
+def _run(job):
+    label, algorithm, runs, seed = job
+    name, sigma, rounds = ROWS[label]
+    scenario = load_scenario(name).with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
+    references = reference_values(scenario.objective(), draw_means(scenario, runs), runs)
+    started = time.perf_counter()
+    result = simulate(scenario, make_policy(algorithm), references=references)
+    best = references.best_mixture[-1]
+    return label, algorithm, {
+        "r": result.relative_gains[-1],
+        "served": result.served_values.mean(axis=0),
+        "regret": (best[None] - result.served_values).sum(axis=0) if references.best_mixture.shape[0] == 1 else
+        np.nan * np.ones(runs),
+        "keeps": result.served_holds[AFTER_ROUND:].mean(axis=0),
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _interval(values, statistic, rng, draws=2000):
+    values = np.asarray(values, dtype=float)
+    values = values[~np.isnan(values)]
+    if values.size == 0:
+        return (float("nan"),) * 3
+    picks = rng.integers(0, values.size, (draws, values.size))
+    boot = np.array([statistic(values[p]) for p in picks])
+    return float(statistic(values)), float(np.percentile(boot, 5)), float(np.percentile(boot, 95))
+
+
+def summarise(label, default, thompson, rng):
+    r = default["r"]
+    ratio = default["regret"] / np.maximum(thompson["regret"], 1e-12)
+    return {
+        "label": label,
+        "runs": int(r.size),
+        "r_mean": _interval(r, np.mean, rng),
+        "r_median": _interval(r, np.median, rng),
+        "r_negative": _interval(r, lambda v: np.mean(v < 0), rng),
+        "served_above_thompson": _interval(default["served"] > thompson["served"], np.mean, rng),
+        "regret_ratio_median": _interval(ratio, np.median, rng),
+        "served_regret": (float(np.nanmean(default["regret"])), float(np.nanmean(thompson["regret"]))),
+        "keeps": (float(np.mean(default["keeps"])), float(np.mean(thompson["keeps"]))),
+        "seconds": (default["seconds"], thompson["seconds"]),
+    }
+
+
+def _cell(triple, digits=3):
+    value, low, high = triple
+    if np.isnan(value):
+        return "-"
+    return f"{value:.{digits}f} ({low:.{digits}f} to {high:.{digits}f})"
+
+
+def table(rows, runs, seed, commit):
+    lines = [
+        HEADING,
+        "",
+        f"`python bench/learner.py --runs {runs} --seed {seed}` at {commit}: the `default` preset and Thompson "
+        "best-arm sampling on the same runs (same true means). r is the deployed relative gain at the last "
+        "round (runs whose best mixture is no better than the best single arm are left out); served figures "
+        "are what users got, round by round, under the true means; 90% bootstrap intervals over runs. "
+        f"\"Keeps\" is the share of (run, round) pairs after round {AFTER_ROUND} whose served mixture holds "
+        "every guardrail the best mixture holds (pasto / Thompson).",
+        "",
+        "| row | runs | r mean | r median | r < 0 | served above Thompson | served regret ratio (median) "
+        "| served regret pasto / Thompson | keeps pasto / Thompson |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['label']} | {row['runs']} | {_cell(row['r_mean'])} | {_cell(row['r_median'])} | "
+            f"{_cell(row['r_negative'])} | {_cell(row['served_above_thompson'])} | "
+            f"{_cell(row['regret_ratio_median'])} | {row['served_regret'][0]:.1f} / {row['served_regret'][1]:.1f} | "
+            f"{row['keeps'][0]:.3f} / {row['keeps'][1]:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(section: str) -> None:
+    text = DOCS.read_text()
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(section + "\n", text)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    DOCS.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    labels = [label.strip() for label in args.rows.split(",") if label.strip()]
+    unknown = [label for label in labels if label not in ROWS]
+    if unknown:
+        raise SystemExit(f"Unknown row(s) {unknown}; the rows are {list(ROWS)}.")
+    jobs = [(label, algorithm, args.runs, args.seed) for label in labels for algorithm in ("default", "thompson")]
+    with multiprocessing.get_context("fork").Pool(args.workers) as pool:
+        results = {(label, algorithm): value for label, algorithm, value in pool.imap_unordered(_run, jobs)}
+    rng = np.random.default_rng(0)
+    rows = [summarise(label, results[label, "default"], results[label, "thompson"], rng) for label in labels]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    section = table(rows, args.runs, args.seed, commit)
+    print(section)
+    if args.write_docs:
+        write_docs(section)
+
+
+if __name__ == "__main__":
+    main()
