@@ -49,6 +49,7 @@ __all__ = [
     "ControllerState",
     "PRESETS",
     "initial_state",
+    "round_generator",
     "update",
     "deployed_mixture",
     "estimate",
@@ -77,7 +78,6 @@ _SERVING_OPTIONS = (
     ("serving_level", "level"),
     ("serving_undecided", "undecided"),
     ("serving_posterior_draws", "posterior_draws"),
-    ("serving_posterior_scale", "posterior_scale"),
     ("serving_min_share", "min_share"),
     ("serving_holdout", "holdout"),
     ("change_level", "change_level"),
@@ -146,17 +146,14 @@ class AlgorithmConfig:
         1-6 and the ``deploy`` rule (the ``paper`` preset).
     serving_level : float
         One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
-    serving_undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
+    serving_undecided : {"conservative", "best_arm"}
         With ``serving = "safe"`` and soft guardrails: where the traffic of a run whose mixture
         cannot yet be defended against the best single arm goes
         (:class:`pasto.serving.ServingConfig`'s ``undecided``; ``best_arm`` by default).
     serving_posterior_draws : int
-        With ``serving = "safe"`` and soft guardrails: posterior draws per round whose optima's mass
-        outside the plug-in support is served as exploration (0 to 64, 0 turns it off;
-        :class:`pasto.serving.ServingConfig`'s ``posterior_draws``; 4 by default).
-    serving_posterior_scale : float
-        Factor on that mass, in (0, 10], at most half of the traffic in all (1: unscaled and
-        uncapped; :class:`pasto.serving.ServingConfig`'s ``posterior_scale``; 2 by default).
+        With ``serving = "safe"`` and soft guardrails: posterior draws per round, each solved
+        exactly, whose optima's mass outside the plug-in support is served as exploration (0 to 64,
+        0 turns it off; :class:`pasto.serving.ServingConfig`'s ``posterior_draws``; 1 by default).
     serving_min_share : float
         With ``serving = "safe"``: the share every arm is served in every round, in [0, 1 / K)
         (0 by default: no floor; :class:`pasto.serving.ServingConfig`'s ``min_share``).
@@ -166,10 +163,11 @@ class AlgorithmConfig:
         deployed mixtures is then over this holdout; :class:`pasto.serving.ServingConfig`'s
         ``holdout``).
     change_level : float
-        With ``serving = "safe"``: family-wise false-alarm probability of each change test
-        (:func:`pasto.serving.change_detected`), in [0, 1); 0 disables change detection.
+        With ``serving = "safe"``: the probability that the change detector ever raises a false
+        alarm in a run whose means never change (:func:`pasto.serving.change_detected`), in
+        [0, 1); 0 disables change detection.
     change_every : int
-        Rounds per change-test block.
+        Rounds between two looks of the change detector.
     """
 
     estimator: str = "pooled"
@@ -194,7 +192,6 @@ class AlgorithmConfig:
     serving_level: float = ServingConfig.level
     serving_undecided: str = ServingConfig.undecided
     serving_posterior_draws: int = ServingConfig.posterior_draws
-    serving_posterior_scale: float = ServingConfig.posterior_scale
     serving_min_share: float = ServingConfig.min_share
     serving_holdout: float = ServingConfig.holdout
     change_level: float = ServingConfig.change_level
@@ -352,9 +349,10 @@ class ControllerState:
     change_origin : Statistics or None
         ``serving = "safe"``: the pooled statistics, shape (..., M, K), when each run's last change
         was detected (its evidence is the pooled statistics minus these); None before any change.
-    block_origin : Statistics or None
-        ``serving = "safe"``: the pooled statistics, shape (..., M, K), at the start of the current
-        change-test block; None during the first block.
+    window_origins : Statistics or None
+        ``serving = "safe"``: the pooled statistics, shape (W, ..., M, K), at the start of each of
+        the change detector's W windows (:data:`pasto.serving.CHANGE_WINDOWS`); None before the
+        first look.
     changes : ndarray of int, shape (...), or None
         ``serving = "safe"``: changes detected so far per run.
     """
@@ -371,7 +369,7 @@ class ControllerState:
     baseline: np.ndarray | None = None
     discounted: Statistics | None = None
     change_origin: Statistics | None = None
-    block_origin: Statistics | None = None
+    window_origins: Statistics | None = None
     changes: np.ndarray | None = None
 
     @property
@@ -408,7 +406,7 @@ class ControllerState:
             }
         if self.baseline is not None:
             data["baseline"] = self.baseline.tolist()
-        for name in ("discounted", "change_origin", "block_origin"):
+        for name in ("discounted", "change_origin", "window_origins"):
             statistics = getattr(self, name)
             if statistics is not None:
                 data[name] = {
@@ -435,7 +433,7 @@ class ControllerState:
         missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"The controller state is missing the key(s) {missing}.")
-        optional = {"history", "baseline", "discounted", "change_origin", "block_origin", "changes"}
+        optional = {"history", "baseline", "discounted", "change_origin", "window_origins", "changes"}
         unknown = sorted(set(data) - set(required) - optional)
         if unknown:
             raise ValueError(f"The controller state has unknown key(s) {unknown}.")
@@ -466,9 +464,19 @@ class ControllerState:
             baseline=None if data.get("baseline") is None else array(data["baseline"]),
             discounted=statistics("discounted"),
             change_origin=statistics("change_origin"),
-            block_origin=statistics("block_origin"),
+            window_origins=statistics("window_origins"),
             changes=None if data.get("changes") is None else np.asarray(data["changes"], dtype=int),
         )
+
+
+def round_generator(seed: int, round_number: int) -> np.random.Generator:
+    """The random generator of one experiment's close of round ``round_number``.
+
+    Derived from both (``numpy.random.SeedSequence([seed, round_number])``): the same experiment
+    and round always draw the same numbers, and two experiments with different seeds never share
+    their draws in the same round.
+    """
+    return np.random.default_rng(np.random.SeedSequence([int(seed), int(round_number)]))
 
 
 # ---------------------------------------------------------------------------- schedules
@@ -664,6 +672,7 @@ def update(
     pooled_statistics: Statistics,
     propensities: np.ndarray | None = None,
     *,
+    rng: np.random.Generator | None = None,
     choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round ``state.round_index`` and return the state for the next round.
@@ -682,6 +691,10 @@ def update(
     propensities : ndarray, shape (..., K), optional
         The p served when ``round_statistics`` were sampled; defaults to ``state.probabilities``.
         With the ``ips`` and ``control_variate`` estimators an arm with observations must have p > 0.
+    rng : numpy.random.Generator, optional
+        Source of safe serving's posterior draws; required with ``serving = "safe"``. Derive it
+        from the experiment's seed and the round (:func:`round_generator`), so that a close is
+        reproducible and two experiments draw differently in the same round.
     choose_mixtures : bool, default True
         With ``serving = "safe"``, False skips :func:`pasto.serving.choose` and keeps the state's
         probabilities, deployed mixture and log-weights, every other field being updated as usual:
@@ -712,6 +725,8 @@ def update(
     # Only the inverse-propensity estimators divide by p: the pooled estimator takes an unserved arm's
     # data as what it is (pushed statistics and warehouse sources can carry such cells, and under safe
     # serving most arms have p = 0).
+    if config.serving == "safe" and choose_mixtures and rng is None:
+        raise ValueError("Safe serving draws from the posterior: pass rng, e.g. round_generator(seed, round).")
     if config.estimator != "pooled" and np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
         raise ValueError("An arm has observations in the round but a served probability of 0, which the "
                          f"{config.estimator!r} estimator cannot weight (it divides by the probability).")
@@ -719,7 +734,7 @@ def update(
     # Metrics of absurd scale may overflow intermediate values (f, its gradient, variances);
     # every such value is sanitised below, so the warnings carry no information.
     with np.errstate(over="ignore", invalid="ignore"):
-        return _advance(config, objective, state, round_statistics, pooled_statistics, propensities, choose_mixtures)
+        return _advance(config, objective, state, round_statistics, pooled_statistics, propensities, rng, choose_mixtures)
 
 
 def _advance(
@@ -729,6 +744,7 @@ def _advance(
     round_statistics: Statistics,
     pooled_statistics: Statistics,
     propensities: np.ndarray,
+    rng: np.random.Generator | None,
     choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round t = ``state.round_index + 1`` (inputs already validated by :func:`update`).
@@ -738,7 +754,7 @@ def _advance(
     t = state.round_index + 1
     if config.serving == "safe":
         return _safe_advance(
-            config, objective, state, round_statistics, pooled_statistics, propensities, choose_mixtures
+            config, objective, state, round_statistics, pooled_statistics, propensities, rng, choose_mixtures
         )
     dual = config.guardrail_weights == "dual_ascent"
     accumulators, current = _estimate_step(
@@ -806,32 +822,41 @@ def _safe_advance(
     round_statistics: Statistics,
     pooled_statistics: Statistics,
     propensities: np.ndarray,
+    rng: np.random.Generator | None,
     choose_mixtures: bool = True,
 ) -> ControllerState:
     """Close round t with ``serving = "safe"``: :func:`pasto.serving.choose` on the evidence since
-    the last detected change, the same detection as :func:`pasto.serving.update`.
+    the last detected change.
 
-    The evidence is the pooled statistics minus ``change_origin`` (late observations included);
-    the block under test is the pooled statistics minus ``block_origin``. Every ``change_every``
-    rounds the block is tested against the rest of the evidence; a run where it differs drops all
-    its evidence (``change_origin`` = the pooled statistics now, and its discounted statistics are
-    zeroed) and is served uniformly until its bounds are defined again. Until then a run keeps its
-    deployed mixture. The EG step and the solve of the exploration path are skipped (the plug-in
-    optimum of :func:`pasto.serving.choose` replaces the weights, warm-started from the last one).
-    With ``choose_mixtures`` False the state's probabilities, deployed mixture and weights are kept
-    (the caller replaces them; see :func:`update`).
+    The evidence is the pooled statistics minus ``change_origin`` (late observations included).
+    Every ``change_every`` rounds the detector looks (:func:`pasto.serving.change_detected`): each
+    window (the pooled statistics minus its origin, :data:`pasto.serving.CHANGE_WINDOWS` looks
+    long) is tested against the rest of the evidence; a window that has reached its length starts
+    afresh. A run where some window differs drops all its evidence (``change_origin`` and every
+    window origin = the pooled statistics now, and its discounted statistics are zeroed) and is
+    served uniformly until its bounds are defined again; until then it keeps its deployed mixture.
+    The EG step and the solve of the exploration path are skipped. With ``choose_mixtures`` False
+    the state's probabilities, deployed mixture and weights are kept (the caller replaces them;
+    see :func:`update`).
     """
     from pasto import serving
 
     t = state.round_index + 1
     accumulators = _estimator(config).absorb(state.accumulators, round_statistics, pooled_statistics, propensities)
     probability_sum, stage_probability_sum, _ = _deploy_step(config, state, _exploitation(state.log_weights), t)
-    change_origin, block_origin = state.change_origin, state.block_origin
+    change_origin, window_origins = state.change_origin, state.window_origins
     changes = state.changes if state.changes is not None else np.zeros(state.batch_shape, dtype=int)
     evidence = _statistics_difference(pooled_statistics, change_origin)
     if config.change_level > 0 and t % config.change_every == 0:
-        block = _statistics_difference(pooled_statistics, block_origin)
-        changed = serving.change_detected(evidence, block, config.change_level)
+        look = t // config.change_every
+        lengths = serving.CHANGE_WINDOWS
+        if window_origins is None:
+            starts = [change_origin] * len(lengths)
+        else:
+            starts = [Statistics(window_origins.counts[i], window_origins.sums[i], window_origins.sums_of_squares[i])
+                      for i in range(len(lengths))]
+        windows = [_statistics_difference(pooled_statistics, start) for start in starts]
+        changed = serving.change_detected(evidence, windows, config.change_level, look)
         if changed.any():
             change_origin = _statistics_where(changed, pooled_statistics, change_origin)
             evidence = _statistics_difference(pooled_statistics, change_origin)
@@ -839,14 +864,18 @@ def _safe_advance(
                 kept = _statistics_where(~changed, accumulators.discounted, None)
                 accumulators = dataclasses.replace(accumulators, discounted=kept)
             changes = changes + changed
-        block_origin = pooled_statistics
+        # A window restarts when it reaches its length, or with the evidence after a change.
+        starts = [_statistics_where(changed | (look % length == 0), pooled_statistics, start)
+                  for start, length in zip(starts, lengths)]
+        window_origins = Statistics(*(np.stack([getattr(start, name) for start in starts])
+                                      for name in ("counts", "sums", "sums_of_squares")))
     if choose_mixtures:
         statistics = evidence if accumulators.discounted is None else accumulators.discounted
         batch = max(1, int(np.prod(state.batch_shape)))
         observations = float(round_statistics.counts[..., 0, :].sum()) / batch
         rule = config.serving_config()
         probabilities, deployed, log_weights = serving.choose(
-            rule, objective, statistics, t, state.log_weights, observations, state.deployed
+            rule, objective, statistics, t, state.log_weights, observations, state.deployed, rng
         )
         log_weights = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 700.0)
     else:
@@ -864,7 +893,7 @@ def _safe_advance(
         baseline=accumulators.baseline,
         discounted=accumulators.discounted,
         change_origin=change_origin,
-        block_origin=block_origin,
+        window_origins=window_origins,
         changes=changes,
     )
 

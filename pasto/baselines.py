@@ -39,7 +39,6 @@ __all__ = [
     "ThompsonState",
     "thompson_initial_state",
     "thompson_update",
-    "best_single_arm",
 ]
 
 
@@ -424,29 +423,3 @@ def _hard_shortfall_cost(objective: Objective, samples: np.ndarray, thresholds: 
         shortfall = np.maximum(0.0, threshold - samples[..., objective.guardrail_rows[j], :])
         cost = cost + _HARD_RANK * shortfall / np.maximum(np.abs(threshold), 1e-12)
     return cost
-
-
-# --------------------------------------------------------------------------- oracle
-
-
-def best_single_arm(objective: Objective, means: np.ndarray, thresholds: np.ndarray | None = None):
-    """The best deterministic answer under known means, vectorised over runs.
-
-    Parameters
-    ----------
-    means : ndarray, shape (..., M, K)
-    thresholds : ndarray, shape (..., G), optional
-        Defaults to ``objective.thresholds(means)``.
-
-    Returns
-    -------
-    arms : ndarray of int, shape (...)
-    values : ndarray, shape (...)
-        f(mu e_k) of the best arm k.
-    """
-    means = np.asarray(means, dtype=float)
-    if thresholds is None:
-        thresholds = objective.thresholds(means)
-    per_arm = objective.value(np.swapaxes(means, -1, -2), np.asarray(thresholds)[..., None, :])
-    arms = np.argmax(per_arm, axis=-1)
-    return arms, np.take_along_axis(per_arm, arms[..., None], axis=-1)[..., 0]

@@ -375,6 +375,18 @@ class Objective:
             result[..., relative] = baseline * (1.0 + self._raw_thresholds[relative])
         return result
 
+    def threshold_weights(self, n_arms: int) -> np.ndarray:
+        """w (G, K): each threshold as a linear form of its guarded row, c_j = c0_j + w_j . mu[g_j].
+
+        Row j is 1 + theta_j on the reference arm of a relative guardrail and 0 elsewhere (all 0
+        for an absolute one): how the threshold moves with the arms' means, so that a bound on the
+        slack y_j - c_j can carry the reference arm's uncertainty.
+        """
+        weights = np.zeros((len(self.guardrails), int(n_arms)))
+        relative = np.flatnonzero(self._relative_columns >= 0)
+        weights[relative, self._relative_columns[relative]] = 1.0 + self._raw_thresholds[relative]
+        return weights
+
     def _shortfall(self, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
         x = np.asarray(x, dtype=float)
         if x.shape[-1:] != (self.n_metrics,):

@@ -171,10 +171,12 @@ def expected_objective(
 ) -> tuple[np.ndarray, np.ndarray]:
     """E f(mu p) and its gradient in p when mu ~ N(means, variances) entrywise, independently.
 
-    The primary part is linear, so only the penalties change: for guardrail j,
-    Y_j = mu[g_j] . p ~ N(m_j, s_j^2) with s_j^2 = sum_k p_k^2 var[j, k], and with d = m_j - c_j
+    The primary part is linear, so only the penalties change: for guardrail j, the slack
+    S_j = mu[g_j] . p - c_j ~ N(d, s_j^2) with s_j^2 = sum_k (p_k - w_jk)^2 var[j, k] (w the
+    threshold's weights, :meth:`pasto.objectives.Objective.threshold_weights`: a relative
+    threshold's reference arm is uncertain too), and
 
-        E min(0, Y_j - c_j)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s),
+        E min(0, S_j)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s),
 
     whose derivatives are 2 (d Phi(-d/s) - s phi(d/s)) in d and 2 s Phi(-d/s) in s. The result is
     concave in p (a convex function, nondecreasing in s, of an affine d and a norm s). Deciding on
@@ -199,7 +201,9 @@ def expected_objective(
     p = probabilities
     x = (means @ p[..., None])[..., 0]
     d = x[..., objective.guardrail_rows] - thresholds
-    s = np.sqrt((variances @ (p**2)[..., None])[..., 0])
+    # The slack's coefficients: p, less a relative threshold's weight on its reference arm.
+    coefficients = p[..., None, :] - objective.threshold_weights(p.shape[-1])  # (..., G, K)
+    s = np.sqrt(np.sum(variances * coefficients**2, axis=-1))
     uncertain = s > 1e-300
     safe_s = np.where(uncertain, s, 1.0)
     z = d / safe_s
@@ -213,7 +217,7 @@ def expected_objective(
     # Both gradient terms are matrix-vector products: through the metric rows, and through s.
     weights_x = objective.primary_weights - (lam * by_d) @ objective.guardrail_selector
     gradient = (weights_x[..., None, :] @ means)[..., 0, :]
-    gradient = gradient - ((lam * by_s / safe_s)[..., None, :] @ variances)[..., 0, :] * p
+    gradient = gradient - np.sum((lam * by_s / safe_s)[..., :, None] * variances * coefficients, axis=-2)
     return value, gradient
 
 

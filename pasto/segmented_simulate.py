@@ -176,7 +176,7 @@ def simulate_segmented(
         values = expected + scenario.noise.sample(rng, expected.shape)
         statistics = segment_statistics(segments, arms, values, n_segments, n_arms)
         pooled = pooled + statistics
-        state = segmented_update(config, objective, state, statistics, pooled, shares)
+        state = segmented_update(config, objective, state, statistics, pooled, shares, rng=rng)
         if round_number in checkpoints:
             index = checkpoints.index(round_number)
             deployed_values[index], slack[index], primary[index] = segmented_values(

@@ -727,6 +727,8 @@ def segmented_update(
     pooled_statistics: Statistics,
     shares: np.ndarray,
     propensities: np.ndarray | None = None,
+    *,
+    rng: np.random.Generator | None = None,
 ) -> SegmentedState:
     """Close one round of the segmented controller.
 
@@ -741,6 +743,8 @@ def segmented_update(
         Traffic shares w_s.
     propensities : ndarray, shape (..., S, K), optional
         Defaults to ``state.probabilities``.
+    rng : numpy.random.Generator, optional
+        Passed to :func:`pasto.algorithm.update` (safe serving's posterior draws, one segment).
 
     Returns
     -------
@@ -754,7 +758,7 @@ def segmented_update(
     # weights: safe serving's own choice of them (nine LPs per segment and run) would be discarded.
     controller = algorithm.update(
         config.algorithm, objective, state.controller, round_statistics, effective, propensities,
-        choose_mixtures=n_segments == 1,
+        rng=rng, choose_mixtures=n_segments == 1,
     )
     if n_segments == 1:
         return SegmentedState(controller=controller, joint=controller.deployed)

@@ -1,7 +1,7 @@
 """Safe serving: what is served keeps the hard guardrails, exploration is optimistic and shrinks.
 
 The paper's Algorithm 1 guarantees the *average* of the served mixtures p_t; users live with every
-p_t. This controller chooses each round's p_t from per-arm confidence bounds (issue 14):
+p_t. This controller chooses each round's p_t from per-arm confidence bounds:
 
 1. **Estimate.** Per arm and metric, the sample mean of the observations since the last detected
    change, shrunk by an empirical-Bayes normal prior centred on the pooled mean across arms (the
@@ -24,50 +24,43 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds (is
    narrow. No fixed exploration floor. That optimistic mixture is padded, just enough that every
    lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
    baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
-   baseline its own data refute, or none), it is served as it is: exploring is the way to find out
-   (padding it to the point estimates instead starved the demo's reference arm and broke its
-   deployed mixture, docs/benchmarks.md, "Live demo check"). Without hard guardrails (soft
-   penalties only, or none): the hedged plug-in optimum of E f(mu p) (mirror ascent), reached from
-   the starting mixture p0 (the baseline arm, else uniform) only as far as the evidence defends
+   baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
+   Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of E f(mu p)
+   (mirror ascent; a relative threshold's reference arm is uncertain too), reached from the
+   starting mixture p0 (the baseline arm, else uniform) only as far as the evidence defends
    (conservative bandits: p0 + a (optimum - p0) with the largest a in {0, 0.1, ..., 1} whose
    expected objective beats p0's by ``deploy_level`` Student-t standard errors on the pooled
-   degrees of freedom), plus a share directed at the *plausible* arms, those
-   whose optimistic gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the
-   optimum's level; each gets 1 / (n sqrt(t)) of the traffic (n observations per round), so the
-   exploration vanishes as soon as no arm outside the support can still improve the objective.
-   While no mixture is defended (step 5), the option ``undecided`` sends the run's own traffic
-   elsewhere: by default (``best_arm``) half of its own path (the conservative path and the
-   directed share) after a best-arm bandit (each arm in proportion to its posterior probability
-   of being the best single arm, :func:`best_arm_probabilities`: Thompson sampling on the arms'
-   metric means), so that a run whose noise forbids a defended mixture finds the single arm it
-   deploys instead nearly as a best-arm bandit does; or all of its anchored traffic
-   to the optimum of one posterior draw of the means (``mixture_draw``: Thompson sampling over
-   mixtures, :func:`drawn_mixture`); ``conservative`` keeps the conservative path (the default
-   before issue 14's noise rows were re-measured). With ``posterior_draws`` > 0 (the default: 4;
-   issue 14's noise rows), every run also serves, as exploration beside its own path (p =
-   (1 - m) own + outside, m the outside mass), the
-   mass that the optima of ``posterior_draws`` posterior draws of the means put, on average, on
-   arms outside its plug-in support (posterior exploration outside the support), ``posterior_scale``
-   times over (2 by default) and at most half of the traffic in all: an arm gets
-   traffic in proportion to its posterior chance of belonging to the optimal mixture, so a run
-   that found a mixture better than every single arm keeps testing the arms of better mixtures,
-   and that traffic vanishes as the posterior concentrates.
+   degrees of freedom), plus a share directed at the *plausible* arms, those whose optimistic
+   gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the optimum's level;
+   each gets 1 / (n sqrt(t)) of the traffic (n observations per round). Beside that path, the mass
+   that the exact optima (:func:`pasto.optimum.solve`) of ``posterior_draws`` posterior draws of
+   the means put on arms *outside* the plug-in support is served as exploration (Thompson sampling
+   over mixtures, restricted to what the run does not serve yet): an arm gets traffic in
+   proportion to its posterior chance of belonging to the optimal mixture, and a run with no
+   plausible arm outside its support draws nothing. While no mixture is defended (step 5), the
+   option ``undecided`` sends part of the run's own traffic elsewhere: by default (``best_arm``)
+   half of its own path follows each arm's posterior probability of being the best single arm
+   (:func:`best_arm_probabilities`: Thompson sampling on the arms' metric means), so that a run
+   whose noise forbids a defended mixture finds the single arm it deploys instead nearly as a
+   best-arm bandit does; ``conservative`` keeps the conservative path.
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
    optimism, no fixed shares) is deployed when its posterior expected objective beats the best
    single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
-   standard errors of the difference (delta method); otherwise that single arm.
-6. **Change.** Every ``change_every`` rounds the observations of the latest block are compared with
-   the earlier ones since the last reset, per arm and metric (two-sample z test at family-wise level
-   ``change_level`` over the K M pairs). A detected change drops every observation so far (the
-   block that raised the alarm too: it is the most extreme stretch of the data); the run is served
-   uniformly, keeping its deployed mixture, until its bounds are defined again. No discount
-   constant: stale evidence is dropped when the data say it is stale.
+   standard errors of the difference (delta method, the reference arm of a relative threshold
+   included); otherwise that single arm.
+6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
+   the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
+   level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
+   of any false alarm in a whole stationary run. A detected change drops every observation so far;
+   the run is served uniformly, keeping its deployed mixture, until its bounds are defined again.
 
-The controller follows the contract of :mod:`pasto.algorithm` (``initial_state`` / ``update`` with
-leading batch dimensions), so :mod:`pasto.simulate` runs it like the presets.
+Randomness (the posterior draws) comes from the generator the caller passes.
+
+:func:`pasto.algorithm.update` runs this controller for the ``default`` preset (``serving =
+"safe"``), in the service and in the simulator alike.
 """
 
 from __future__ import annotations
@@ -84,13 +77,12 @@ from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
-from pasto.optimum import mirror_ascent
+from pasto.optimum import mirror_ascent, solve
 
 __all__ = [
     "ServingConfig",
     "ServingState",
     "HardConstraints",
-    "constrained_optimum",
     "has_hard_guardrails",
     "arm_posterior",
     "best_arm_probabilities",
@@ -106,7 +98,7 @@ __all__ = [
 ]
 
 # Where an undecided run's traffic goes (ServingConfig.undecided).
-UNDECIDED_RULES = ("conservative", "best_arm", "mixture_draw", "mixture_draw_half")
+UNDECIDED_RULES = ("conservative", "best_arm")
 # Prior degrees of freedom pooling an arm's own noise variance with the metric's pooled one.
 _VARIANCE_PRIOR_DF = 5.0
 # A probability below this in a plug-in optimum counts as outside its support.
@@ -133,12 +125,13 @@ class ServingConfig:
         One-sided confidence with which the deployed mixture must beat the best single arm, and
         with which the served mixture (soft guardrails) must beat the starting mixture.
     change_level : float
-        Family-wise false-alarm probability of each change test, in [0, 1) (0 disables detection).
+        Probability that the change detector ever raises a false alarm over a whole run whose means
+        never change, in [0, 1) (0 disables detection; :func:`change_detected`).
     change_every : int
-        Rounds per change-test block.
+        Rounds per change-test block: the detector looks every ``change_every`` rounds.
     mirror_steps : int
         Mirror-ascent steps of the plug-in solve (soft guardrails).
-    undecided : {"conservative", "best_arm", "mixture_draw", "mixture_draw_half"}
+    undecided : {"conservative", "best_arm"}
         Where the traffic of an *undecided* run goes (soft guardrails only: its plug-in
         optimum is a mixture the data cannot yet defend against the best single arm).
         ``best_arm`` (the default): half of the run's own path (the conservative path and the
@@ -148,24 +141,15 @@ class ServingConfig:
         Thompson's in 23.1% of runs against 29.2% with ``conservative``, and at sigma 1.0 the
         median r is 0.901 (docs/benchmarks.md, "Noise rows: the best-arm half of the run's own
         path").
-        ``conservative``: the conservative path to the plug-in mixture. ``mixture_draw``:
-        Thompson sampling over mixtures, all of it goes to the optimum of one posterior draw of
-        the arms' means (:func:`drawn_mixture`); ``mixture_draw_half``: half of it that way, half
-        the conservative path (experimental; "Noise rows: Thompson sampling over mixtures").
+        ``conservative``: the conservative path to the plug-in mixture.
     posterior_draws : int
-        Soft guardrails: posterior draws of the means per round (0 to 64; 0 turns it off) whose
-        optima's average mass on arms *outside* the plug-in support is served as exploration, in
-        every run (posterior exploration outside the support; the support keeps its path). 4 by
-        default (0 is the behaviour before it): the draws' average has the exploration of Thompson
-        sampling over mixtures on those arms with a quarter of one draw's variance
-        (docs/benchmarks.md, "Noise rows: posterior exploration outside the support").
-    posterior_scale : float
-        Factor on that mass, in (0, 10]: each run serves ``posterior_scale`` times the draws'
-        average mass outside its support, at most half of its traffic in all (1: the mass itself,
-        uncapped, the behaviour before the option). 2 by default: at sigma 1.0 on setup B it finds
-        the optimal support in more runs (r >= 0.9 in 50% and 52% of two sets of 500 runs, against
-        44% and 47%) for 15-17% more served regret; at sigma 3.0 it is even (docs/benchmarks.md,
-        "Noise rows: the scale of posterior exploration").
+        Soft guardrails: posterior draws of the means per round (0 to 64; 0 turns it off), each
+        solved exactly (:func:`pasto.optimum.solve`); the draws' optima's average mass on arms
+        *outside* the plug-in support is served as exploration, in every run (Thompson sampling
+        over mixtures, restricted to the arms the run does not serve yet). An arm gets the
+        posterior probability that it belongs to the optimal mixture times its share there, so the
+        exploration vanishes as the posterior concentrates. 1 by default (Thompson sampling's one
+        draw); more draws average out its variance at one exact solve each.
     """
 
     level: float = 0.95
@@ -173,19 +157,18 @@ class ServingConfig:
     min_share: float = 0.0
     holdout: float = 0.0
     deploy_level: float = 0.95
-    change_level: float = 1e-4
+    change_level: float = 0.01
     change_every: int = 25
     mirror_steps: int = 50
     undecided: str = "best_arm"
-    posterior_draws: int = 4
-    posterior_scale: float = 2.0
+    posterior_draws: int = 1
 
     def __post_init__(self) -> None:
         if self.undecided not in UNDECIDED_RULES:
             raise ValueError(
                 f"Serving option 'undecided' must be one of {list(UNDECIDED_RULES)}, got {self.undecided!r}."
             )
-        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level", "posterior_scale"):
+        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Serving option {name!r} must be a finite number, got {value!r}.")
@@ -195,8 +178,6 @@ class ServingConfig:
                 raise ValueError(f"Serving option {name!r} must be in (0.5, 1), got {getattr(self, name)}.")
         if self.optimism < 0:
             raise ValueError(f"Serving option 'optimism' must be >= 0, got {self.optimism}.")
-        if not 0.0 < self.posterior_scale <= 10.0:
-            raise ValueError(f"Serving option 'posterior_scale' must be in (0, 10], got {self.posterior_scale}.")
         for name in ("min_share", "holdout", "change_level"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"Serving option {name!r} must be in [0, 1), got {getattr(self, name)}.")
@@ -220,37 +201,6 @@ class ServingConfig:
         if unknown:
             raise ValueError(f"Unknown serving option(s) {unknown}; the options are {sorted(names)}.")
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class ServingState:
-    """Learned state of safe serving.
-
-    Attributes
-    ----------
-    round_index : int
-        Rounds closed so far (shared by the batch).
-    probabilities : ndarray, shape (..., K)
-        p served in the current round.
-    deployed : ndarray, shape (..., K)
-        The mixture recommended now.
-    log_weights : ndarray, shape (..., K)
-        Log of the latest plug-in optimum (warm start of the next solve).
-    statistics : Statistics, shape (..., M, K)
-        Observations since the last detected change (the estimate's data).
-    block : Statistics, shape (..., M, K)
-        Observations of the current change-test block.
-    resets : ndarray of int, shape (...)
-        Changes detected so far.
-    """
-
-    round_index: int
-    probabilities: np.ndarray
-    deployed: np.ndarray
-    log_weights: np.ndarray
-    statistics: Statistics
-    block: Statistics
-    resets: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -294,28 +244,6 @@ def check_objective(objective: Objective) -> None:
 def has_hard_guardrails(objective: Objective) -> bool:
     """Whether some guardrail of ``objective`` is a hard constraint."""
     return any(_is_hard(g) for g in objective.guardrails)
-
-
-def constrained_optimum(objective: Objective, means: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The exact optimum under known means (M, K) with hard guardrails only (an LP).
-
-    Returns
-    -------
-    probabilities : ndarray, shape (K,)
-    value : ndarray, shape ()
-        Primary value of the optimum (nan when no mixture meets the hard guardrails).
-    best_single : ndarray, shape ()
-        Primary value of the best single arm that meets them (nan when none does).
-    """
-    if any(not _is_hard(g) for g in objective.guardrails):
-        raise ValueError("constrained_optimum handles hard guardrails only; mixed objectives need pasto.optimum.")
-    rows = hard_constraints(objective, means, means, trust_baseline=False)
-    gains = objective.primary_weights @ means
-    probabilities, feasible = served_lp(gains, rows, np.zeros(means.shape[-1]))
-    value = float(gains @ probabilities) if feasible else math.nan
-    allowed = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
-    single = float(np.max(gains[allowed])) if allowed.any() else math.nan
-    return probabilities, np.array(value), np.array(single)
 
 
 def _is_hard(guardrail) -> bool:
@@ -533,156 +461,80 @@ def _fixed_shares(config: ServingConfig, objective: Objective | None, n_arms: in
     return fixed
 
 
-def initial_state(
-    config: ServingConfig,
-    n_arms: int,
-    n_metrics: int,
-    batch_shape: tuple[int, ...] = (),
-    objective: Objective | None = None,
-) -> ServingState:
-    """Before any data: uniform traffic (no arm is known better), uniform deployed mixture."""
-    batch_shape = tuple(int(b) for b in batch_shape)
-    probabilities = np.broadcast_to(starting_probabilities(config, objective, n_arms), batch_shape + (n_arms,)).copy()
-    return ServingState(
-        round_index=0,
-        probabilities=probabilities,
-        deployed=np.full(batch_shape + (n_arms,), 1.0 / n_arms),
-        log_weights=np.full(batch_shape + (n_arms,), -math.log(n_arms)),
-        statistics=Statistics.zeros(n_metrics, n_arms, batch_shape),
-        block=Statistics.zeros(n_metrics, n_arms, batch_shape),
-        resets=np.zeros(batch_shape, dtype=int),
-    )
+# Window lengths of the change test, in blocks: a change is judged on the latest block, the latest
+# 4 and the latest 16 blocks (each window starts afresh when its length is reached). A short window
+# sees a large change soon; a long one has the observations a small change, or a skewed metric's
+# self-normalised statistic, needs (that statistic can exceed x only with more than x^2
+# observations in the window).
+CHANGE_WINDOWS = (1, 4, 16)
 
 
-def _soft_value(objective: Objective, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """f(x) without the hard guardrails (they are constraints, not penalties); x (..., M)."""
-    soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
-    value = x @ objective.primary_weights
-    if soft.any():
-        rows = objective.guardrail_rows[soft]
-        shortfall = np.minimum(0.0, x[..., rows] - thresholds[..., soft])
-        value = value - np.sum(objective.penalties[soft] * shortfall**2, axis=-1)
-    return value
+def change_threshold(level: float, check: int, tests: int) -> float:
+    """The critical value x of the ``check``-th look (1-based) of a detector of run-wide level ``level``.
+
+    The level is spent over the looks, ``level / (j (j + 1))`` at look j (summing to ``level`` over
+    an unbounded run), and split evenly over the ``tests`` statistics of a look; each statistic T
+    has P(T >= x) <= 2 exp(-x^2 / 2) (:func:`change_detected`), so x = sqrt(2 ln(2 tests j (j + 1)
+    / level)).
+    """
+    return math.sqrt(2.0 * math.log(2.0 * tests * check * (check + 1) / level))
 
 
-def _soft_gradient(objective: Objective, x: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
-    gradient = np.broadcast_to(objective.primary_weights, x.shape).copy()
-    for j in np.flatnonzero(soft):
-        row = objective.guardrail_rows[j]
-        shortfall = np.minimum(0.0, x[..., row] - thresholds[..., j])
-        gradient[..., row] += -2.0 * objective.penalties[j] * shortfall
-    return gradient
+def change_detected(evidence: Statistics, windows: list[Statistics], level: float, check: int) -> np.ndarray:
+    """Per run: does some arm and metric's latest window differ from the evidence before it? Shape (...).
 
-
-def change_detected(statistics: Statistics, block: Statistics, level: float) -> np.ndarray:
-    """Per run: does some arm and metric's latest block differ from its earlier data? Shape (...).
+    For each window, arm and metric the difference D = mean(window) - mean(rest) of two independent
+    samples is compared with the self-normalised scale V = [D] + <D>: [D] the observed squared
+    deviations from the pooled mean, sum (x_i - m)^2 / n_side^2 over both sides, and <D> the
+    expected ones, s^2 (1 / n_window + 1 / n_rest), with s^2 the metric's within-arm variance pooled
+    over arms. The statistic |D| / sqrt(V) has tails no heavier than 2 exp(-x^2 / 2) (the
+    self-normalised martingale inequalities of Bercu and Touati, Ann. Appl. Probab. 2008, which
+    need a finite variance, not normal tails), so its level holds for skewed (log-normal),
+    heavy-tailed (Student t) and rare-event (Bernoulli) metrics: one large observation raises D and
+    [D] together. A normal-tail z test on the same small blocks raised a false alarm in 91% of
+    stationary log-normal runs. The critical value (:func:`change_threshold`) spends ``level``
+    over the looks and the window x arm x metric statistics, so that ``level`` bounds the chance
+    of any false alarm in a whole run.
 
     Parameters
     ----------
-    statistics : Statistics, shape (..., M, K)
-        The evidence since the last detected change, the latest block included.
-    block : Statistics, shape (..., M, K)
-        The latest block's observations.
+    evidence : Statistics, shape (..., M, K)
+        The evidence since the last detected change, every window included.
+    windows : list of Statistics, each of shape (..., M, K)
+        The observations of each window under test (the latest ones of ``evidence``).
     level : float
-        Family-wise false-alarm probability over the M K two-sample z tests, in (0, 1).
+        Run-wide false-alarm probability, in (0, 1).
+    check : int
+        1-based number of this look in the run.
     """
-    n_block = block.counts
-    n_rest = statistics.counts - n_block
-    usable = (n_block >= 2) & (n_rest >= 2)
-    mean_block = np.divide(block.sums, n_block, out=np.zeros_like(block.sums), where=n_block > 0)
-    rest_sums = statistics.sums - block.sums
-    mean_rest = np.divide(rest_sums, n_rest, out=np.zeros_like(rest_sums), where=n_rest > 0)
-    total = np.maximum(statistics.counts, 1.0)
-    overall = statistics.sums / total
-    centred = np.maximum(statistics.sums_of_squares - statistics.counts * overall**2, 0.0)
-    # Within-arm variance of the whole span, pooled over arms (a changed mean inflates it, which
-    # only makes the test more conservative).
-    df = np.maximum(statistics.counts - 1.0, 0.0)
-    variance = np.divide(
-        centred.sum(axis=-1, keepdims=True), df.sum(axis=-1, keepdims=True),
-        out=np.full(centred.shape[:-1] + (1,), np.inf), where=df.sum(axis=-1, keepdims=True) > 0,
-    )
-    with np.errstate(invalid="ignore", divide="ignore"):
-        z = np.abs(mean_block - mean_rest) / np.sqrt(
-            variance * (1.0 / np.maximum(n_block, 1.0) + 1.0 / np.maximum(n_rest, 1.0))
-        )
-    z = np.where(usable & np.isfinite(z), z, 0.0)
-    tests = max(1, int(np.prod(statistics.shape[-2:])))
-    critical = float(ndtri(1.0 - level / (2.0 * tests)))
-    return np.max(z, axis=(-2, -1)) > critical
-
-
-def update(
-    config: ServingConfig,
-    objective: Objective,
-    state: ServingState,
-    round_statistics: Statistics,
-    pooled_statistics: Statistics | None = None,
-    propensities: np.ndarray | None = None,
-) -> ServingState:
-    """Close a round: take in its observations and choose the next round's served and deployed mixtures.
-
-    Parameters
-    ----------
-    config : ServingConfig
-    objective : Objective
-    state : ServingState
-    round_statistics : Statistics, shape (..., M, K)
-        Observations that arrived in the closing round.
-    pooled_statistics, propensities
-        Unused (the estimate is kept in the state, since the last detected change); accepted for
-        the controller contract of :mod:`pasto.algorithm`.
-
-    Returns
-    -------
-    ServingState
-    """
-    del pooled_statistics, propensities
-    if round_statistics.shape != state.statistics.shape:
-        raise ValueError(
-            f"round_statistics must have shape {state.statistics.shape} (batch, metrics, arms), "
-            f"got {round_statistics.shape}."
-        )
-    with np.errstate(over="ignore", invalid="ignore"):
-        return _advance(config, objective, state, round_statistics)
-
-
-def _advance(config, objective, state, round_statistics):
-    t = state.round_index + 1
-    n_arms = state.probabilities.shape[-1]
-    batch = state.probabilities.shape[:-1]
-    statistics = state.statistics + round_statistics
-    block = state.block + round_statistics
-    resets = state.resets
-    if config.change_level > 0 and t % config.change_every == 0:
-        changed = change_detected(statistics, block, config.change_level)
-        if changed.any():
-            # Start afresh: the block that raised the alarm is the most extreme stretch of the
-            # data, so keeping it would bias the new estimate (a false alarm on setup A kept a
-            # block where the guardrail-breaking arm looked harmless, and deployed it alone).
-            drop = changed[..., None, None]
-            statistics = Statistics(
-                np.where(drop, 0.0, statistics.counts),
-                np.where(drop, 0.0, statistics.sums),
-                np.where(drop, 0.0, statistics.sums_of_squares),
-            )
-            resets = resets + changed
-        block = Statistics.zeros(*statistics.shape[-2:], batch)
-
-    observations = float(round_statistics.counts[..., 0, :].sum()) / max(1, int(np.prod(batch)))
-    served, deployed, log_weights = choose(
-        config, objective, statistics, t, state.log_weights, observations, state.deployed
-    )
-    return ServingState(
-        round_index=t,
-        probabilities=served,
-        deployed=deployed,
-        log_weights=log_weights,
-        statistics=statistics,
-        block=block,
-        resets=resets,
-    )
+    tests = max(1, len(windows) * int(np.prod(evidence.shape[-2:])))
+    critical = change_threshold(level, check, tests)
+    n = evidence.counts
+    mean = np.divide(evidence.sums, n, out=np.zeros_like(evidence.sums), where=n > 0)
+    centred = np.maximum(evidence.sums_of_squares - n * mean**2, 0.0)
+    df = np.maximum(n - 1.0, 0.0)
+    pooled_df = df.sum(axis=-1, keepdims=True)
+    variance = np.divide(centred.sum(axis=-1, keepdims=True), pooled_df,
+                         out=np.full(centred.shape[:-1] + (1,), np.inf), where=pooled_df > 0)
+    changed = np.zeros(evidence.shape[:-2], dtype=bool)
+    for window in windows:
+        n_window = window.counts
+        n_rest = n - n_window
+        usable = (n_window >= 2) & (n_rest >= 2)
+        sizes_window, sizes_rest = np.maximum(n_window, 1.0), np.maximum(n_rest, 1.0)
+        rest_sums = evidence.sums - window.sums
+        rest_squares = evidence.sums_of_squares - window.sums_of_squares
+        difference = window.sums / sizes_window - rest_sums / sizes_rest
+        # Squared deviations from the pooled mean on each side, from the sums.
+        squares_window = np.maximum(window.sums_of_squares - 2.0 * mean * window.sums + n_window * mean**2, 0.0)
+        squares_rest = np.maximum(rest_squares - 2.0 * mean * rest_sums + n_rest * mean**2, 0.0)
+        scale = (squares_window / sizes_window**2 + squares_rest / sizes_rest**2
+                 + variance * (1.0 / sizes_window + 1.0 / sizes_rest))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            statistic = np.abs(difference) / np.sqrt(scale)
+        statistic = np.where(usable & np.isfinite(statistic), statistic, 0.0)
+        changed |= np.max(statistic, axis=(-2, -1)) > critical
+    return changed
 
 
 def choose(
@@ -693,6 +545,7 @@ def choose(
     log_weights: np.ndarray,
     observations_per_round: float,
     deployed: np.ndarray,
+    rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The served and deployed mixtures for the next round, from the observations ``statistics``.
 
@@ -710,6 +563,10 @@ def choose(
         Observations per run and round (n), which sets the directed exploration share 1 / (n sqrt(t)).
     deployed : ndarray, shape (..., K)
         The mixture deployed now, kept by runs whose bounds are not defined yet.
+    rng : numpy.random.Generator
+        Source of the posterior draws (soft guardrails); the caller derives it from the
+        experiment's seed and the round, so a round's choice is reproducible and two experiments
+        do not share their draws.
 
     Returns
     -------
@@ -721,6 +578,9 @@ def choose(
     t = round_number
     n_arms = statistics.shape[-1]
     batch = statistics.shape[:-2]
+    # One stream per use, so that whether one is drawn from (an undecided run in the batch) does not
+    # shift the other: a batch of runs draws what each run alone draws.
+    best_arm_rng, posterior_rng = rng.spawn(2)
     posterior = arm_posterior(statistics)
     means, errors = posterior.means, posterior.standard_errors
     unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))  # (...)
@@ -804,11 +664,19 @@ def choose(
         # of freedom (few observations per arm would otherwise look more certain than they are).
         degrees = np.maximum(statistics.counts - 1.0, 0.0).sum(axis=-1).min(axis=-1).reshape(flat)
         z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
-        anchored = _conservative(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_student)
 
     chosen, defended, arm_values = _defensible(
         objective, flat_means, flat_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
     )
+    if not constraints.count:
+        # What runs before pasto has learnt anything: the production setting when the objective
+        # names one, else the uniform mixture (Algorithm 1's start). The served traffic leaves it
+        # only as far as the evidence defends. (Starting from a best-arm bandit's traffic instead
+        # cut setup B's served regret at sigma 1.0 by 7% but tripled setup A's.)
+        baseline = _baseline_index(objective)
+        start = np.full(n_arms, 1.0 / n_arms) if baseline is None else _one_hot(baseline, n_arms)
+        start = np.broadcast_to(start, plug_in.shape)
+        anchored, step = _conservative(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_student, start)
     if not constraints.count:
         # Undecided: the plug-in optimum is a mixture the data cannot yet defend against the best
         # single arm. (When the plug-in is that arm itself, as with no guardrails, there is no
@@ -824,69 +692,35 @@ def choose(
             # best-arm bandit finds it; the other half keeps that path (the top-two Thompson split,
             # beta = 1/2). The posterior exploration outside the support (below) keeps its whole
             # mass: it is what finds the support of a better mixture.
-            # Measured on setup B (1000 runs, docs/benchmarks.md, "Noise rows: the best-arm half
-            # of the run's own path"): at sigma 3.0 the deployed f falls below Thompson's in 23.1%
-            # of runs (25.7% when the half was taken of the conservative path only, inside the
-            # directed share and the posterior exploration, which left the best-arm bandit a
-            # sixth of the traffic while those were wide), and the served regret falls by a
-            # quarter; at sigma 1.0 the median r is 0.901 (0.909) for 16% less served regret. Half
-            # of *all* the traffic halved the posterior exploration too: sigma 3.0 at 19.6%, but
-            # a sigma 1.0 median r of 0.851.
-            # The draws are seeded by the round, so a round's choice is reproducible.
             best_arm = best_arm_probabilities(
-                objective, flat_means, flat_errors, flat_thresholds, np.random.default_rng([t, 14]),
-                allowed=np.isfinite(arm_values),
+                objective, flat_means, flat_errors, flat_thresholds, best_arm_rng, allowed=np.isfinite(arm_values),
             )
-        elif undecided.any() and config.undecided in ("mixture_draw", "mixture_draw_half"):
-            # Thompson sampling over mixtures: the data cannot yet tell the plug-in mixture from
-            # the best single arm, so the traffic goes to the optimum of one posterior draw of the
-            # means. The arms of the optimal mixture are in that optimum with the posterior
-            # probability that they belong there, which aims the exploration at the support the
-            # median r needs (issue 14: on main only 61% of the observations at sigma 1.0 land
-            # there). Seeded by the round, so a round's choice is reproducible.
-            start = np.log(0.5 * plug_in + 0.5 / n_arms)
-            draw = drawn_mixture(
-                objective, flat_means, flat_errors, start, 2 * config.mirror_steps, np.random.default_rng([t, 15])
-            )
-            if config.undecided == "mixture_draw_half":
-                # The top-two split of best_arm: half the draw's mixture, half the conservative path.
-                draw = 0.5 * draw + 0.5 * anchored
-            anchored = np.where(undecided[:, None], draw, anchored)
         if config.posterior_draws:
             # Posterior exploration outside the support: every run also serves the mass that the
-            # optima of posterior draws of the means put on arms outside its plug-in support (the
-            # average of ``posterior_draws`` draws' optima). Without it a run whose mixture beats the
-            # best single arm keeps serving that mixture's support, and an arm that belongs to a
-            # better mixture is explored only by the small directed share: at sigma 1.0 on setup B
-            # (500 runs), 84% of the deployed mixtures with 0 < r < 0.9 held an arm outside the
-            # optimal support. The support itself keeps its conservative path, so a run whose
-            # support is known (setup A: both arms) pays nothing for it. The mass an arm gets is its
-            # posterior probability-weighted share in the optimum, which shrinks as the bounds
-            # narrow. Seeded by the round, so a round's choice is reproducible.
-            rng = np.random.default_rng([t, 15])
-            start = np.log(0.5 * plug_in + 0.5 / n_arms)
-            posterior = drawn_mixture(
-                objective, flat_means, flat_errors, start, 2 * config.mirror_steps, rng, config.posterior_draws
-            ).mean(axis=0)
-            outside = np.where(plug_in < _SUPPORT, posterior, 0.0)
-            if config.posterior_scale != 1.0:
-                # One posterior draw's optimum rarely holds an arm that is only a close second for
-                # a place in the support, so the draws' average tests such arms too timidly: at
-                # sigma 1.0 on setup B (500 runs), twice the mass found the optimal support in 50%
-                # of runs against 44% (three times: 50%, with more runs below the best arm). The
-                # cap keeps half of the traffic on the run's own path while the posterior is wide.
-                total = outside.sum(axis=-1, keepdims=True)
-                scaled = np.minimum(config.posterior_scale * total, 0.5)
-                outside = np.divide(outside * scaled, total, out=np.zeros_like(outside), where=total > 0)
+            # exact optima of posterior draws of the means put on arms outside its plug-in support
+            # (the average of ``posterior_draws`` draws' optima). Without it a run whose mixture
+            # beats the best single arm keeps serving that mixture's support, and an arm that
+            # belongs to a better mixture is explored only by the small directed share. The
+            # support itself keeps its conservative path, so a run whose support is known pays
+            # nothing for it. The mass an arm gets is its posterior probability of belonging to
+            # the optimum times its share there, which shrinks as the bounds narrow.
+            # A run none of whose arms outside the support is plausible (its optimistic gradient
+            # cannot reach the optimum's level) has nothing left to learn there: no draw is solved
+            # and it gets no such exploration.
+            learning = plausible.any(axis=-1)
+            outside = np.zeros_like(plug_in)
+            drawn = drawn_mixture(objective, flat_means, flat_errors, posterior_rng, config.posterior_draws,
+                                  runs=learning)
+            outside[learning] = np.where(plug_in[learning] < _SUPPORT, drawn.mean(axis=0)[learning], 0.0)
         else:
             outside = np.zeros_like(plug_in)
-        if config.undecided in ("mixture_draw", "mixture_draw_half"):
-            # Those runs' traffic already follows a posterior draw.
-            outside = np.where(undecided[:, None], 0.0, outside)
         own = (1.0 - share[:, None]) * anchored + share[:, None] * directed
+        own_weight = (1.0 - share) * (1.0 - outside.sum(axis=-1))
         if best_arm is not None:
             own = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * own, own)
+            own_weight = np.where(undecided, 0.5 * own_weight, own_weight)
         served = (1.0 - outside.sum(axis=-1, keepdims=True)) * own + outside
+        served = _exploiting_safely(objective, flat_means, flat_errors, z_safe, served, own_weight * step, plug_in)
         served = fixed + (1.0 - fixed.sum()) * served
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
@@ -990,19 +824,18 @@ def drawn_mixture(
     objective: Objective,
     means: np.ndarray,
     errors: np.ndarray,
-    log_weights: np.ndarray,
-    steps: int,
     rng: np.random.Generator,
-    draws: int | None = None,
+    draws: int = 1,
+    runs: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The optimum of f(mu p) for one posterior draw mu ~ N(means, errors^2) per run; (..., K), or
-    for ``draws`` independent draws per run; (draws, ..., K).
+    """The exact optima of f(mu p) for ``draws`` posterior draws mu ~ N(means, errors^2) per run.
 
-    Thompson sampling over mixtures: each entry of mu is drawn independently; the mixture maximises
-    the objective under the draw (mirror ascent from ``log_weights``, ``steps`` iterations; shares
-    below ``_NEGLIGIBLE`` of the largest are 0). Every run of a batch uses the same standard-normal
-    draws (scaled by its own errors), so that a batched call equals per-run calls with generators
-    in the same state.
+    Thompson sampling over mixtures: each entry of mu is drawn independently and the mixture that
+    maximises the objective under the draw is solved exactly (:func:`pasto.optimum.solve`: an LP,
+    or a convex QP with soft penalties), so a drawn optimum holds the arms the draw puts in the
+    optimal support and nothing else. Every run of a batch uses the same standard-normal draws
+    (scaled by its own errors), so that a batched call equals per-run calls with generators in the
+    same state.
 
     Parameters
     ----------
@@ -1011,34 +844,29 @@ def drawn_mixture(
         Posterior means.
     errors : ndarray, shape (..., M, K)
         Posterior standard deviations (>= 0, finite).
-    log_weights : ndarray, shape (..., K)
-        Warm start of the solve (finite).
-    steps : int
-        Mirror-ascent iterations.
     rng : numpy.random.Generator
-    draws : int, optional
-        Solve this many draws in one batched mirror ascent (the same as ``draws`` calls in a row on
-        the same generator, for a fraction of the per-call overhead that dominates at small K).
+    draws : int
+        Independent draws per run.
+    runs : ndarray of bool, shape (...), optional
+        Solve only these runs (every run draws its normals all the same); the others' entries are
+        nan.
 
     Returns
     -------
-    ndarray, shape (..., K) or (draws, ..., K)
+    ndarray, shape (draws, ..., K)
         Mixtures: non-negative, summing to 1 along the last axis.
     """
     means = np.asarray(means, dtype=float)
     errors = np.asarray(errors, dtype=float)
-    log_weights = np.asarray(log_weights, dtype=float)
-    if draws is None:
-        drawn = means + errors * rng.standard_normal(means.shape[-2:])
-    else:
-        # One (M, K) block per draw, in the order ``draws`` single calls would draw them.
-        noise = rng.standard_normal((draws,) + means.shape[-2:])
-        drawn = means + errors * noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
-        log_weights = np.broadcast_to(log_weights, drawn.shape[:-2] + log_weights.shape[-1:])
-    log_p = mirror_ascent(objective, drawn, objective.thresholds(drawn), log_weights, steps)
-    mixture = np.exp(log_p - log_p.max(axis=-1, keepdims=True))
-    mixture = np.where(mixture < _NEGLIGIBLE, 0.0, mixture)
-    return mixture / mixture.sum(axis=-1, keepdims=True)
+    noise = rng.standard_normal((draws,) + means.shape[-2:])
+    drawn = means + errors * noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
+    thresholds = objective.thresholds(drawn)
+    mixtures = np.full(drawn.shape[:-2] + drawn.shape[-1:], np.nan)
+    selected = np.ones(means.shape[:-2], dtype=bool) if runs is None else np.asarray(runs, dtype=bool)
+    for index in np.ndindex(*drawn.shape[:-2]):
+        if selected[index[1:]]:
+            mixtures[index] = solve(objective, drawn[index], thresholds[index]).probabilities
+    return mixtures
 
 
 def _meets(mixture: np.ndarray, constraints: HardConstraints) -> bool:
@@ -1078,25 +906,40 @@ def _unbatched(constraints: HardConstraints, flat: int) -> list[HardConstraints]
 def _plausible_arms(objective, means, errors, thresholds, mixture, z):
     """Arms whose optimistic gradient reaches the mixture's level (could enter the support); (R, K) bool."""
     x = np.einsum("rmk,rk->rm", means, mixture)
-    gradient_x = _soft_gradient(objective, x, thresholds)
+    gradient_x = objective.gradient(x, thresholds)
     gradient = np.einsum("rmk,rm->rk", means, gradient_x)
     level = np.sum(mixture * gradient, axis=-1, keepdims=True)
     spread = np.sqrt(np.einsum("rm,rmk->rk", gradient_x**2, errors**2))
     return gradient + z * spread >= level - 1e-12 * np.abs(level)
 
 
-def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
-    """E f(X) without the hard guardrails for X ~ N(x, diag(variance)); x, variance (..., M), thresholds (..., G).
+def _guardrail_variance(objective: Objective, errors: np.ndarray, mixture: np.ndarray) -> np.ndarray:
+    """Var of each guardrail's slack y_j - c_j at ``mixture`` under the posterior; (..., G).
 
-    The primary part is linear; soft guardrail j contributes -lambda_j E min(0, Y_j - c_j)^2 with
-    E min(0, Y - c)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s), d = E Y - c, s = sd Y.
+    errors (..., M, K), mixture (..., K). The slack is a linear form in the arms' means,
+    sum_k (p_k - w_jk) mu[g_j, k], with w_j the threshold's weights on the reference arm
+    (:meth:`pasto.objectives.Objective.threshold_weights`: 1 + theta on it for a relative
+    guardrail, 0 for an absolute one), so the reference arm's own uncertainty enters every bound:
+    a threshold estimated from a rarely served reference is as uncertain as it is.
+    """
+    weights = objective.threshold_weights(mixture.shape[-1])  # (G, K)
+    variance = errors[..., objective.guardrail_rows, :] ** 2  # (..., G, K)
+    return np.sum((mixture[..., None, :] - weights) ** 2 * variance, axis=-1)
+
+
+def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
+    """E f without the hard guardrails when each slack y_j - c_j ~ N(x_gj - c_j, variance_j).
+
+    x (..., M), variance (..., G) (:func:`_guardrail_variance`), thresholds (..., G). The primary
+    part is linear; soft guardrail j contributes -lambda_j E min(0, S_j)^2 with
+    E min(0, S)^2 = (d^2 + s^2) Phi(-d/s) - d s phi(d/s), d = E S, s = sd S.
     """
     soft = np.array([not _is_hard(g) for g in objective.guardrails], dtype=bool)
     value = x @ objective.primary_weights
     if soft.any():
         rows = objective.guardrail_rows[soft]
         d = x[..., rows] - thresholds[..., soft]
-        sd = np.sqrt(np.maximum(variance[..., rows], 0.0))
+        sd = np.sqrt(np.maximum(variance[..., soft], 0.0))
         uncertain = sd > 1e-300
         ratio = np.where(uncertain, d / np.where(uncertain, sd, 1.0), 0.0)
         tail = (d**2 + sd**2) * ndtr(-ratio) - d * sd * np.exp(-0.5 * ratio**2) / math.sqrt(2.0 * math.pi)
@@ -1105,39 +948,97 @@ def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarr
     return value
 
 
+def _exploiting_safely(objective, means, errors, z, served, exploiting, target):
+    """``served`` with its exploiting part re-solved so that exploring breaks no guardrail; (R, K).
+
+    ``served`` (R, K) holds ``exploiting`` (R,) of ``target`` (R, K), the plug-in optimum; the rest
+    (exploration, the conservative anchor, the best-arm share) is kept as it is, as per-arm minimum
+    shares, and the whole mixture is solved exactly (:func:`pasto.optimum.solve`) with each soft
+    guardrail that the target keeps on its pessimistic bounds (each arm's lower bound, ``z``
+    standard errors, against a threshold resolved on the upper bounds: a relative threshold's
+    reference arm) held to those bounds. So the traffic sent to explore is paid for by the
+    exploiting traffic moving towards the arms with slack, and a guardrail that the plug-in optimum
+    keeps stays kept by what is served (with a steep penalty the solve keeps the bounds). Runs with
+    nothing exploited, or whose target keeps no soft guardrail on those bounds (nothing is known to
+    be kept yet), are returned as they are.
+    """
+    soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
+    if soft.size == 0:
+        return served
+    rows = objective.guardrail_rows[soft]
+    lower = means[:, rows, :] - z * errors[:, rows, :]  # (R, J, K)
+    thresholds = objective.thresholds(means + z * errors)
+    kept_by_target = np.einsum("rjk,rk->rj", lower, target) >= thresholds[:, soft]  # (R, J)
+    result = served.copy()
+    for run in np.flatnonzero((exploiting > 1e-12) & kept_by_target.any(axis=-1)):
+        cautious = means[run].copy()
+        held = rows[kept_by_target[run]]
+        cautious[held] = lower[run][kept_by_target[run]]
+        run_thresholds = objective.thresholds(means[run]).copy()
+        run_thresholds[soft[kept_by_target[run]]] = thresholds[run, soft[kept_by_target[run]]]
+        kept = np.maximum(served[run] - exploiting[run] * target[run], 0.0)
+        kept *= min(1.0, (1.0 - exploiting[run]) / max(kept.sum(), 1e-300))
+        result[run] = solve(objective, cautious, run_thresholds, min_shares=kept).probabilities
+    return result
+
+
+def _difference_error(objective, means, errors, thresholds, first, second):
+    """Delta-method standard error of f(V first) - f(V second) under the posterior; (R,).
+
+    means, errors (R, M, K), thresholds (R, G), first and second (R, K). Entry (m, k) of V enters
+    with coefficient df/dx_m(first) first_k - df/dx_m(second) second_k, and through a relative
+    threshold c_j = w_j . V[g_j] also with w_jk (df/dc_j(first) - df/dc_j(second)), where
+    df/dc_j = 2 lambda_j min(0, y_j - c_j).
+    """
+    def sensitivities(mixture):
+        x = np.einsum("rmk,rk->rm", means, mixture)
+        shortfall = np.minimum(0.0, x[..., objective.guardrail_rows] - thresholds)
+        return objective.gradient(x, thresholds), 2.0 * objective.penalties * shortfall
+
+    gradient_first, by_threshold_first = sensitivities(first)
+    gradient_second, by_threshold_second = sensitivities(second)
+    coefficient = gradient_first[:, :, None] * first[:, None, :] - gradient_second[:, :, None] * second[:, None, :]
+    weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    if np.any(weights):
+        through_threshold = (by_threshold_first - by_threshold_second)[:, :, None] * weights  # (R, G, K)
+        np.add.at(coefficient, (slice(None), objective.guardrail_rows), through_threshold)
+    return np.sqrt(np.sum(coefficient**2 * errors**2, axis=(-2, -1)))
+
+
+def _one_hot(index: np.ndarray, n_arms: int) -> np.ndarray:
+    """Rows e_index, (..., K): one arm each (never a K x K identity)."""
+    index = np.asarray(index)
+    rows = np.zeros(index.shape + (n_arms,))
+    np.put_along_axis(rows, index[..., None], 1.0, axis=-1)
+    return rows
+
+
 # Steps from the starting mixture towards the plug-in optimum tried by _conservative.
 _CONSERVATIVE_STEPS = np.linspace(0.0, 1.0, 11)
 
 
-def _conservative(objective, means, errors, thresholds, target, z):
-    """Serve ``target`` only as far from the starting mixture as the evidence defends; (R, K).
+def _conservative(objective, means, errors, thresholds, target, z, start):
+    """Serve ``target`` only as far from the starting mixture ``start`` as the evidence defends; (R, K).
 
-    Conservative bandits (Wu et al., ICML 2016): the starting mixture p0 (the baseline arm when
-    the objective names one, else uniform) is what a team runs before pasto learns anything. The
+    Conservative bandits (Wu et al., ICML 2016): the starting mixture p0 (R, K) is what a team
+    runs before pasto learns anything (the baseline arm, else uniform). The
     served mixture is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose posterior
     expected objective beats p0's by ``z`` standard errors of the difference (delta method), or
     a = 0. With little data the traffic stays at p0 instead of following a plug-in optimum that the
-    noise moves around; a good plug-in optimum is served as soon as it is confidently better, and a
-    start as bad as the uniform mixture on setup B is left within a few rounds.
+    noise moves around; a good plug-in optimum is served as soon as it is confidently better.
+    Returns the mixture (R, K) and a (R,).
     """
-    runs, n_metrics, n_arms = means.shape
-    baseline = _baseline_index(objective)
-    start = np.full(n_arms, 1.0 / n_arms) if baseline is None else np.eye(n_arms)[baseline]
-    start = np.broadcast_to(start, target.shape)
-    variance = errors**2
+    runs = means.shape[0]
     x0 = np.einsum("rmk,rk->rm", means, start)
-    value0 = _expected_soft_value(objective, x0, np.einsum("rmk,rk->rm", variance, start**2), thresholds)
-    gradient0 = _soft_gradient(objective, x0, thresholds)
+    value0 = _expected_soft_value(objective, x0, _guardrail_variance(objective, errors, start), thresholds)
     chosen = np.zeros(runs)
     for a in _CONSERVATIVE_STEPS[1:]:
         mixture = start + a * (target - start)
         x = np.einsum("rmk,rk->rm", means, mixture)
-        value = _expected_soft_value(objective, x, np.einsum("rmk,rk->rm", variance, mixture**2), thresholds)
-        gradient = _soft_gradient(objective, x, thresholds)
-        coefficient = gradient[:, :, None] * mixture[:, None, :] - gradient0[:, :, None] * start[:, None, :]
-        error = np.sqrt(np.sum(coefficient**2 * variance, axis=(-2, -1)))
+        value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
+        error = _difference_error(objective, means, errors, thresholds, mixture, start)
         chosen = np.where(value - value0 > np.asarray(z) * error, a, chosen)
-    return start + chosen[:, None] * (target - start)
+    return start + chosen[:, None] * (target - start), chosen
 
 
 def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy):
@@ -1155,9 +1056,12 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     """
     del z_safe
     runs, n_metrics, n_arms = means.shape
-    eye = np.eye(n_arms)
     per_arm_x = np.swapaxes(means, -1, -2)  # (R, K, M)
-    per_arm_variance = np.swapaxes(errors**2, -1, -2)
+    # Var of each arm's guardrail slacks: its own entry, and a relative threshold's reference arm.
+    weights = objective.threshold_weights(n_arms)  # (G, K)
+    guarded = errors[:, objective.guardrail_rows, :] ** 2  # (R, G, K)
+    reference = np.sum(weights**2 * guarded, axis=-1, keepdims=True)  # (R, G, 1)
+    per_arm_variance = np.swapaxes(guarded * ((1.0 - weights) ** 2 - weights**2) + reference, -1, -2)  # (R, K, G)
     arm_values = _expected_soft_value(objective, per_arm_x, per_arm_variance, thresholds[:, None, :])
     allowed = np.ones((runs, n_arms), dtype=bool)
     for run, rows in enumerate(constraints):
@@ -1166,19 +1070,12 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
             allowed[run] = np.all(rows.matrix.T >= rows.bounds[None, :] - 1e-12 * rows.scale[None, :], axis=1)
     best = np.argmax(np.where(allowed, arm_values, -np.inf), axis=-1)
     none_allowed = ~allowed.any(axis=-1)
-    single = eye[best]
+    single = _one_hot(best, n_arms)
 
     x = np.einsum("rmk,rk->rm", means, mixture)
-    mixture_variance = np.einsum("rmk,rk->rm", errors**2, mixture**2)
-    mixture_value = _expected_soft_value(objective, x, mixture_variance, thresholds)
-    gradient_x = _soft_gradient(objective, x, thresholds)
-    best_x = per_arm_x[np.arange(runs), best]
+    mixture_value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
     best_value = arm_values[np.arange(runs), best]
-    best_gradient = _soft_gradient(objective, best_x, thresholds)
-    # Var of f(V p) - f(V e_b) by the delta method: entry (m, k) enters with coefficient
-    # df/dx_m (p) p_k - df/dx_m (e_b) [k == b].
-    coefficient = gradient_x[:, :, None] * mixture[:, None, :] - best_gradient[:, :, None] * single[:, None, :]
-    difference_error = np.sqrt(np.sum(coefficient**2 * errors**2, axis=(-2, -1)))
+    difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
     confident = mixture_value - best_value > z_deploy * difference_error
     use_mixture = confident | none_allowed
     return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)

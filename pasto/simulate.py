@@ -55,7 +55,7 @@ __all__ = [
     "quartile_summary",
 ]
 
-ALGORITHMS = ("paper", "default", "safe", "scgd", "thompson")
+ALGORITHMS = ("paper", "default", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
 # A guardrail holds when y >= c - GUARDRAIL_TOLERANCE * |c| (issue 14: 0.1% of the threshold).
 GUARDRAIL_TOLERANCE = 1e-3
@@ -83,7 +83,7 @@ class Policy:
     def initial_state(
         self, n_arms: int, n_metrics: int, batch_shape: tuple[int, ...] = (), objective: Objective | None = None
     ):
-        if self.name == "safe":
+        if self.name in ("paper", "default"):
             return self.initial(self.config, n_arms, n_metrics, batch_shape, objective)
         return self.initial(self.config, n_arms, n_metrics, batch_shape)
 
@@ -99,15 +99,7 @@ class Policy:
 def _algorithm_update(config, objective, state, round_statistics, pooled_statistics, propensities, rng):
     from pasto import algorithm
 
-    del rng
-    return algorithm.update(config, objective, state, round_statistics, pooled_statistics, propensities)
-
-
-def _serving_update(config, objective, state, round_statistics, pooled_statistics, propensities, rng):
-    from pasto import serving
-
-    del rng
-    return serving.update(config, objective, state, round_statistics, pooled_statistics, propensities)
+    return algorithm.update(config, objective, state, round_statistics, pooled_statistics, propensities, rng=rng)
 
 
 def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
@@ -129,11 +121,6 @@ def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
                 )
         config = algorithm.AlgorithmConfig.from_preset(name, **overrides)
         return Policy(name, config, algorithm.initial_state, _algorithm_update)
-    if name == "safe":
-        from pasto import serving
-
-        config = serving.ServingConfig.from_dict(overrides)
-        return Policy(name, config, serving.initial_state, _serving_update)
     if name == "scgd":
         config = baselines.ScgdConfig.from_dict(overrides)
         return Policy(name, config, baselines.scgd_initial_state, baselines.scgd_update)
@@ -156,10 +143,13 @@ class References:
         f_single*: f of the best single arm.
     best_mixture : ndarray, shape (regimes, R)
         f_mix*: f of the best mixture (never below ``best_single``).
+    optimum_holds : ndarray of bool, shape (regimes, R, G), or None
+        Which guardrails (soft ones too) the best mixture holds, to ``GUARDRAIL_TOLERANCE``.
     """
 
     best_single: np.ndarray
     best_mixture: np.ndarray
+    optimum_holds: np.ndarray | None = None
 
 
 def draw_means(scenario: Scenario, runs: int) -> list[np.ndarray]:
@@ -182,40 +172,39 @@ def reference_values(
     runs: int,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> References:
-    """f_single* and f_mix* per run and regime (``pasto.optimum.best_mixture`` once per distinct means).
+    """f_single*, f_mix* and the guardrails the optimum holds, per run and regime.
 
-    ``progress("optimum", runs_solved, runs)`` is called after each per-run solve.
+    One exact solve (:func:`pasto.optimum.solve`) per distinct means, and the best single arm of
+    :func:`pasto.optimum.best_single` (both keep the hard guardrails: f_mix* is nan when no mixture
+    keeps them, f_single* when no single arm does). ``progress("optimum", runs_solved, runs)`` is
+    called after each per-run solve.
     """
-    from pasto.optimum import best_mixture
-    from pasto.serving import constrained_optimum, has_hard_guardrails
+    from pasto.optimum import best_single, solve
 
-    if has_hard_guardrails(objective):
-        # Hard guardrails only: the exact LP (pasto.serving.constrained_optimum) per distinct means.
-        singles, mixtures = [], []
-        for means in regimes:
-            batch = means if means.ndim == 3 else means[None]
-            solved = [constrained_optimum(objective, m)[1:] for m in batch]
-            mixtures.append(np.broadcast_to([float(v) for v, _ in solved], (runs,)).astype(float))
-            singles.append(np.broadcast_to([float(s) for _, s in solved], (runs,)).astype(float))
-        return References(np.stack(singles), np.stack(mixtures))
-
-    singles, mixtures = [], []
+    singles, mixtures, holds = [], [], []
+    hard = objective.hard_indices
     for means in regimes:
-        _, single = baselines.best_single_arm(objective, means)
-        if means.ndim == 2:
-            _, mixture = best_mixture(objective, means)
-        else:
-            mixture = np.empty(runs)
-            for run in range(runs):
-                _, mixture[run] = best_mixture(objective, means[run])
-                if progress is not None:
-                    progress("optimum", run + 1, runs)
-        single = np.broadcast_to(np.asarray(single, dtype=float), (runs,))
-        mixture = np.broadcast_to(np.asarray(mixture, dtype=float), (runs,))
-        singles.append(single)
-        # The solver may stop a hair below a vertex that is optimal; a single arm is a mixture.
-        mixtures.append(np.maximum(mixture, single))
-    return References(np.stack(singles), np.stack(mixtures))
+        batch = means if means.ndim == 3 else means[None]
+        thresholds = objective.thresholds(batch)
+        index, single = best_single(objective, batch, thresholds)
+        arm_means = np.take_along_axis(batch, np.asarray(index)[..., None, None], axis=-1)[..., 0]
+        slack = objective.hard_slack(arm_means, thresholds)
+        single = np.where(np.all(slack >= -1e-12 * (1.0 + np.abs(thresholds[..., hard])), axis=-1), single, np.nan)
+        mixture = np.empty(len(batch))
+        held = np.empty((len(batch), len(objective.guardrails)), dtype=bool)
+        for run, run_means in enumerate(batch):
+            solution = solve(objective, run_means, thresholds[run])
+            mixture[run] = solution.value if solution.feasible else np.nan
+            values = _guardrail_values(objective, run_means, solution.probabilities)
+            held[run] = values >= thresholds[run] - GUARDRAIL_TOLERANCE * np.abs(thresholds[run])
+            if progress is not None and means.ndim == 3:
+                progress("optimum", run + 1, runs)
+        # A single arm is a mixture: the solver's optimum is never below it (up to its tolerance).
+        mixture = np.where(np.isnan(mixture), mixture, np.fmax(mixture, single))
+        singles.append(np.broadcast_to(single, (runs,)).astype(float))
+        mixtures.append(np.broadcast_to(mixture, (runs,)).astype(float))
+        holds.append(np.broadcast_to(held, (runs, held.shape[-1])))
+    return References(np.stack(singles), np.stack(mixtures), np.stack(holds))
 
 
 # --------------------------------------------------------------------------- one round
@@ -274,7 +263,7 @@ def _guardrail_values(objective: Objective, means: np.ndarray, probabilities: np
         x = probabilities @ means.T
     else:
         x = np.einsum("rmk,rk->rm", means, probabilities)
-    return x[:, objective.guardrail_rows]
+    return x[..., objective.guardrail_rows]
 
 
 def _guardrails_hold(objective, means, thresholds, probabilities, mask) -> np.ndarray:
@@ -317,11 +306,18 @@ class SimulationResult:
         f(mu p_hat_t) per round and run.
     relative_gains : ndarray, shape (T, R)
         r per round and run (nan where the run is excluded).
+    served_values : ndarray, shape (T, R)
+        f(mu p_t) of the mixture served in each round and run (what users got).
+    served_holds : ndarray of bool, shape (T, R)
+        Whether the served mixture held every guardrail (soft ones too) that the best mixture
+        holds, under the true means in force.
     """
 
     summary: dict[str, Any]
     deployed_values: np.ndarray = field(repr=False)
     relative_gains: np.ndarray = field(repr=False)
+    served_values: np.ndarray = field(repr=False)
+    served_holds: np.ndarray = field(repr=False)
 
     def to_json(self) -> str:
         return json.dumps(self.summary, indent=2)
@@ -402,6 +398,9 @@ def simulate(
     served_holds = np.ones((rounds, runs), dtype=bool)
     deployed_holds = np.ones((rounds, runs), dtype=bool)
     deployed_values = np.empty((rounds, runs))
+    served_values = np.empty((rounds, runs))
+    served_keeps_optimum = np.ones((rounds, runs), dtype=bool)
+    every_guardrail = np.ones(len(objective.guardrails), dtype=bool)
     rule_values = {rule: np.empty((rounds, runs)) for rule in deploy_rules}
     regret = np.zeros(runs)
     checkpoint_regret = {}
@@ -421,7 +420,12 @@ def simulate(
             arrived, propensities = empty, served
         state = policy.update(objective, state, arrived, pooled, propensities, rng)
 
-        regret += references.best_mixture[regime] - _mixture_values(objective, means, thresholds[regime], served)
+        served_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], served)
+        regret += references.best_mixture[regime] - served_values[round_number - 1]
+        if references.optimum_holds is not None and every_guardrail.any():
+            held = _guardrail_values(objective, means, served) >= (
+                thresholds[regime] - GUARDRAIL_TOLERANCE * np.abs(thresholds[regime]))
+            served_keeps_optimum[round_number - 1] = np.all(held | ~references.optimum_holds[regime], axis=-1)
         deployed_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], state.deployed)
         if hard.any():
             for holds, mixture in ((served_holds, served), (deployed_holds, state.deployed)):
@@ -485,6 +489,9 @@ def simulate(
             "deployed_hold_share": float(deployed_holds[after].mean()),
             "deployed_hold_share_at": {str(c): float(deployed_holds[c - 1].mean()) for c in scenario.checkpoints},
         }
+    if every_guardrail.any():
+        after = slice(min(HOLD_AFTER_ROUND, rounds - 1), rounds)
+        summary["served_keeps_optimum_guardrails"] = float(served_keeps_optimum[after].mean())
     summary["runs_ending_on_a_breaking_arm"] = int(_breaking_single_arm(
         objective, regimes[-1] if drift_round <= rounds else regimes[0],
         thresholds[-1] if drift_round <= rounds else thresholds[0], state.deployed,
@@ -496,7 +503,7 @@ def simulate(
             suffix = "" if regime == 0 else "_after_drift"
             summary["best_single" + suffix] = float(references.best_single[regime][0])
             summary["best_mixture" + suffix] = float(references.best_mixture[regime][0])
-    return SimulationResult(summary, deployed_values, relative_gains)
+    return SimulationResult(summary, deployed_values, relative_gains, served_values, served_keeps_optimum)
 
 
 # --------------------------------------------------------------------------- presentation

@@ -43,7 +43,7 @@ from datetime import datetime, timedelta
 import numpy as np
 from flask import Flask
 
-from pasto.algorithm import AlgorithmConfig, ControllerState, update
+from pasto.algorithm import AlgorithmConfig, ControllerState, round_generator, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
@@ -235,7 +235,8 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
                                                                objective.n_metrics, state.n_arms)
             propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
             if segmented is None:
-                state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities)
+                state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities,
+                               rng=round_generator(experiment.seed, index + 1))
                 summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
             else:
                 segment_round, segment_pooled = store.update_segment_statistics(
@@ -249,7 +250,8 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
                     # long tail's (row 0); their observations of that round are in its statistics.
                     served = np.vstack([served, np.repeat(served[:1], segment_state.n_segments - len(served), axis=0)])
                 segment_state = segmented_update(segmented, objective, segment_state, segment_round, segment_pooled,
-                                                 shares, propensities=served)
+                                                 shares, propensities=served,
+                                                 rng=round_generator(experiment.seed, index + 1))
                 state = aggregate_state(segment_state, shares)
                 summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities, segmented,
                                                  segment_state, segment_pooled, shares, segment_names))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pasto.algorithm import (
+    round_generator,
     PRESETS,
     AlgorithmConfig,
     ControllerState,
@@ -57,7 +58,7 @@ def test_paper_preset_is_algorithm_1_by_hand():
         p_sum += p
         round_stats = _one_query_round(arm, observed)
         pooled = pooled + round_stats
-        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
         np.testing.assert_allclose(np.exp(state.log_weights), w / w.sum(), rtol=1e-10)
         np.testing.assert_allclose(state.deployed, p_sum / t, rtol=1e-12)
         np.testing.assert_allclose(estimate(config, state, pooled).means, v, rtol=1e-12, atol=1e-12)
@@ -127,8 +128,8 @@ def test_field_defaults_are_the_default_preset():
         "stage_length": 10, "exploration": "sqrt", "exploration_scale": 1.0, "exploration_floor": 0.05,
         "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
         "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 4,
-        "serving_posterior_scale": 2.0, "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 1e-4,
+        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 1,
+        "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 0.01,
         "change_every": 25,
     }
 
@@ -144,8 +145,8 @@ def test_paper_preset_overrides_only_what_algorithm_1_changes():
         "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
         "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
         "serving": "exploration", "serving_level": 0.95, "serving_undecided": "best_arm",
-        "serving_posterior_draws": 4, "serving_posterior_scale": 2.0, "serving_min_share": 0.0, "serving_holdout": 0.0,
-        "change_level": 1e-4, "change_every": 25,
+        "serving_posterior_draws": 1, "serving_min_share": 0.0, "serving_holdout": 0.0,
+        "change_level": 0.01, "change_every": 25,
     }
 
 
@@ -165,11 +166,11 @@ def test_state_json_round_trip_and_continuation(overrides):
         values = means.T[arms] + rng.normal(size=(2, 4, 2))
         round_stats = Statistics.from_observations(arms, values, 3)
         pooled = pooled + round_stats
-        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
     restored = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.round_index == state.round_index
-    a = update(config, OBJECTIVE_A, state, round_stats, pooled)
-    b = update(config, OBJECTIVE_A, restored, round_stats, pooled)
+    a = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
+    b = update(config, OBJECTIVE_A, restored, round_stats, pooled, rng=round_generator(0, 0))
     np.testing.assert_array_equal(a.probabilities, b.probabilities)
     np.testing.assert_array_equal(a.deployed, b.deployed)
 
@@ -187,7 +188,7 @@ def test_update_rejects_mismatched_statistics():
     config = AlgorithmConfig.from_preset("paper")
     state = initial_state(config, 2, 2)
     with pytest.raises(ValueError, match="round_statistics must have shape"):
-        update(config, OBJECTIVE_A, state, Statistics.zeros(2, 3), Statistics.zeros(2, 2))
+        update(config, OBJECTIVE_A, state, Statistics.zeros(2, 3), Statistics.zeros(2, 2), rng=round_generator(0, 0))
 
 
 def test_update_rejects_observations_on_arm_with_zero_propensity():
@@ -195,7 +196,7 @@ def test_update_rejects_observations_on_arm_with_zero_propensity():
     state = initial_state(config, 2, 2)
     stats = _one_query_round(1, np.array([0.0, 1.0]))
     with pytest.raises(ValueError, match="probability of 0"):
-        update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([1.0, 0.0]))
+        update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([1.0, 0.0]), rng=round_generator(0, 0))
 
 
 def test_the_pooled_estimator_takes_observations_of_an_unserved_arm():
@@ -205,12 +206,13 @@ def test_the_pooled_estimator_takes_observations_of_an_unserved_arm():
     for serving in ("safe", "exploration"):
         config = AlgorithmConfig.from_preset("default", serving=serving)
         state = update(config, OBJECTIVE_A, initial_state(config, 2, 2), stats, stats,
-                       propensities=np.array([1.0, 0.0]))
+                       propensities=np.array([1.0, 0.0]), rng=round_generator(0, 0))
         assert state.round_index == 1 and np.isclose(state.probabilities.sum(), 1.0)
     for estimator in ("ips", "control_variate"):
         config = AlgorithmConfig.from_preset("default", estimator=estimator)
         with pytest.raises(ValueError, match=f"probability of 0, which the '{estimator}' estimator"):
-            update(config, OBJECTIVE_A, initial_state(config, 2, 2), stats, stats, propensities=np.array([1.0, 0.0]))
+            update(config, OBJECTIVE_A, initial_state(config, 2, 2), stats, stats, propensities=np.array([1.0, 0.0]),
+                   rng=round_generator(0, 0))
 
 
 def test_default_preset_learns_setup_a_mixture():
@@ -226,7 +228,7 @@ def test_default_preset_learns_setup_a_mixture():
         values = MU_A.T[arms] + 0.5 * rng.normal(size=(runs, 10, 2))
         round_stats = Statistics.from_observations(arms, values, 2)
         pooled = pooled + round_stats
-        state = update(config, OBJECTIVE_A, state, round_stats, pooled)
+        state = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
     f = OBJECTIVE_A.mixture_value(MU_A, state.deployed)
     assert f.mean() > 0.98
 
@@ -239,7 +241,7 @@ def test_dual_ascent_raises_weight_of_violated_guardrail_without_objective_at_st
     assert state.guardrail_weights.shape == (0,)
     means = np.array([[2.0, 0.0], [-2.0, -1.0]])  # no mixture meets y >= 0
     stats = Statistics(np.full((2, 2), 5.0), 5.0 * means, 5.0 * means**2)
-    state = update(config, OBJECTIVE_A, state, stats, stats)
+    state = update(config, OBJECTIVE_A, state, stats, stats, rng=round_generator(0, 0))
     assert state.guardrail_weights.shape == (1,)
     assert state.guardrail_weights[0] > 5.0
 
@@ -259,7 +261,7 @@ def test_directed_exploration_favours_plausible_arms_only():
                         pooled.sums_of_squares * [1, 1, 1, 0])
     state = initial_state(config, 4, 2)
     for _ in range(5):
-        state = update(config, OBJECTIVE_A, state, Statistics.zeros(2, 4), pooled)
+        state = update(config, OBJECTIVE_A, state, Statistics.zeros(2, 4), pooled, rng=round_generator(0, 0))
     floor = 0.1 / 4
     assert state.probabilities[2] == pytest.approx(floor, rel=1e-6)
     assert state.probabilities[3] > floor + 0.9 * 0.2 / 3 * 0.99
@@ -274,7 +276,7 @@ def test_stage_deploy_averages_the_current_stage():
         served.append(state.probabilities)
         arm = int(rng.integers(2))
         stats = _one_query_round(arm, MU_A[:, arm] + rng.normal(size=2))
-        state = update(config, OBJECTIVE_A, state, stats, stats)
+        state = update(config, OBJECTIVE_A, state, stats, stats, rng=round_generator(0, 0))
     # Stages of length 2, 4: rounds 1-2, 3-6; after round 5 the stage holds rounds 3, 4, 5.
     np.testing.assert_allclose(state.deployed, np.mean(served[2:5], axis=0))
 
@@ -290,7 +292,7 @@ def test_estimators_inside_the_update_converge_to_the_means(estimator):
         arms = (rng.random(20) >= state.probabilities[0]).astype(int)
         stats = Statistics.from_observations(arms, MU_A.T[arms] + rng.normal(size=(20, 2)), 2)
         pooled = pooled + stats
-        state = update(config, OBJECTIVE_A, state, stats, pooled)
+        state = update(config, OBJECTIVE_A, state, stats, pooled, rng=round_generator(0, 0))
     result = estimate(config, state, pooled)
     assert np.all(np.abs(result.means - MU_A) < 5 * result.standard_errors + 0.02)
 
@@ -299,7 +301,7 @@ def test_late_observations_use_the_propensities_they_were_sampled_with():
     config = AlgorithmConfig.from_preset("paper")
     state = initial_state(config, 2, 2)
     stats = _one_query_round(0, np.array([1.0, 1.0]))
-    late = update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([0.25, 0.75]))
+    late = update(config, OBJECTIVE_A, state, stats, stats, propensities=np.array([0.25, 0.75]), rng=round_generator(0, 0))
     # U_1[:, 0] = 1 / 0.25 and V_1 = U_1 / 2 (Algorithm 1 with U_0 = 0).
     np.testing.assert_allclose(estimate(config, late, stats).means, [[2.0, 0.0], [2.0, 0.0]])
 
@@ -322,7 +324,7 @@ def test_relative_guardrail_is_learned_against_the_control_arm():
         values = means.T[arms] + 0.05 * rng.normal(size=(8, 50, 2))
         stats = Statistics.from_observations(arms, values, 2)
         pooled = pooled + stats
-        state = update(config, objective, state, stats, pooled)
+        state = update(config, objective, state, stats, pooled, rng=round_generator(0, 0))
     # Likes of the mixture: 0.5 - 0.05 q >= 0.49 -> q <= 0.2 (the penalty allows a sliver more).
     treatment_share = state.deployed[:, 1]
     assert np.all(np.abs(treatment_share - 0.2) < 0.05)
@@ -343,8 +345,8 @@ def test_safe_update_without_choosing_mixtures_keeps_them_and_updates_the_rest_a
         arms = rng.integers(0, 3, size=(4, 8))
         round_stats = Statistics.from_observations(arms, means.T[arms] + rng.normal(size=(4, 8, 2)), 3)
         pooled = pooled + round_stats
-        full = update(config, objective, state, round_stats, pooled)
-        kept = update(config, objective, state, round_stats, pooled, choose_mixtures=False)
+        full = update(config, objective, state, round_stats, pooled, rng=round_generator(0, 0))
+        kept = update(config, objective, state, round_stats, pooled, choose_mixtures=False, rng=round_generator(0, 0))
         for field in dataclasses.fields(ControllerState):
             expected = getattr(state if field.name in ("probabilities", "deployed", "log_weights") else full, field.name)
             actual = getattr(kept, field.name)

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from pasto.baselines import (
     ScgdConfig,
     ThompsonConfig,
-    best_single_arm,
     scgd_initial_state,
     scgd_update,
     thompson_initial_state,
@@ -18,7 +17,6 @@ from pasto.baselines import (
 )
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
-from pasto.optimum import best_single
 from pasto.cli import load_scenario
 from pasto.scenario import scenario_from_dict
 from pasto.simulate import make_policy, round_statistics, simulate
@@ -167,18 +165,6 @@ def test_configs_round_trip():
     assert ThompsonConfig.from_dict(ThompsonConfig(draws=4).to_dict()) == ThompsonConfig(draws=4)
     with pytest.raises(ValueError, match="Unknown ThompsonConfig setting 'samples'"):
         ThompsonConfig.from_dict({"samples": 3})
-
-
-def test_best_single_arm_is_vectorised_and_agrees_with_the_optimum_module():
-    rng = np.random.default_rng(5)
-    means = rng.uniform(-1, 1, size=(6, 2, 5))
-    arms, values = best_single_arm(PAPER_A, means)
-    assert arms.shape == (6,) and values.shape == (6,)
-    for run in range(6):
-        arm, value = best_single(PAPER_A, means[run])
-        assert arm == arms[run] and value == pytest.approx(values[run])
-    arm, value = best_single_arm(PAPER_A, np.array([[2.0, 0.0], [-2.0, 2.0]]))
-    assert int(arm) == 1 and float(value) == 0.0
 
 
 def test_thompson_scores_each_sampled_arm_like_the_objective():

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pasto.algorithm import AlgorithmConfig, exploration_rate, initial_state, update
+from pasto.algorithm import AlgorithmConfig, exploration_rate, initial_state, round_generator, update
 from pasto.estimators import Statistics, pooled_estimate
 from pasto.objectives import Objective
 from pasto.simulate import sample_arms
@@ -73,14 +73,14 @@ def _run(config, objective, n_arms, rounds, seed, scale=1.0, batch=(), queries=3
     means = scale * rng.uniform(-1, 1, size=batch + (m, n_arms))
     state = initial_state(config, n_arms, m, batch, objective=objective)
     pooled = Statistics.zeros(m, n_arms, batch)
-    for _ in range(rounds):
+    for round_number in range(1, rounds + 1):
         arms = _draw(rng, state.probabilities, queries)
         values = np.take_along_axis(
             np.swapaxes(means, -1, -2), arms[..., None], axis=-2
         ) + scale * rng.standard_normal(batch + (queries, m))
         round_stats = Statistics.from_observations(arms, values, n_arms)
         pooled = pooled + round_stats
-        state = update(config, objective, state, round_stats, pooled)
+        state = update(config, objective, state, round_stats, pooled, rng=round_generator(0, round_number))
         if check is not None:
             check(state)
     return state
@@ -136,12 +136,12 @@ def test_batched_update_equals_per_run_updates(config, n_arms, seed):
     state = initial_state(config, n_arms, 2, (batch,), objective=objective)
     singles = [initial_state(config, n_arms, 2, objective=objective) for _ in range(batch)]
     pooled = Statistics.zeros(2, n_arms, (batch,))
-    for _ in range(4):
+    for round_number in range(1, 5):
         arms = _draw(rng, state.probabilities, 3)
         values = rng.normal(size=(batch, 3, 2))
         round_stats = Statistics.from_observations(arms, values, n_arms)
         pooled = pooled + round_stats
-        state = update(config, objective, state, round_stats, pooled)
+        state = update(config, objective, state, round_stats, pooled, rng=round_generator(0, round_number))
         for b in range(batch):
             singles[b] = update(
                 config,
@@ -149,6 +149,7 @@ def test_batched_update_equals_per_run_updates(config, n_arms, seed):
                 singles[b],
                 Statistics(round_stats.counts[b], round_stats.sums[b], round_stats.sums_of_squares[b]),
                 Statistics(pooled.counts[b], pooled.sums[b], pooled.sums_of_squares[b]),
+                rng=round_generator(0, round_number),
             )
     for b in range(batch):
         np.testing.assert_allclose(state.probabilities[b], singles[b].probabilities, rtol=1e-9, atol=1e-15)

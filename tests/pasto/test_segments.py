@@ -175,10 +175,11 @@ def test_one_segment_is_exactly_the_unsegmented_controller():
         values = np.take_along_axis(means, arms[:, None, :], axis=2).swapaxes(1, 2) + rng.standard_normal((5, 8, 2))
         round_stats = Statistics.from_observations(arms, values, 4)
         pooled = pooled + round_stats
-        state = algorithm.update(config, objective, state, round_stats, pooled)
+        state = algorithm.update(config, objective, state, round_stats, pooled, rng=algorithm.round_generator(1, _))
         as_segment = Statistics(round_stats.counts[:, None], round_stats.sums[:, None], round_stats.sums_of_squares[:, None])
         pooled_segment = Statistics(pooled.counts[:, None], pooled.sums[:, None], pooled.sums_of_squares[:, None])
-        segmented = segmented_update(segmented_config, objective, segmented, as_segment, pooled_segment, np.ones(1))
+        segmented = segmented_update(segmented_config, objective, segmented, as_segment, pooled_segment, np.ones(1),
+                                     rng=algorithm.round_generator(1, _))
         np.testing.assert_array_equal(segmented.probabilities[:, 0], state.probabilities)
         np.testing.assert_array_equal(segmented.deployed[:, 0], state.deployed)
 

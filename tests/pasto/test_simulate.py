@@ -229,7 +229,7 @@ def test_heavy_tailed_noise_runs(noise):
 
 
 def test_unknown_algorithm_and_setting():
-    with pytest.raises(ValueError, match="Unknown algorithm 'ucb'; choose one of paper, default, safe, scgd, thompson"):
+    with pytest.raises(ValueError, match="Unknown algorithm 'ucb'; choose one of paper, default, scgd, thompson"):
         make_policy("ucb")
     with pytest.raises(ValueError, match="Unknown algorithm setting 'gamma'"):
         make_policy("paper", {"gamma": 0.1})
