@@ -190,8 +190,9 @@ class Guardrail(_Response):
     relative_to: str | None = Field(description="The arm the threshold is relative to, if any.")
     estimate: Finite
     interval: list[Finite] = Field(description="95% interval of the estimate.")
-    holds: bool
-    confidently_holds: bool = Field(description="The whole interval is above the threshold.")
+    holds: bool | None = Field(description="The estimate is at or above the threshold; null before any observation.")
+    confidently_holds: bool | None = Field(
+        description="The whole interval is above the threshold; null before any observation.")
 
 
 class RoundSegments(_Response):
@@ -352,7 +353,7 @@ class Diagnostics(_Response):
     round: int
     objective: MixtureValues
     best_mixture: BestMixture
-    best_single: BestSingle
+    best_single: BestSingle | None = Field(description="Null before the first observation.")
     mixing_gain: Finite
     regret: Regret
     guardrails: list[Guardrail] = Field(description="Each guardrail under the deployed mixture (as guardrails_deployed).")

@@ -45,7 +45,8 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         "objective": finite(report.served.value),
         "objective_deployed": finite(report.deployed.value),
         "best_mixture": finite(report.best_mixture_value),
-        "best_single": {"arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
+        "best_single": None if report.best_single_arm is None else {
+            "arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
         "regret": finite(report.served.regret),
         # "guardrails": the traffic served in the round (what users got); "guardrails_deployed": the
         # mixture recommended after its update (rows stored before this key have only the first).

@@ -494,11 +494,26 @@ function showLift(mixture, lift) {
   }
   const signed = (value, format) => (value === null ? "–" : `${value > 0 ? "+" : ""}${format(value)}`);
   const [low, high] = lift.interval;
+  if (lift.estimate === null) {
+    show(id, ...noData(hasData(latest.diagnostics) ? "not estimated yet" : "no observations yet"));
+    document.getElementById(id).dataset.verdict = "unknown";
+    return;
+  }
   show(id, signed(lift.estimate, formatNumber),
     element("span", { class: "interval" }, low === null ? " [no interval yet]" : ` [${formatNumber(low)}, ${formatNumber(high)}]`),
     lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`));
   const verdict = low === null ? "unknown" : low > 0 ? "above" : high < 0 ? "below" : "unclear";
   document.getElementById(id).dataset.verdict = verdict;
+}
+
+// "–" and why: a figure that needs data the experiment does not have yet (the API gives null).
+function noData(reason) {
+  return ["–", element("span", { class: "interval no-data" }, ` ${reason}`)];
+}
+
+function figure(id, value, reason, ...detail) {
+  if (value === null || value === undefined) show(id, ...noData(reason));
+  else show(id, formatNumber(value), ...detail);
 }
 
 function drawFigures(experiment, rounds, diagnostics) {
@@ -521,13 +536,15 @@ function drawFigures(experiment, rounds, diagnostics) {
     applied > 0 ? ` · updated through ${formatInteger(applied - 1)}` : " · no update yet"));
   const primary = primaryEstimate(experiment, diagnostics, experiment.deployed);
   document.getElementById("fig-primary-label").textContent = `${primaryLabel(experiment)}, deployed`;
-  show("fig-primary", primary ? formatNumber(primary.estimate) : "–",
+  // Null figures: before the first observation nothing is estimated.
+  const reason = hasData(diagnostics) ? "not estimated yet" : "no observations yet";
+  figure("fig-primary", primary?.estimate, reason,
     primary?.interval ? element("span", { class: "interval" }, ` ± ${formatNumber((primary.interval[1] - primary.interval[0]) / 2, 2)}`) : "");
-  show("fig-objective", formatNumber(diagnostics.objective.probabilities));
-  show("fig-deployed", formatNumber(diagnostics.objective.deployed));
-  show("fig-best-single", formatNumber(diagnostics.best_single.value),
-    element("span", { class: "interval" }, diagnostics.best_single.arm));
-  show("fig-gain", formatNumber(diagnostics.mixing_gain));
+  figure("fig-objective", diagnostics.objective.probabilities, reason);
+  figure("fig-deployed", diagnostics.objective.deployed, reason);
+  figure("fig-best-single", diagnostics.best_single?.value, reason,
+    element("span", { class: "interval" }, ` ${diagnostics.best_single?.arm}`));
+  figure("fig-gain", diagnostics.mixing_gain, reason);
   for (const mixture of ["served", "deployed"]) showLift(mixture, liftOf(diagnostics, mixture));
   const guardrails = guardrailSummary(diagnostics);
   show("fig-guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? "no data"
@@ -535,10 +552,13 @@ function drawFigures(experiment, rounds, diagnostics) {
   const { srm } = diagnostics;
   const srmKnown = srm.p_value !== null;
   show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));
-  show("fig-observations", formatInteger(observationsTotal(rounds)));
-  show("fig-late", formatInteger(diagnostics.late_observations));
-  show("fig-srm-p", srmKnown ? formatNumber(srm.p_value, 2) : "–");
-  show("fig-srm-stat", srmKnown ? formatNumber(srm.statistic) : "–");
+  const observations = observationsTotal(rounds);
+  show("fig-observations", observations === 0 ? "none yet" : formatInteger(observations));
+  show("fig-late", diagnostics.late_observations === 0 ? "none" : formatInteger(diagnostics.late_observations));
+  const srmReason = hasData(diagnostics) ? "not enough arms served" : "no units observed yet";
+  show("fig-srm-p", ...(srmKnown ? [formatNumber(srm.p_value, 2)] : noData(srmReason)));
+  // A unit on an arm of probability 0 is an outright mismatch: statistic infinite (null in JSON), p-value 0.
+  show("fig-srm-stat", ...(!srmKnown ? noData(srmReason) : [srm.statistic === null ? "∞" : formatNumber(srm.statistic)]));
   document.title = `${experiment.name} · round ${experiment.round.index} · pasto`;
 }
 
@@ -581,6 +601,10 @@ function render() {
   drawArms(experiment, rounds, diagnostics, colourOf);
   drawSegments(experiment, diagnostics);
   drawFigures(experiment, rounds, diagnostics);
+  // Charts over rounds have nothing to draw before the first round's update: say so instead of a blank.
+  for (const id of ["mixture-empty", "objective-empty", "regret-empty"]) {
+    document.getElementById(id).hidden = experiment.applied_rounds > 0;
+  }
   // Tells a reader (and the browser test) which response the page shows.
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
   document.getElementById("experiment").dataset.summarised = String(Boolean(experiment.arm_summary));
