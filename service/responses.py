@@ -28,7 +28,9 @@ def _finite_or_none(value: Any) -> Any:
 #: A number, or null where it is undefined or not finite.
 Finite = Annotated[Number | None, BeforeValidator(_finite_or_none)]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-OptionalTimestamp = Annotated[str | None, Field(json_schema_extra={"format": "date-time"})]
+#: ``anyOf: [{type: string, format: date-time}, {type: null}]``: the format on the string member, where
+#: generators read it (beside ``anyOf`` they type the field as a plain string).
+OptionalTimestamp = Timestamp | None
 
 
 class _Response(BaseModel):
