@@ -17,7 +17,6 @@ const TABLE_ROWS = 100;
 // the others into one rest entry (docs/api.md); with at most this many arms it answers in full. At
 // K = 10,000 a full poll was about 3 MB, a summarised one tens of kilobytes.
 const SUMMARY_ARMS = 100;
-const UNRANKED_COLOUR = "#5b6575";
 
 Chart.defaults.font.family = getComputedStyle(document.documentElement).fontFamily;
 Chart.defaults.color = "#5b6575";
@@ -164,15 +163,32 @@ const numberTooltip = { callbacks: { label: (item) => `${item.dataset.label}: ${
 
 // --- panels -------------------------------------------------------------------------------------
 
-// The same arm keeps the same colour in the area chart, the deployed bars and the table.
-function colourMap(series) {
-  const colours = new Map(series.map((entry, position) => [entry.arm, entry.arm === null ? OTHER_COLOUR : PALETTE[position]]));
-  return (arm) => colours.get(arm) ?? UNRANKED_COLOUR;
+// An arm's colour follows its position in the experiment's definition, not its rank: the same arm
+// keeps its colour across refreshes, pages and charts (area chart, deployed bars, arms table). The
+// first arms take the palette; later ones a hue of their own, spread by the golden angle.
+function definitionColour(index) {
+  if (index < PALETTE.length) return PALETTE[index];
+  const hue = (index * 137.508) % 360;
+  const [s, l] = [0.55, 0.45];
+  const a = s * Math.min(l, 1 - l);
+  const channel = (n) => {
+    const k = (n + hue / 30) % 12;
+    const value = l - a * Math.max(-1, Math.min(k - 3, 9 - k, 1));
+    return Math.round(255 * value).toString(16).padStart(2, "0");
+  };
+  return `#${channel(0)}${channel(8)}${channel(4)}`;
+}
+
+// `arm` is a position in experiment.arms (null: the "other" series); a summarised response holds some
+// arms only, and arm_summary.arms gives each one's position in the definition.
+function colourMap(experiment) {
+  return (arm) => (arm === null || arm === undefined ? OTHER_COLOUR
+    : definitionColour(experiment.arm_summary ? experiment.arm_summary.arms[arm] : arm));
 }
 
 function drawMixture(experiment, rounds) {
   const series = mixtureSeries(experiment, rounds, TOP_ARMS);
-  const colourOf = colourMap(series);
+  const colourOf = colourMap(experiment);
   drawChart("chart-mixture", {
     type: "line",
     data: {
@@ -186,7 +202,7 @@ function drawMixture(experiment, rounds) {
       })),
     },
     options: {
-      scales: { x: roundAxis(rounds), y: percentAxis({ stacked: true, title: { display: true, text: "probability" } }) },
+      scales: { x: roundAxis(rounds), y: percentAxis({ stacked: true, title: { display: true, text: "probability p_t (%)" } }) },
       plugins: { tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatPercent(item.parsed.y)}` } } },
     },
   });
@@ -210,7 +226,10 @@ function drawDeployed(experiment, colourOf) {
     options: {
       indexAxis: "y",
       interaction: { mode: "nearest", intersect: true },
-      scales: { x: percentAxis(), y: { ticks: { autoSkip: false } } },
+      scales: {
+        x: percentAxis({ title: { display: true, text: "deployed probability (%)" } }),
+        y: { ticks: { autoSkip: false }, title: { display: true, text: "arm" } },
+      },
       plugins: { legend: { display: false }, tooltip: { callbacks: { label: (item) => formatPercent(item.parsed.x) } } },
     },
   });
@@ -243,7 +262,7 @@ function drawObjective(rounds) {
     options: {
       scales: {
         x: roundAxis(rounds),
-        y: { title: { display: true, text: "f(V p)" }, ...(range ? { min: range.min, max: range.max } : {}) },
+        y: { title: { display: true, text: "objective f(V p) (primary metric units)" }, ...(range ? { min: range.min, max: range.max } : {}) },
       },
       plugins: {
         legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 4 || clipped.length > 0 } },
@@ -266,7 +285,7 @@ function drawRegret(rounds, cumulative) {
       })],
     },
     options: {
-      scales: { x: roundAxis(rounds), y: { beginAtZero: true } },
+      scales: { x: roundAxis(rounds), y: { beginAtZero: true, title: { display: true, text: "cumulative regret (objective units)" } } },
       plugins: { legend: { display: false }, tooltip: numberTooltip },
     },
   });
@@ -312,7 +331,7 @@ function drawGuardrails(experiment, rounds, diagnostics) {
         ],
       },
       options: {
-        scales: { x: roundAxis(rounds) },
+        scales: { x: roundAxis(rounds), y: { title: { display: true, text: `${entry.metric} (mean per observation)` } } },
         plugins: {
           legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 0 } },
           tooltip: { ...numberTooltip, filter: (item) => item.datasetIndex !== 0 },
@@ -340,7 +359,7 @@ function drawObservations(rounds) {
         // Half a round either side of the first and last bar: no empty slot before round 0
         // (the category-style offset added a whole one).
         x: { ...axis, min: axis.min - 0.5, max: axis.max + 0.5, offset: false, stacked: true },
-        y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } },
+        y: { stacked: true, beginAtZero: true, ticks: { precision: 0 }, title: { display: true, text: "observations" } },
       },
     },
   });
@@ -499,11 +518,21 @@ function showLift(mixture, lift) {
     document.getElementById(id).dataset.verdict = "unknown";
     return;
   }
+  const deployed = mixture === "served" ? liftOf(latest.diagnostics, "deployed") : null;
+  const dips = mixture === "served" && lift.estimate < 0 && deployed?.estimate !== null && deployed?.estimate > lift.estimate;
   show(id, signed(lift.estimate, formatNumber),
     element("span", { class: "interval" }, low === null ? " [no interval yet]" : ` [${formatNumber(low)}, ${formatNumber(high)}]`),
-    lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`));
+    lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`),
+    dips ? explorationNote() : "");
   const verdict = low === null ? "unknown" : low > 0 ? "above" : high < 0 ? "below" : "unclear";
   document.getElementById(id).dataset.verdict = verdict;
+}
+
+// Why a served figure can sit below the deployed one: p_t explores. One line under the card.
+const EXPLORATION_NOTE = "below the deployed mixture: this round's p_t also explores arms still being measured";
+
+function explorationNote() {
+  return element("span", { class: "interval note exploration-note" }, EXPLORATION_NOTE);
 }
 
 // "–" and why: a figure that needs data the experiment does not have yet (the API gives null).
@@ -540,7 +569,9 @@ function drawFigures(experiment, rounds, diagnostics) {
   const reason = hasData(diagnostics) ? "not estimated yet" : "no observations yet";
   figure("fig-primary", primary?.estimate, reason,
     primary?.interval ? element("span", { class: "interval" }, ` ± ${formatNumber((primary.interval[1] - primary.interval[0]) / 2, 2)}`) : "");
-  figure("fig-objective", diagnostics.objective.probabilities, reason);
+  const { probabilities: servedValue, deployed: deployedValue } = diagnostics.objective;
+  figure("fig-objective", servedValue, reason,
+    servedValue !== null && deployedValue !== null && servedValue < deployedValue ? explorationNote() : "");
   figure("fig-deployed", diagnostics.objective.deployed, reason);
   figure("fig-best-single", diagnostics.best_single?.value, reason,
     element("span", { class: "interval" }, ` ${diagnostics.best_single?.arm}`));
