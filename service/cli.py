@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("alembic").setLevel(logging.INFO if args.command == "db" else logging.WARNING)
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
-    from . import SchemaOutOfDate, create_app
+    from . import SchemaOutOfDate, create_app, create_command_app
     from .config import ConfigurationError
     from .db import DatabaseUnreachable
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "db":
             return _db(args, create_app)
-        app = create_app()
+        app = create_command_app() if args.command == "tokens" else create_app()
     except (ConfigurationError, DatabaseUnreachable, SchemaOutOfDate) as error:
         print(f"pasto: error: {error}", file=sys.stderr)
         return 1
