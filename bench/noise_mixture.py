@@ -1,4 +1,4 @@
-"""Issue 14's noise rows for the default's serving rules, on the same runs.
+"""The noise rows for the default's serving rules, on the same runs.
 
 Setup B at sigma 1.0 and 3.0, round 1000: the default preset (``default``: posterior exploration
 outside the plug-in support with 4 draws, its mass scaled by 2, the same as ``posterior``), the
