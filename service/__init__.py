@@ -13,6 +13,7 @@ waitress or gunicorn. The scheduler that closes rounds is started by ``pasto ser
 from __future__ import annotations
 
 import gc
+import importlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +21,13 @@ from flask import Flask
 
 from . import db
 from .config import load_config
+
+
+def migrations_package():
+    """The Alembic migrations beside this package: ``migrations`` in a checkout, ``pasto.migrations``
+    when installed (pyproject.toml ships ``service/`` and ``migrations/`` as ``pasto.service`` and
+    ``pasto.migrations``, so that installing pasto adds no generic top-level package)."""
+    return importlib.import_module(f"{__name__.rpartition('service')[0]}migrations")
 
 
 class SchemaOutOfDate(RuntimeError):
@@ -99,7 +107,7 @@ def freeze_startup_heap() -> None:
 
 def check_schema(engine) -> None:
     """Raise :class:`SchemaOutOfDate` unless the database is at the newest migration."""
-    import migrations
+    migrations = migrations_package()
 
     current = migrations.current_revision(engine)
     head = migrations.head_revision()

@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
 def _db(args: argparse.Namespace, create_app) -> int:
     from alembic.util import CommandError
 
-    import migrations
-
+    from . import migrations_package
     from .db import check_connection, get_db
+
+    migrations = migrations_package()
 
     app = create_app({"PASTO_CHECK_SCHEMA": False})
     engine = get_db(app).engine

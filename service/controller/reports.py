@@ -654,8 +654,9 @@ class HealthReport:
 
 def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None, tuple]:
     """(schema revision, newest scheduler heartbeat or None, failing metric sources)."""
-    import migrations
+    from .. import migrations_package
 
+    migrations = migrations_package()
     current = migrations.current_revision(database.engine)
     if current != head:
         return current, None, ()
@@ -693,8 +694,9 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
     the report says unreachable at once while the check finishes in the background. Later calls wait
     for that same check rather than start another, so a stalled database never piles up checks.
     """
-    import migrations
+    from .. import migrations_package
 
+    migrations = migrations_package()
     head = migrations.head_revision()
     database = get_db()
     with _checks_lock:

@@ -30,10 +30,10 @@ ALGORITHM = {"preset": "default", "solve_every": 1, "serving": "safe"}
 def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
     """Migrate the database and ensure the demo's tokens; returns (database URL, instance folder,
     admin token, read token)."""
-    import migrations
-
-    from .. import create_app
+    from .. import create_app, migrations_package
     from ..db import check_connection, get_db
+
+    migrations = migrations_package()
 
     overrides: dict = {"PASTO_CHECK_SCHEMA": False}
     if instance is not None and not os.environ.get("PASTO_DATABASE_URL"):
