@@ -24,8 +24,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
+# PASTO_DEMO_COMMAND: the demo's stop message says to run this again to resume.
 run: install
-	$(BIN)/pasto demo --port $(PORT)
+	PASTO_DEMO_COMMAND="make run$(if $(filter-out 8000,$(PORT)), PORT=$(PORT))" $(BIN)/pasto demo --port $(PORT)
 
 test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -8,7 +8,7 @@ Measures single-threaded assignments per second, in one process and one run:
 - ``growthbook hash+choose``: the GrowthBook Python SDK's own ``gbhash`` + ``chooseVariation``;
 - ``growthbook run()``: its full ``GrowthBook.run(Experiment)`` after ``set_attributes``;
 - ``pasto assign + JSON-lines sink`` / ``+ Parquet sink``: ``LocalAssigner.assign`` with an exposure
-  sink attached (issue 16: target at least half the rate without). Each pass makes a fresh assigner
+  sink attached (target: at least half the rate without). Each pass makes a fresh assigner
   and file and is timed up to ``exposures.flush()``, so the writer thread's work for the pass (it
   shares the interpreter lock) is inside the timing; every pass checks that all its exposures were
   written and none dropped.
@@ -229,7 +229,7 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
         lines.append(f"- {shape}: " + "; ".join(parts) + ".")
     lines += [
         "",
-        "Exposure sink overhead (issue 16): `LocalAssigner.assign` rate with an exposure sink attached "
+        "Exposure sink overhead: `LocalAssigner.assign` rate with an exposure sink attached "
         "over its rate without, same run; target: ratio >= 0.5. Given both in wall-clock time and in "
         "process CPU time (both threads; the passes with a sink are timed up to the sink's `flush`). "
         "The CPU-time ratio is the work the sink adds, which is what an unloaded core would show; the "

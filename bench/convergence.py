@@ -8,7 +8,7 @@ Writes the "## Convergence" section of docs/benchmarks.md (other sections are le
   exploration) on setup A and on setup B at sigma 0.1;
 - per checkpoint: f(mu p_hat) (mean, median, quartiles), the relative gain r and the mean
   cumulative regret (see ``pasto.simulate``);
-- the acceptance targets of issue 2 and whether they are met, with the Monte-Carlo standard error
+- the acceptance targets and whether they are met, with the Monte-Carlo standard error
   of the ``paper`` preset's means on setup A and its spread over ``--paper-seeds`` further seeds;
 - Monte-Carlo throughput (run-rounds per second) of the vectorised simulator against a plain
   per-run Python loop of the same algorithm, measured in the same process.
@@ -20,7 +20,7 @@ change what is served, so this equals a separate run with ``deploy`` overridden.
 over ``--workers`` processes (one numpy thread each).
 
 Run: ``python bench/convergence.py`` (1000 runs, takes a while); ``--runs 100`` for a quick pass;
-``--print-only`` to leave docs/benchmarks.md untouched. ``--serving`` runs only issue 14's
+``--print-only`` to leave docs/benchmarks.md untouched. ``--serving`` runs only the
 safe-serving rows; ``--noise-runs 1000`` runs their sigma 1.0 and 3.0 rows (whose median and shares
 sit near their targets) on 1000 runs in blocks of 500 with seeds ``--seed`` and ``--seed + 1``, about
 40 minutes on 2 cores.
@@ -208,7 +208,7 @@ def throughput(setups: dict[str, Scenario], runs_vectorised: int, runs_loop: int
     return rows
 
 
-# --------------------------------------------------------------------------- safe serving (issue 14)
+# --------------------------------------------------------------------------- safe serving
 
 # (label, scenario, noise override, rounds, algorithms). Everything is judged by what is served
 # (served regret, served hard guardrails under the true means) beside what is deployed, against the
@@ -369,16 +369,15 @@ def _share(mask) -> float:
 
 
 def render_serving(results: dict, command: str, runs: int, elapsed: float, commit: str | None = None) -> str:
-    """The "### Safe serving (issue 14)" subsection: per-row table and the acceptance targets."""
+    """The "### Safe serving" subsection: per-row table and the acceptance targets."""
     lines = [
-        "### Safe serving (issue 14)",
+        "### Safe serving",
         "",
         "```",
         command,
         "```",
         "",
-        f"{runs} Monte-Carlo runs per row (fewer than the issue's 100-1000: the machine's 2 cores are "
-        f"shared by 8 engineers), measured {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} "
+        f"{runs} Monte-Carlo runs per row, measured {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')} "
         f"in {elapsed / 60:.0f} min; {commit or _commit()}. `default` is the default preset, safe serving "
         "(`pasto.algorithm` with `serving='safe'`, the path the service runs: per-arm empirical-Bayes "
         "bounds, optimistic objective, pessimistic hard guardrails, no exploration floor, soft-guardrail "
@@ -441,7 +440,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
                     f"{summary['runs_ending_on_a_breaking_arm'] if last else '-'} |"
                 )
                 checks.append((label, algorithm, checkpoint["round"], checkpoint, ratio, gains, below, hard, summary))
-    lines += ["", "Acceptance (issue 14), all for `default`:", "", "| target | measured | met |", "|---|---:|:---:|"]
+    lines += ["", "Targets, all for `default`:", "", "| target | measured | met |", "|---|---:|:---:|"]
 
     def find(label, round_number):
         return next((c for c in checks if c[0] == label and c[1] == "default" and c[2] == round_number), None)
@@ -462,13 +461,13 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
         add("A: deployed mean f at 500 >= 0.97", _number(c[3]["objective"]["mean"]), c[3]["objective"]["mean"] >= 0.97)
     if (c := find("A", 2000)) is not None:
         value = c[3]["cumulative_regret"]["mean"]
-        add("A: served cumulative regret at 2000 <= 100 (exploration default before issue 14: 260)", f"{value:.1f}", value <= 100)
+        add("A: served cumulative regret at 2000 <= 100 (exploration serving: 260)", f"{value:.1f}", value <= 100)
     if (c := find("B sigma=0.1", 300)) is not None:
         value = c[3]["relative_gain"]["median"]
         add("B sigma 0.1: median r at 300 >= 0.95", _number(value), value is not None and value >= 0.95)
     if (c := find("B sigma=0.1", 1000)) is not None:
         value = c[3]["cumulative_regret"]["mean"]
-        add("B sigma 0.1: served cumulative regret at 1000 <= 80 (exploration default before issue 14: 156)", f"{value:.1f}", value <= 80)
+        add("B sigma 0.1: served cumulative regret at 1000 <= 80 (exploration serving: 156)", f"{value:.1f}", value <= 80)
     def interval(label, values, statistic, digits=3, scale=1.0):
         if label not in pooled or values.shape[-1] < 2:
             return ""
@@ -480,7 +479,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
         add("B sigma 1.0, round 1000: median r >= 0.9",
             _number(value) + interval("B sigma=1.0", c[5], np.median), value is not None and value >= 0.9)
         negative = _share(c[5] < 0)
-        add("B sigma 1.0, round 1000: r < 0 in <= 5% of runs (exploration default before issue 14: 15%)",
+        add("B sigma 1.0, round 1000: r < 0 in <= 5% of runs (exploration serving: 15%)",
             f"{negative:.3f}" + interval("B sigma=1.0", c[5] < 0, np.mean), negative <= 0.05)
     if (c := find("B sigma=3.0", 1000)) is not None:
         safe_f = results["B sigma=3.0"]["default"][1][-1]
@@ -491,7 +490,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
             + interval("B sigma=3.0", paired, lambda pair: np.median(pair[0]) - np.median(pair[1]), 4).replace(
                 "(90%: ", "(difference, 90%: "),
             np.median(safe_f) >= np.median(thompson_f))
-        add("B sigma 3.0, round 1000: f below thompson's in <= 25% of runs (exploration default before issue 14: 50%)",
+        add("B sigma 3.0, round 1000: f below thompson's in <= 25% of runs (exploration serving: 50%)",
             f"{c[6]:.3f}" + interval("B sigma=3.0", safe_f < thompson_f - 1e-12, np.mean), c[6] <= 0.25)
     drift = results.get("A drift")
     if drift is not None and "default" in drift:
@@ -507,7 +506,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
     return "\n".join(lines) + "\n"
 
 
-_SERVING_SUBSECTION = re.compile(r"^### Safe serving \(issue 14\)\n.*?(?=^### |^## |\Z)", re.MULTILINE | re.DOTALL)
+_SERVING_SUBSECTION = re.compile(r"^### Safe serving\n.*?(?=^### |^## |\Z)", re.MULTILINE | re.DOTALL)
 
 
 def write_serving_subsection(subsection: str, path: Path | None = None) -> None:
@@ -704,7 +703,7 @@ def render(results: dict, timings: dict, speed: list[dict], command: str, args, 
         "what is served, so this is the same as running them separately (and their cumulative regret is "
         "the default's).",
         "",
-        "### Acceptance targets (issue 2)",
+        "### Targets with exploration serving",
         "",
         "s.e. = Monte-Carlo standard error of a mean over runs (standard deviation over runs / sqrt(runs)). "
         "Rows marked (report) have no target.",
@@ -775,7 +774,7 @@ def write_section(section: str, path: Path | None = None) -> None:
     path = DOCS if path is None else path
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     kept = _SERVING_SUBSECTION.search(text)
-    if kept is not None and "### Safe serving (issue 14)" not in section:
+    if kept is not None and "### Safe serving\n" not in section:
         # The safe-serving rows are measured by --serving; a full run keeps them.
         heading, _, rest = section.partition("\n")
         section = heading + "\n\n" + kept.group(0).rstrip("\n") + "\n\n" + rest.lstrip("\n")
@@ -803,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write every result document here")
     parser.add_argument("--print-only", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument("--serving", action="store_true",
-                        help="run only the safe-serving rows (issue 14) and write their subsection")
+                        help="run only the safe-serving rows and write their subsection")
     parser.add_argument("--noise-runs", type=int,
                         help="with --serving: runs of the sigma 1.0 and 3.0 rows, in blocks of at most "
                              f"{NOISE_BLOCK_RUNS} (seeds --seed, --seed + 1, ...), pooled (default: --runs)")

@@ -1,4 +1,4 @@
-"""The live check of issue 14: ``pasto demo`` for N rounds, each round's served mixture under the truth.
+"""The live demo check: ``pasto demo`` for N rounds, each round's served mixture under the truth.
 
 Runs ``pasto demo --headless`` in a fresh instance folder (its own SQLite database) for ``--rounds``
 rounds, then reads the round history through the API and applies the demo's true means

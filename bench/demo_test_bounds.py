@@ -11,7 +11,7 @@ service, for many runs at once, and reports over those 5 rounds:
   threshold: the test allows 3;
 - the smallest margin of its estimated like rate over the threshold (the test asks it to hold);
 - with ``--estimates``, how often the old check on the estimates (deployed objective above 70% of
-  the estimated gain of mixing, issue 18's flaky failure) fails. That takes a few minutes.
+  the estimated gain of mixing, a flaky failure once) fails. That takes a few minutes.
 
 Usage: ``.venv/bin/python bench/demo_test_bounds.py --runs 2000 --sessions-per-round 630``.
 """
@@ -49,7 +49,7 @@ def main() -> None:
     mixture, _ = best_mixture(objective, means)
     single, _ = best_single(objective, means)
     watch_single, watch_best = means[0, single], means[0] @ mixture
-    # The demo's own algorithm (safe serving since issue 14), as the live test runs it.
+    # The demo's own algorithm (safe serving), as the live test runs it.
     options = dict(ALGORITHM)
     config = AlgorithmConfig.from_preset(options.pop("preset"), **options)
     rng = np.random.default_rng(args.seed)

@@ -1,6 +1,6 @@
 """How often can any allocation of a run's observations tell the best mixture from the best single arm?
 
-Setup B (issue 14's noise targets): K = 100 arms, Q = 10 observations per round, noise sigma. For
+Setup B (the noise targets): K = 100 arms, Q = 10 observations per round, noise sigma. For
 each run's true means, the deploy-what-you-can-defend rule deploys the best mixture p* over the best
 single arm b only when the estimated difference f(V p*) - f(V e_b) exceeds z_0.95 = 1.645 standard
 errors (delta method). With N = T Q observations split n_k over the arms, that standard error is

@@ -206,7 +206,7 @@ def render(rows: list[dict], command: str, args, elapsed: float, load_before: fl
     lines = [
         "## Scale",
         "",
-        "Warehouse-native round statistics (issue 16): one round's per-(arm, metric) count, sum and sum of "
+        "Warehouse-native round statistics: one round's per-(arm, metric) count, sum and sum of "
         "squares plus distinct units per arm, from N events in Parquet, on DuckDB (in-process) and on Spark "
         f"local mode ({args.spark_master}). K = {N_ARMS} arms, M = {len(METRICS)} metrics, "
         f"{EVENTS_PER_UNIT} events per unit, every unit exposed in the round (10% twice). **pasto** is the "
@@ -238,7 +238,7 @@ def render(rows: list[dict], command: str, args, elapsed: float, load_before: fl
             f"{largest['pasto_seconds']:.1f} s through pasto's source step ({largest['pasto_rate']:,.0f} events/s), "
             "x 86,400 s, the node doing nothing else.")
     duckdb_rows = [row for row in rows if row["engine"] == "duckdb"]
-    lines += ["", "### Targets (issue 16; benchmark figures, not tests)", "",
+    lines += ["", "### Targets (benchmark figures, not tests)", "",
               "| target | measured | met |", "| --- | --- | --- |"]
     for row in rows:
         lines.append(f"| {row['engine']} {_human(row['events'])}: pasto >= 0.8 of the bare query's rate "

@@ -1,4 +1,4 @@
-"""Segments benchmark: per-segment mixtures on the two shipped segment scenarios (issue 17).
+"""Segments benchmark: per-segment mixtures on the two shipped segment scenarios.
 
 Writes the "## Segments" section of docs/benchmarks.md (other sections are left alone):
 
@@ -195,7 +195,7 @@ def reading(default, wider) -> str:
         f"{held(wider):.0%} at z = 3 (median smallest slack {worst(wider):+.4f}). The z = 2 margin, enough on "
         "the 3-segment scenario, is too thin with 50 segments: the LP picks, among 250 entries, those whose "
         "estimates look best, and tau^2 estimated near 0 from few observations makes the shrunk standard "
-        "errors small (the likely cause, not separately measured). Not an issue-17 target."
+        "errors small (the likely cause, not separately measured). Not a target."
     )
 
 
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     small = int((two["shares"] < SMALL_SHARE).sum())
     lines += [
         "",
-        "Targets (issue 17): at round 1000 value / oracle >= 0.95 and >= 95% of runs holding every global "
+        "Targets: at round 1000 value / oracle >= 0.95 and >= 95% of runs holding every global "
         "guardrail; at round 300 >= 50% of the gap closed.",
         "",
         f"### segments-zipf: 50 segments, Zipf shares (exponent 1), K = 5, means scattered (std 0.1) per run, Q = 50",

@@ -25,7 +25,7 @@ On SQLite the server also counts the SQL statements it runs (``sqlite3`` trace c
 assign passes: the assignment path must write nothing.
 
 - ``--segmented-close`` (instead of everything above): the round close of a segmented experiment
-  (issue 17; K = 100 arms, S = 50 segments, M = 5 metrics by default, hard guardrails, one global and one
+  (K = 100 arms, S = 50 segments, M = 5 metrics by default, hard guardrails, one global and one
   per segment) beside the unsegmented close of the same K in the same run, on each backend; with
   ``--write-docs`` it replaces the "## Segmented round close" section.
 
@@ -793,7 +793,7 @@ def render_segmented(results: dict[str, Any], command: str, args, seconds: float
             f"| {segmented['transaction']['median_ms']:.0f} / {segmented['transaction']['max_ms']:.0f} "
             f"| {segmented['total']['median_ms']:.0f} / {segmented['total']['max_ms']:.0f} "
             f"| {segmented['transaction']['median_ms'] / plain['transaction']['median_ms']:.1f} |")
-    lines += ["", f"Target (issue 17): under 1 s on PostgreSQL. Load average before the run "
+    lines += ["", f"Target: under 1 s on PostgreSQL. Load average before the run "
                   f"{args.load_before:.1f}; {seconds:.0f} s in all. {args.postgres_note or ''}".rstrip(), ""]
     return "\n".join(lines)
 
@@ -1025,7 +1025,7 @@ def render(all_results: dict[str, Any], update_alone: dict[str, Any], command: s
                 for p in ("default", "paper"))
     targets.append((f"one update at K = {largest:,}, M = 5 under 100 ms (worst round, either preset)",
                     f"{worst:.1f} ms", worst < 100))
-    lines += ["", "### Targets (issue 5; benchmark figures, not tests)", "", "| target | measured | met |",
+    lines += ["", "### Targets (benchmark figures, not tests)", "", "| target | measured | met |",
               "|---|---:|:---:|"]
     lines += [f"| {target} | {value} | {'yes' if ok else '**no**'} |" for target, value, ok in targets]
     lines += ["", "### Reading", "", *READING, ""]

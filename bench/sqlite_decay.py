@@ -3,7 +3,7 @@
 Ingests ``--observations`` observations (default 10^6) into one experiment on a fresh SQLite file in
 batches of ``--batch`` (1,000), in-process through the Flask test client (the HTTP layer is not what
 decays), and prints the rate of each 10% slice and the ratio of the last slice's rate to the first's
-(issue 15's acceptance: >= 0.8). Ids are random UUID-like strings, units UUID-like strings drawn from
+(target: >= 0.8). Ids are random UUID-like strings, units UUID-like strings drawn from
 a population of 10^6, five metrics per observation (the workload of ``bench/serve.py``). Only the
 POSTs are timed: the request bodies are built before each one's clock starts.
 

@@ -1,4 +1,4 @@
-"""What posterior exploration outside the support costs a round update (issue 14).
+"""What posterior exploration outside the support costs a round update.
 
 ``pasto.algorithm.update`` alone (the default preset, safe serving, soft guardrails: bench/serve.py's
 synthetic M = 5 experiment), with ``serving_posterior_draws`` 0 and 4 (the default), measured

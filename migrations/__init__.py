@@ -7,6 +7,7 @@ so that it always points at this package's folder, wherever it is installed.
 from __future__ import annotations
 
 import functools
+import importlib
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -18,9 +19,16 @@ from alembic.script import ScriptDirectory
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 
 
+def service_models():
+    """``service.models`` of the service beside this package: ``service`` in a checkout, ``pasto.service``
+    when installed (pyproject.toml ships both folders inside ``pasto``)."""
+    return importlib.import_module(f"{__name__.rpartition('migrations')[0]}service.models")
+
+
 def alembic_config(database_url: str) -> Config:
     """An Alembic ``Config`` for this package's migrations against ``database_url``."""
     config = Config()
+    config.attributes["target_metadata"] = service_models().Base.metadata
     config.set_main_option("script_location", str(SCRIPT_LOCATION))
     # ConfigParser interpolation would treat "%" in URLs (escaped passwords) as a reference.
     config.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))

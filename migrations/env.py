@@ -5,10 +5,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from service.models import Base
-
 config = context.config
-target_metadata = Base.metadata
+# Set by migrations.alembic_config from the service beside the migrations (its import name differs
+# between a checkout and an installed wheel); the checkout's when Alembic is run by hand.
+target_metadata = config.attributes.get("target_metadata")
+if target_metadata is None:
+    from service.models import Base
+
+    target_metadata = Base.metadata
 
 
 def run_migrations_online() -> None:

@@ -136,7 +136,7 @@ class AlgorithmConfig:
         estimated guardrail metrics of the exploitation mixture.
     dual_step : float
     serving : {"safe", "exploration"}
-        What is served and deployed. ``safe`` (the default, issue 14): :func:`pasto.serving.choose`
+        What is served and deployed. ``safe`` (the default): :func:`pasto.serving.choose`
         on per-arm pooled statistics since the last detected change, whatever the estimator: every
         hard guardrail's lower confidence bound kept by the served mixture, optimistic exploration
         without a floor, the deployed mixture only when it confidently beats the best single arm.
@@ -291,7 +291,7 @@ class AlgorithmConfig:
 # Every preset is a set of overrides of the field defaults above, which are the ``default`` preset
 # (one source of truth: ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
 PRESETS: dict[str, dict[str, Any]] = {
-    # Safe serving (pasto.serving, issue 14): per-arm pooled statistics since the last detected
+    # Safe serving (pasto.serving): per-arm pooled statistics since the last detected
     # change, hard guardrails kept on their 95% lower bounds by the served traffic, optimistic
     # exploration without a floor, deploy what beats the best single arm with confidence.
     # (The exploration options below it describe ``serving="exploration"``: estimate-then-solve

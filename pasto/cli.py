@@ -23,9 +23,10 @@ import sys
 import time
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from pasto.scenario import Scenario, scenario_from_dict
+if TYPE_CHECKING:
+    from pasto.scenario import Scenario
 
 __all__ = [
     "COMMAND_GROUP",
@@ -44,6 +45,13 @@ COMMAND_GROUP = "pasto.commands"
 
 _DESCRIPTION = "Learn probabilistic strategic parameters (mixtures over K settings) with PASTO."
 _EPILOG = "Run `pasto COMMAND --help` for a command's options."
+#: What each ``--algorithm`` is, for ``pasto simulate --help``.
+ALGORITHM_HELP = {
+    "paper": "Algorithm 1 of the paper, with its settings",
+    "default": "the default preset (safe serving, what the service runs)",
+    "scgd": "baseline: stochastic compositional gradient descent",
+    "thompson": "baseline: Thompson sampling over single arms",
+}
 _SIMULATE_EXAMPLE = """example:
   pasto simulate setup-a --algorithm paper --runs 1000 --plot curve.png
 
@@ -93,6 +101,9 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"The scenario in {source} is not valid JSON: {error}.") from None
+    # Imported here: the service's commands (`pasto tokens`, ...) pass through this module and need no numpy.
+    from pasto.scenario import scenario_from_dict
+
     return scenario_from_dict(data)
 
 
@@ -217,21 +228,28 @@ def build_parser(
         commands = discover_commands()
     parser = argparse.ArgumentParser(prog="pasto", description=_DESCRIPTION, epilog=_EPILOG)
     subparsers = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
+    shipped = packaged_scenarios()
+    segmented = [name for name in shipped if name.startswith("segments-")]
+    listing = "\n".join(
+        ["shipped scenarios (by name):", *(f"  {name}" + ("  (segments: bench/segments.py runs it)" if name in segmented
+                                                         else "") for name in shipped),
+         "", "algorithms (--algorithm):",
+         *(f"  {name:<9} {ALGORITHM_HELP.get(name, '')}" for name in ALGORITHMS)])
     simulate = subparsers.add_parser(
         "simulate",
         help=SIMULATE_HELP,
         description="Run many independent simulated experiments at once and report how well the "
         "deployed mixture does under the true means.",
-        epilog=_SIMULATE_EXAMPLE,
+        epilog=listing + "\n\n" + _SIMULATE_EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     simulate.add_argument(
         "scenario",
-        help="a scenario JSON file, or the name of a packaged scenario (setup-a, setup-b)",
+        help="a scenario JSON file, or the name of a shipped scenario (listed below)",
     )
     simulate.add_argument(
         "--algorithm", choices=ALGORITHMS, default="default",
-        help="controller to simulate (default: %(default)s)",
+        help="controller to simulate (listed below; default: %(default)s)",
     )
     simulate.add_argument("--runs", type=_positive_int, help="Monte-Carlo runs (default: the scenario's)")
     simulate.add_argument("--rounds", type=_positive_int, help="rounds per run (default: the scenario's)")
@@ -246,7 +264,7 @@ def build_parser(
     )
     simulate.add_argument("--out", type=Path, metavar="RESULT.json", help="write the result document here")
     simulate.add_argument("--plot", type=Path, metavar="CURVE.png", help="plot the convergence curve (needs matplotlib)")
-    simulate.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    simulate.add_argument("--quiet", action="store_true", help="no progress report on stderr")
     for name, entry_point in commands.items():
         # Listed only: main() hands these to their own module before this parser sees them.
         subparsers.add_parser(name, help=_describe(name, entry_point) if describe else None, add_help=False)
@@ -254,22 +272,36 @@ def build_parser(
 
 
 class _Progress:
-    """A carriage-return progress line on a terminal, redrawn at most ten times a second."""
+    """Progress on stderr: on a terminal, a carriage-return line redrawn at most ten times a second;
+    elsewhere (a log, a pipe), one plain line at every tenth of a phase and at its end."""
 
     UNITS = {"optimum": "runs' optima solved", "rounds": "rounds"}
 
-    def __init__(self, stream: TextIO, label: str) -> None:
+    def __init__(self, stream: TextIO, label: str, terminal: bool = True) -> None:
         self.stream = stream
         self.label = label
+        self.terminal = terminal
         self.phase = ""
         self.started = time.monotonic()
         self.last_drawn = 0.0
+        self.last_tenth = -1
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         now = time.monotonic()
         if phase != self.phase:
-            self.phase, self.started = phase, now
-        elif done < total and now - self.last_drawn < 0.1:
+            self.phase, self.started, self.last_tenth = phase, now, -1
+        elif self.terminal and done < total and now - self.last_drawn < 0.1:
+            return
+        if not self.terminal:
+            tenth = 10 * done // total
+            if tenth == self.last_tenth:
+                return
+            self.last_tenth = tenth
+            elapsed = now - self.started
+            remaining = elapsed / done * (total - done) if done else 0.0
+            self.stream.write(f"{self.label}: {done}/{total} {self.UNITS.get(phase, phase)}, "
+                              f"{elapsed:.0f}s elapsed, ~{remaining:.0f}s left\n")
+            self.stream.flush()
             return
         self.last_drawn = now
         width = 30
@@ -352,8 +384,18 @@ def _plot(result, path: Path) -> None:
     plt.close(figure)
 
 
+def _reference_line(summary: dict[str, Any], references) -> str | None:
+    """For means drawn per run, the reference line the table has for fixed means: the mean over runs
+    of the best single arm's and the best mixture's objective under each run's true means."""
+    if "best_mixture" in summary:
+        return None  # fixed means: the table has it
+    single, mixture = references.best_single[0], references.best_mixture[0]
+    return (f"best single arm f = {float(single.mean()):.4f}   best mixture f = {float(mixture.mean()):.4f}   "
+            f"(means over the runs' drawn true means; gap {float((mixture - single).mean()):.4f})")
+
+
 def _simulate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
-    from pasto.simulate import format_table, make_policy, simulate
+    from pasto.simulate import draw_means, format_table, make_policy, reference_values, simulate
 
     settings: dict[str, Any] = {}
     for key, value in args.settings:
@@ -373,10 +415,17 @@ def _simulate(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             raise ValueError(f"{option} {path}: the directory {path.resolve().parent} does not exist.")
     # Long runs only: many run-rounds, or an optimum to solve per run.
     long_run = scenario.runs * scenario.rounds >= 100_000 or not scenario.fixed_means
-    show_progress = not args.quiet and stderr.isatty() and long_run
-    progress = _Progress(stderr, f"{scenario.name}/{policy.name}") if show_progress else None
-    result = simulate(scenario, policy, progress=progress)
-    stdout.write(format_table(result.summary) + "\n")
+    show_progress = not args.quiet and long_run
+    progress = _Progress(stderr, f"{scenario.name}/{policy.name}", terminal=stderr.isatty()) if show_progress else None
+    # The references (each run's best single arm and best mixture) are computed here and handed to the
+    # simulation, so the table can carry their line for drawn means too, at no extra cost.
+    references = reference_values(scenario.objective(), draw_means(scenario, scenario.runs), scenario.runs, progress)
+    result = simulate(scenario, policy, references=references, progress=progress)
+    table = format_table(result.summary).split("\n")
+    reference = _reference_line(result.summary, references)
+    if reference is not None:
+        table.insert(1, reference)
+    stdout.write("\n".join(table) + "\n")
     if args.out is not None:
         args.out.write_text(result.to_json() + "\n", encoding="utf-8")
         stdout.write(f"wrote {args.out}\n")

@@ -93,7 +93,8 @@ def sample_ratio_mismatch(
     dict
         ``statistic``, ``p_value``, ``ok``. Arms with probability 0 and no units are left out; a
         unit on an arm with probability 0 is an outright mismatch (statistic inf, p-value 0).
-        Without any unit the test is vacuous (statistic 0, p-value 1).
+        Without any unit there is nothing to test: statistic and p-value None (no data, not a
+        perfect fit), ``ok`` True.
     """
     observed = np.asarray(counts, dtype=float)
     p = np.asarray(expected_probabilities, dtype=float)
@@ -110,7 +111,7 @@ def sample_ratio_mismatch(
         raise ValueError(f"alpha must be in (0, 1), got {alpha}.")
     total = observed.sum()
     if total == 0:
-        return {"statistic": 0.0, "p_value": 1.0, "ok": True}
+        return {"statistic": None, "p_value": None, "ok": True}
     if np.any((p == 0) & (observed > 0)):
         return {"statistic": None, "p_value": 0.0, "ok": False}
     keep = p > 0

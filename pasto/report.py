@@ -13,6 +13,9 @@ the lift over the holdout), on the primary metric and on the objective, each wit
 the delta method on the per-arm means and standard errors.
 
 Everything is on the estimate, not the truth: the values are what the controller believes now.
+Before the experiment has any observation there is no estimate to report: the objective
+values, the regret, the best single arm, the guardrail estimates and the lifts are nan (None for the
+best single arm and a guardrail's verdicts), never a stand-in's zero (:attr:`RoundReport.has_data`).
 """
 
 from __future__ import annotations
@@ -160,7 +163,8 @@ class MixtureReport:
     value : float
         Estimated objective f(V p); may be non-finite for absurd metric scales.
     regret : float
-        ``max(0, f(V p*) - f(V p))`` against the best mixture p* (0 when either value is nan).
+        ``max(0, f(V p*) - f(V p))`` against the best mixture p* (0 when either value is nan; nan
+        without data, :attr:`RoundReport.has_data`).
     guardrails : tuple of dict
         One per guardrail, as :func:`pasto.diagnostics.guardrail_report` gives them: ``metric``,
         ``threshold``, ``relative_to``, ``estimate``, ``interval`` (95%), ``holds``,
@@ -232,6 +236,10 @@ class RoundReport:
     shadow_prices : tuple of dict
         One per guardrail, in the objective's order (:func:`shadow_price_report` of ``optimum``):
         ``metric``, ``hard`` and ``shadow_price``.
+    observed : ndarray of bool, shape (M, K), or None
+        Whether each arm has an observation of each metric (pooled counts > 0); where not, the
+        estimate's mean is the estimator's stand-in, not a measurement. None: not known (a report
+        built by hand), taken as observed.
     """
 
     round_index: int
@@ -242,6 +250,13 @@ class RoundReport:
     deployed: MixtureReport
     baseline_arm: int | None = None
     shadow_prices: tuple[dict[str, Any], ...] = ()
+    observed: np.ndarray | None = None
+
+    @property
+    def has_data(self) -> bool:
+        """Whether the experiment has any observation: before that the values are nan and
+        :attr:`best_single_arm` is None."""
+        return self.observed is None or bool(np.any(self.observed))
 
     @property
     def best_mixture(self) -> np.ndarray:
@@ -249,19 +264,19 @@ class RoundReport:
 
     @property
     def best_mixture_value(self) -> float:
-        return self.optimum.best_mixture_value
+        return self.optimum.best_mixture_value if self.has_data else math.nan
 
     @property
-    def best_single_arm(self) -> int:
-        return self.optimum.best_single_arm
+    def best_single_arm(self) -> int | None:
+        return self.optimum.best_single_arm if self.has_data else None
 
     @property
     def best_single_value(self) -> float:
-        return self.optimum.best_single_value
+        return self.optimum.best_single_value if self.has_data else math.nan
 
     @property
     def mixing_gain(self) -> float:
-        return self.optimum.best_mixture_value - self.optimum.best_single_value
+        return self.best_mixture_value - self.best_single_value
 
 
 def solve_optimum(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
@@ -363,8 +378,24 @@ def round_report(
     best_value = best.best_mixture_value
 
     baseline = objective.baseline_index
+    observed = np.asarray(pooled_statistics.counts) > 0
+    # Without any observation the estimate is only the estimator's stand-ins (zeros or the prior):
+    # report no figure rather than one that reads like a measurement.
+    has_data = bool(np.any(observed))
 
     def mixture(probabilities: np.ndarray) -> MixtureReport:
+        guardrails = tuple(guardrail_report(objective, current, probabilities))
+        if not has_data:
+            no_lift = Lift(*([math.nan] * 6))
+            return MixtureReport(
+                probabilities=probabilities,
+                value=math.nan,
+                regret=math.nan,
+                guardrails=tuple({**entry, "threshold": entry["threshold"] if entry["relative_to"] is None else math.nan,
+                                  "estimate": math.nan, "interval": [None, None], "holds": None,
+                                  "confidently_holds": None} for entry in guardrails),
+                lift=None if baseline is None else {"primary": no_lift, "objective": no_lift},
+            )
         value = float(objective.mixture_value(means, probabilities, thresholds))
         lift = None
         if baseline is not None:
@@ -373,7 +404,7 @@ def round_report(
             probabilities=probabilities,
             value=value,
             regret=max(0.0, best_value - value),
-            guardrails=tuple(guardrail_report(objective, current, probabilities)),
+            guardrails=guardrails,
             lift=lift,
         )
 
@@ -385,5 +416,7 @@ def round_report(
         served=mixture(served),
         deployed=mixture(np.asarray(state.deployed, dtype=float)),
         baseline_arm=baseline,
-        shadow_prices=tuple(shadow_price_report(objective, best)),
+        shadow_prices=tuple(shadow_price_report(objective, best)) if has_data else tuple(
+            {**entry, "shadow_price": math.nan} for entry in shadow_price_report(objective, best)),
+        observed=observed,
     )

@@ -57,7 +57,7 @@ __all__ = [
 
 ALGORITHMS = ("paper", "default", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
-# A guardrail holds when y >= c - GUARDRAIL_TOLERANCE * |c| (issue 14: 0.1% of the threshold).
+# A guardrail holds when y >= c - GUARDRAIL_TOLERANCE * |c| (0.1% of the threshold).
 GUARDRAIL_TOLERANCE = 1e-3
 # Served hard guardrails are judged over the (run, round) pairs after this round.
 HOLD_AFTER_ROUND = 20

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("alembic").setLevel(logging.INFO if args.command == "db" else logging.WARNING)
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     logging.getLogger("apscheduler.executors").setLevel(logging.WARNING)
-    from . import SchemaOutOfDate, create_app
+    from . import SchemaOutOfDate, create_app, create_command_app
     from .config import ConfigurationError
     from .db import DatabaseUnreachable
 
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "db":
             return _db(args, create_app)
-        app = create_app()
+        app = create_command_app() if args.command == "tokens" else create_app()
     except (ConfigurationError, DatabaseUnreachable, SchemaOutOfDate) as error:
         print(f"pasto: error: {error}", file=sys.stderr)
         return 1
@@ -159,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
 def _db(args: argparse.Namespace, create_app) -> int:
     from alembic.util import CommandError
 
-    import migrations
-
+    from . import migrations_package
     from .db import check_connection, get_db
+
+    migrations = migrations_package()
 
     app = create_app({"PASTO_CHECK_SCHEMA": False})
     engine = get_db(app).engine

@@ -7,6 +7,7 @@ raise: they run inside the request or the scheduler job.
 - ``assigned``: ``arms`` (sequence of arm positions) after an assignment response is built.
 - ``observed``: ``accepted`` (int), ``duplicates`` (int), ``arm_counts`` ({arm position: accepted
   observations}) after an ingestion transaction committed.
+- ``created``: after a new experiment's transaction committed.
 - ``round_closed``: ``round_index`` (the round closed), ``applied`` (round indices whose update ran),
   ``duration_seconds`` (time spent in the transaction), ``lag_seconds`` (now - the round's ends_at).
 """
@@ -17,6 +18,7 @@ from blinker import Namespace
 
 _signals = Namespace()
 
+created = _signals.signal("pasto.created")
 assigned = _signals.signal("pasto.assigned")
 observed = _signals.signal("pasto.observed")
 round_closed = _signals.signal("pasto.round_closed")

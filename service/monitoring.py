@@ -150,6 +150,29 @@ def _top_arm_mask(snapshot) -> np.ndarray:
     return mask
 
 
+def start_event_series(experiment: str, arm_names: Sequence[str], probabilities: Sequence[float],
+                       limit: int) -> None:
+    """Create the experiment's event series at 0 (if they do not exist yet in this process): the
+    per-arm counters of its top ``limit`` arms by ``probabilities``, the "other arms" and duplicate
+    counters and the round-update series. A counter that first appears at its first increment has no
+    earlier sample, so ``rate()`` and ``increase()`` never see that increment; one scraped at 0 first
+    counts from the start. Called when an experiment is created and, for every experiment, at each
+    scrape (a restarted process starts its series again before new events arrive)."""
+    for position in top_arms(np.asarray(probabilities, dtype=np.float64), limit).tolist():
+        _child(ASSIGNMENTS, experiment, arm_names[position])
+        _child(OBSERVATIONS, experiment, arm_names[position])
+    for metric in (OTHER_ARMS_ASSIGNMENTS, OTHER_ARMS_OBSERVATIONS, DUPLICATE_OBSERVATIONS, ROUND_UPDATES,
+                   ROUND_UPDATE_DURATION, ROUND_CLOSE_LAG):
+        _child(metric, experiment)
+
+
+def record_created(snapshot, **_) -> None:
+    """``created``: the new experiment's event series, at 0."""
+    limit = current_app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS) if has_app_context() \
+        else DEFAULT_METRICS_TOP_ARMS
+    start_event_series(snapshot.name, snapshot.arm_names, snapshot.serving, int(limit))
+
+
 def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
     """``assigned``: count one assign response; ``arms`` holds each unit's arm position. Arms outside
     the top ``PASTO_METRICS_TOP_ARMS`` add to ``pasto_other_arms_assignments`` (bounded cardinality)."""
@@ -187,7 +210,7 @@ def record_observations(snapshot, *, duplicates: int, arm_counts: Mapping[int, i
     if others:
         _child(OTHER_ARMS_OBSERVATIONS, snapshot.name).inc(others)
     if duplicates:
-        DUPLICATE_OBSERVATIONS.labels(snapshot.name).inc(duplicates)
+        _child(DUPLICATE_OBSERVATIONS, snapshot.name).inc(duplicates)
 
 
 def record_round_closed(
@@ -196,11 +219,11 @@ def record_round_closed(
 ) -> None:
     """``round_closed`` (sender: the experiment's name): updates applied, duration, lateness."""
     if applied:
-        ROUND_UPDATES.labels(experiment).inc(len(applied))
-    ROUND_UPDATE_DURATION.labels(experiment).observe(duration_seconds)
+        _child(ROUND_UPDATES, experiment).inc(len(applied))
+    _child(ROUND_UPDATE_DURATION, experiment).observe(duration_seconds)
     # The service reports lag 0 for manual closes and for runs that only applied settled updates.
     if round_index is not None and lag_seconds > 0:
-        ROUND_CLOSE_LAG.labels(experiment).observe(lag_seconds)
+        _child(ROUND_CLOSE_LAG, experiment).observe(lag_seconds)
 
 
 # ------------------------------------------------------------------------------ state at scrape time
@@ -336,6 +359,7 @@ class ControllerCollector:
             current = own_rounds.get(row.round_index)
             if current is not None:
                 _add_top_arms(probability, other_probability, name, names, current.probabilities, limit)
+                start_event_series(name, names, current.probabilities, limit)
             _add_top_arms(deployed, other_deployed, name, names, row.state["deployed"], limit)
 
             latest = own_rounds.get(row.applied_rounds - 1)
@@ -491,12 +515,14 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
     """The registry one scrape reads: event metrics (of this process, or of all processes in
     multiprocess mode) and the controller state."""
     registry = CollectorRegistry()
+    # The controller state first: reading it starts every experiment's event series at 0
+    # (start_event_series), before the event metrics are collected. Adds pasto_database_up; an outage
+    # does not fail the scrape.
+    registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         MultiProcessCollector(registry)
     else:
         registry.register(PROCESS_REGISTRY)
-    # Adds pasto_database_up; an outage does not fail the scrape.
-    registry.register(DatabaseGuardedCollector(ControllerCollector(app), get_db(app)))
     return registry
 
 
@@ -521,6 +547,7 @@ def init_app(app: Flask) -> None:
     """Count requests and listen to the service's events (``GET /metrics`` is ``service.routes.monitoring``)."""
     app.before_request(_start_timer)
     app.after_request(_count_request)
+    events.created.connect(record_created)
     events.assigned.connect(record_assignments)
     events.observed.connect(record_observations)
     events.round_closed.connect(record_round_closed)

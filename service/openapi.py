@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
@@ -63,8 +64,9 @@ _ARCHIVED_PARAMETER = {
     "schema": {"type": "string", "enum": ["true", "false"]},
 }
 _LIMIT_PARAMETER = {
-    "name": "limit", "in": "query", "required": False, "description": "At most this many rounds (default 200,000 / K, from 1 to 1,000).",
-    "schema": {"type": "integer", "minimum": 1},
+    "name": "limit", "in": "query", "required": False,
+    "description": "At most this many rounds, 1 to 1,000 (default 200,000 / K, within the same bounds).",
+    "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
 }
 
 _ARMS_PARAMETER = {
@@ -230,6 +232,81 @@ def _ofrep_paths() -> dict[str, Any]:
     return {"/ofrep/v1/evaluate/flags/{key}": {"post": single}, "/ofrep/v1/evaluate/flags": {"post": bulk}}
 
 
+#: Operation ids of the operations whose derived id (:func:`_derived_operation_id`) reads worse than a
+#: name: generated clients name their methods after them.
+_OPERATION_IDS = {
+    ("get", "/healthz"): "getHealth",
+    ("get", "/metrics"): "getMetrics",
+    ("get", "/api/v1/openapi.json"): "getOpenApiDocument",
+    ("get", "/api/v1/experiments"): "listExperiments",
+    ("post", "/api/v1/experiments"): "createExperiment",
+    ("get", "/api/v1/experiments/{name}"): "getExperiment",
+    ("delete", "/api/v1/experiments/{name}"): "deleteExperiment",
+    ("post", "/api/v1/experiments/{name}/assign"): "assign",
+    ("post", "/api/v1/experiments/{name}/observations"): "ingestObservations",
+    ("post", "/api/v1/experiments/{name}/statistics"): "ingestStatistics",
+    ("get", "/api/v1/experiments/{name}/rounds"): "listRounds",
+    ("post", "/api/v1/experiments/{name}/rounds"): "closeRound",
+    ("get", "/api/v1/experiments/{name}/events"): "listEvents",
+    ("get", "/api/v1/experiments/{name}/diagnostics"): "getDiagnostics",
+    ("post", "/api/v1/experiments/{name}/pause"): "pauseExperiment",
+    ("post", "/api/v1/experiments/{name}/resume"): "resumeExperiment",
+    ("post", "/api/v1/experiments/{name}/stop"): "stopExperiment",
+    ("post", "/api/v1/experiments/{name}/archive"): "archiveExperiment",
+}
+_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+
+def _derived_operation_id(method: str, path: str) -> str:
+    """``method`` and the path's literal segments in camelCase, without the version prefix and the
+    path parameters: ``GET /api/v1/experiments/{name}/diagnostics`` -> ``getExperimentsDiagnostics``."""
+    words = [method]
+    for segment in path.strip("/").split("/"):
+        if segment.startswith("{") or segment == "api" or re.fullmatch(r"v\d+", segment):
+            continue
+        words += [word for word in re.split(r"[^A-Za-z0-9]+", segment) if word]
+    return words[0] + "".join(word[:1].upper() + word[1:] for word in words[1:])
+
+
+def _with_operation_ids(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every operation gets an ``operationId`` (its own, one of :data:`_OPERATION_IDS`, or derived); a
+    duplicate is a programming error."""
+    seen: dict[str, tuple[str, str]] = {}
+    for path, item in paths.items():
+        for method in _METHODS:
+            operation = item.get(method)
+            if operation is None:
+                continue
+            operation_id = operation.setdefault(
+                "operationId", _OPERATION_IDS.get((method, path)) or _derived_operation_id(method, path))
+            if operation_id in seen:
+                raise RuntimeError(f"operationId {operation_id!r} of {method.upper()} {path} is also that of "
+                                   f"{seen[operation_id][0].upper()} {seen[operation_id][1]}.")
+            seen[operation_id] = (method, path)
+    return paths
+
+
+def _strict_property_names(schema: Any) -> Any:
+    """A map whose keys pydantic validates (``dict[MetricName, ...]``) comes out as ``patternProperties``
+    plus ``propertyNames`` without the pattern, which lets any other key through; the server refuses
+    such keys. Published instead as ``propertyNames`` with the pattern (every key must match) and
+    ``additionalProperties`` with the value schema: as strict, and what client generators read (they
+    ignore ``patternProperties`` and would drop the values)."""
+    if isinstance(schema, dict):
+        patterns = schema.get("patternProperties")
+        if isinstance(patterns, dict) and len(patterns) == 1 and "additionalProperties" not in schema:
+            ((pattern, values),) = patterns.items()
+            del schema["patternProperties"]
+            schema["propertyNames"] = {**schema.get("propertyNames", {}), "pattern": pattern}
+            schema["additionalProperties"] = values
+        for value in schema.values():
+            _strict_property_names(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            _strict_property_names(value)
+    return schema
+
+
 @functools.cache
 def _document() -> dict[str, Any]:
     _, generated = models_json_schema(
@@ -240,7 +317,7 @@ def _document() -> dict[str, Any]:
         + [(model, "serialization") for model in ofrep.RESPONSE_MODELS],
         ref_template=_REF,
     )
-    components = generated["$defs"]
+    components = _strict_property_names(generated["$defs"])
     return {
         "openapi": "3.1.0",
         "info": {"title": "pasto controller API", "version": API_VERSION,
@@ -251,7 +328,7 @@ def _document() -> dict[str, Any]:
             "schemas": components,
         },
         "security": [{"bearerAuth": []}],
-        "paths": {**_paths(), **_ofrep_paths()},
+        "paths": _with_operation_ids({**_paths(), **_ofrep_paths()}),
     }
 
 

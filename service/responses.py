@@ -28,7 +28,9 @@ def _finite_or_none(value: Any) -> Any:
 #: A number, or null where it is undefined or not finite.
 Finite = Annotated[Number | None, BeforeValidator(_finite_or_none)]
 Timestamp = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
-OptionalTimestamp = Annotated[str | None, Field(json_schema_extra={"format": "date-time"})]
+#: ``anyOf: [{type: string, format: date-time}, {type: null}]``: the format on the string member, where
+#: generators read it (beside ``anyOf`` they type the field as a plain string).
+OptionalTimestamp = Timestamp | None
 
 
 class _Response(BaseModel):
@@ -190,8 +192,9 @@ class Guardrail(_Response):
     relative_to: str | None = Field(description="The arm the threshold is relative to, if any.")
     estimate: Finite
     interval: list[Finite] = Field(description="95% interval of the estimate.")
-    holds: bool
-    confidently_holds: bool = Field(description="The whole interval is above the threshold.")
+    holds: bool | None = Field(description="The estimate is at or above the threshold; null before any observation.")
+    confidently_holds: bool | None = Field(
+        description="The whole interval is above the threshold; null before any observation.")
 
 
 class RoundSegments(_Response):
@@ -352,7 +355,7 @@ class Diagnostics(_Response):
     round: int
     objective: MixtureValues
     best_mixture: BestMixture
-    best_single: BestSingle
+    best_single: BestSingle | None = Field(description="Null before the first observation.")
     mixing_gain: Finite
     regret: Regret
     guardrails: list[Guardrail] = Field(description="Each guardrail under the deployed mixture (as guardrails_deployed).")

@@ -5,8 +5,8 @@ Rounds are closed by a separate ``pasto worker`` process in that setup.
 
 import logging
 
-from service import create_app, freeze_startup_heap
-from service.db import is_unavailable_error
+from . import create_app, freeze_startup_heap
+from .db import is_unavailable_error
 
 log = logging.getLogger(__name__)
 

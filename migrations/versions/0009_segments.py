@@ -1,4 +1,4 @@
-"""Per-segment mixtures (issue 17): the segment dimension of the statistics, in tables of its own.
+"""Per-segment mixtures: the segment dimension of the statistics, in tables of its own.
 
 Segmented experiments keep writing the unsegmented tables (``round_statistics``, ``pooled_statistics``,
 ``late_statistics``, ``arm_round_counts``) with every segment summed, so the round history, the

@@ -27,6 +27,7 @@ from pasto.serving import check_objective
 from pasto.objectives import Objective
 from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
 
+from .. import events as signals
 from .. import store
 from ..cache import Snapshot, get_cache
 from ..db import get_db
@@ -215,7 +216,9 @@ def create(body: ExperimentCreate) -> Snapshot:
                 segment_probabilities=segment_probabilities)
     except store.ExperimentExists:
         raise ApiError(409, "conflict", f"An experiment named {body.name!r} already exists.") from None
-    return get_cache().get(body.name, fresh=True)
+    snapshot = get_cache().get(body.name, fresh=True)
+    signals.created.send(snapshot)  # e.g. the Prometheus counters start at 0 (service.monitoring)
+    return snapshot
 
 
 def list_all(archived: bool = False) -> list[Snapshot]:

@@ -45,7 +45,8 @@ def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: Contr
         "objective": finite(report.served.value),
         "objective_deployed": finite(report.deployed.value),
         "best_mixture": finite(report.best_mixture_value),
-        "best_single": {"arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
+        "best_single": None if report.best_single_arm is None else {
+            "arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
         "regret": finite(report.served.regret),
         # "guardrails": the traffic served in the round (what users got); "guardrails_deployed": the
         # mixture recommended after its update (rows stored before this key have only the first).
@@ -653,8 +654,9 @@ class HealthReport:
 
 def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None, tuple]:
     """(schema revision, newest scheduler heartbeat or None, failing metric sources)."""
-    import migrations
+    from .. import migrations_package
 
+    migrations = migrations_package()
     current = migrations.current_revision(database.engine)
     if current != head:
         return current, None, ()
@@ -692,8 +694,9 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
     the report says unreachable at once while the check finishes in the background. Later calls wait
     for that same check rather than start another, so a stalled database never piles up checks.
     """
-    import migrations
+    from .. import migrations_package
 
+    migrations = migrations_package()
     head = migrations.head_revision()
     database = get_db()
     with _checks_lock:

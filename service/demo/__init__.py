@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import webbrowser
 from pathlib import Path
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             server.stop()
-    console.say_while_stopping(f"Stopped after {stats.sessions:,} sessions; run `pasto demo` again to resume.")
+    # `make run` says how it started the demo (PASTO_DEMO_COMMAND), so the hint names what the user typed.
+    again = os.environ.get("PASTO_DEMO_COMMAND") or "pasto demo"
+    console.say_while_stopping(f"Stopped after {stats.sessions:,} sessions; run `{again}` again to resume.")
     return 0
 

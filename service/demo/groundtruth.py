@@ -27,7 +27,7 @@ from pasto.scenario import Scenario
 
 SCENARIO = "demo"
 
-# The scenario's guardrails are hard: constraints the safe-serving controller of issue 14 keeps, and
+# The scenario's guardrails are hard: constraints the safe-serving controller keeps, and
 # the demo's experiment uses them as they are. Earlier demos made them soft penalties
 # lambda * shortfall^2 large enough to act as a limit (these; an experiment created with them is
 # paused and replaced at startup, and check_scenario still accepts penalties to compare). At these

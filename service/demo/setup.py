@@ -22,7 +22,7 @@ TOKENS_FILE = "demo-tokens.json"
 # deployed mixture from the optimum (5.14 minutes, like rate 0.060) to about 4.5-4.7 minutes and a
 # like rate of 0.075 for the 4 rounds out of 5 without a solve. Solving every round (20 arms: a few
 # milliseconds) keeps the deployed mixture at the hedged optimum each round.
-# Safe serving (issue 14): the served traffic, exploration included, keeps the hard guardrails' 95%
+# Safe serving: the served traffic, exploration included, keeps the hard guardrails' 95%
 # lower bounds, padding with the production blend while no mixture is known to keep them.
 ALGORITHM = {"preset": "default", "solve_every": 1, "serving": "safe"}
 
@@ -30,10 +30,10 @@ ALGORITHM = {"preset": "default", "solve_every": 1, "serving": "safe"}
 def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
     """Migrate the database and ensure the demo's tokens; returns (database URL, instance folder,
     admin token, read token)."""
-    import migrations
-
-    from .. import create_app
+    from .. import create_app, migrations_package
     from ..db import check_connection, get_db
+
+    migrations = migrations_package()
 
     overrides: dict = {"PASTO_CHECK_SCHEMA": False}
     if instance is not None and not os.environ.get("PASTO_DATABASE_URL"):
@@ -87,7 +87,7 @@ def _same_settings(experiment: dict, scenario: Scenario) -> bool:
     """Whether ``experiment`` (as the API returns it) has the objective and algorithm this demo creates.
 
     The algorithm is compared option by option; a ``preset`` key is left out, as the server may or
-    may not echo the preset name beside the options it resolved (issue 13 drops it).
+    may not echo the preset name beside the options it resolved.
     """
     overrides = dict(ALGORITHM)
     preset = overrides.pop("preset")

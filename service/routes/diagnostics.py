@@ -30,12 +30,19 @@ def diagnostics(name: str):
     def per_arm(values) -> list:
         return values.tolist() if selection is None else selection.keep(values)
 
+    # A metric no arm has an observation of has no estimate (null), not the estimator's stand-in; once
+    # some arms have data, an unobserved arm's mean is the documented fill-in and its standard error null.
+    unobserved = ~np.asarray(diagnostics.observed, dtype=bool).any(axis=-1, keepdims=True)
+    means = np.where(unobserved, np.nan, report.estimate.means)
+    errors = np.where(unobserved, np.nan, report.estimate.standard_errors)
+
     return respond(Diagnostics(
         round=snapshot.round_index,
         objective=MixtureValues(probabilities=report.served.value, deployed=report.deployed.value),
         best_mixture=BestMixture(probabilities=per_arm(report.best_mixture), value=report.best_mixture_value,
                                  shadow_prices=[ShadowPrice(**item) for item in json_safe(list(report.shadow_prices))]),
-        best_single=BestSingle(arm=snapshot.arm_names[report.best_single_arm], value=report.best_single_value),
+        best_single=None if report.best_single_arm is None else BestSingle(
+            arm=snapshot.arm_names[report.best_single_arm], value=report.best_single_value),
         mixing_gain=report.mixing_gain,
         regret=Regret(cumulative=float(sum(value for value in diagnostics.regret_per_round if value is not None)),
                       per_round=diagnostics.regret_per_round),
@@ -47,8 +54,8 @@ def diagnostics(name: str):
         late_observations=diagnostics.late_observations,
         units=per_arm(diagnostics.units.astype(int)),
         estimate=EstimateView(
-            means={metric: per_arm(report.estimate.means[m]) for m, metric in enumerate(metrics)},
-            standard_errors={metric: per_arm(report.estimate.standard_errors[m]) for m, metric in enumerate(metrics)},
+            means={metric: per_arm(means[m]) for m, metric in enumerate(metrics)},
+            standard_errors={metric: per_arm(errors[m]) for m, metric in enumerate(metrics)},
         ),
         source_error=None if diagnostics.source_error is None else SourceErrorView(**diagnostics.source_error),
         **({"segments": segments_kept(diagnostics.segments, selection)} if diagnostics.segments is not None else {}),

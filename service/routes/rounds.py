@@ -60,7 +60,7 @@ def list_rounds(name: str):
     now (:func:`.experiments.summary_arms`). The default page size counts K arms either way: the server
     reads every arm of each round (the summary is cut from them), so that is what bounds its memory."""
     since = query_integer("since", 0, 0, MAX_ROUND_INDEX)
-    limit = query_integer("limit", None, 1)
+    limit = query_integer("limit", None, 1, MAX_DEFAULT_PAGE_ROUNDS)  # the OpenAPI document's maximum too
     arms = summary_arms()
     if limit is None:
         limit = default_page_rounds(reports.arm_count(name))

@@ -23,7 +23,7 @@ def test_measure_reports_every_row(bench):
         "pasto LocalAssigner.assign_many (batches of 100)",
         "growthbook hash+choose (gbhash v1 + chooseVariation)",
         "growthbook GrowthBook.run()",
-        # the exposure log's overhead (issue 16): wall-clock and CPU time, with and without a sink
+        # the exposure log's overhead: wall-clock and CPU time, with and without a sink
         "pasto LocalAssigner.assign [cpu]",
         "pasto LocalAssigner.assign + JSON-lines sink",
         "pasto LocalAssigner.assign + JSON-lines sink [cpu]",

@@ -61,15 +61,15 @@ def test_a_tiny_pass_reports_every_row_and_the_paper_reference(bench, tmp_path, 
 def test_the_serving_subsection_is_replaced_alone_and_kept_by_full_runs(bench, tmp_path):
     path = tmp_path / "benchmarks.md"
     path.write_text("# Benchmarks\n\n## Convergence\n\nold table\n\n## Serving\n\nfigures B\n")
-    bench.write_serving_subsection("### Safe serving (issue 14)\n\nrows 1\n", path)
+    bench.write_serving_subsection("### Safe serving\n\nrows 1\n", path)
     assert path.read_text() == (
-        "# Benchmarks\n\n## Convergence\n\n### Safe serving (issue 14)\n\nrows 1\n\nold table\n\n## Serving\n\nfigures B\n"
+        "# Benchmarks\n\n## Convergence\n\n### Safe serving\n\nrows 1\n\nold table\n\n## Serving\n\nfigures B\n"
     )
-    bench.write_serving_subsection("### Safe serving (issue 14)\n\nrows 2\n", path)
+    bench.write_serving_subsection("### Safe serving\n\nrows 2\n", path)
     assert "rows 2" in path.read_text() and "rows 1" not in path.read_text()
     bench.write_section("## Convergence\n\nnew table\n", path)
     assert path.read_text() == (
-        "# Benchmarks\n\n## Convergence\n\n### Safe serving (issue 14)\n\nrows 2\n\nnew table\n\n## Serving\n\nfigures B\n"
+        "# Benchmarks\n\n## Convergence\n\n### Safe serving\n\nrows 2\n\nnew table\n\n## Serving\n\nfigures B\n"
     )
 
 
@@ -97,7 +97,7 @@ def test_a_tiny_serving_pass_reports_served_and_deployed_figures_and_the_targets
     monkeypatch.setattr(bench, "load_scenario", early_drift)
     assert bench.main(["--serving", "--runs", "2", "--workers", "1"]) == 0
     text = docs.read_text()
-    assert "### Safe serving (issue 14)" in text and "old table" in text
+    assert "### Safe serving" in text and "old table" in text
     assert "| demo | default | 25 |" in text and "| demo | thompson | 25 |" in text
     assert "| demo: served holds every hard guardrail in >= 97% of (run, round) pairs after round 20 |" not in text
     assert "| drift: deployed mean r >= 0.9 within 300 rounds of the change (round 70) |" in text

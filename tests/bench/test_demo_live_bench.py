@@ -1,4 +1,4 @@
-"""bench/demo_live.py and bench/demo_served_replica.py: the live check of issue 14 and its offline replica.
+"""bench/demo_live.py and bench/demo_served_replica.py: the live demo check and its offline replica.
 
 Short runs only: each script applies the demo's true means to the served mixtures and reports per
 round. Round 0 serves the uniform mixture, whose true like rate is 0.0540 < 0.06 (the mean of the 20

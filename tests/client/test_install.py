@@ -74,6 +74,17 @@ def test_the_client_alone_installs_without_the_service_stack_and_assigns_like_th
     assert {"pasto", "numpy", "scipy", "requests"} <= installed
     assert installed & SERVICE_ONLY == set(), f"the client install pulled {sorted(installed & SERVICE_ONLY)}"
     assert "pyarrow" not in installed  # the Parquet exposure sink's optional `parquet` extra
+    # Only pasto's own names at the top of site-packages: the service and its migrations are inside
+    # `pasto` (pasto.service, pasto.migrations), never a generic `service` or `migrations`.
+    top_level = subprocess.run([python, "-c", "from importlib.metadata import distribution; "
+                                "print(distribution('pasto').read_text('top_level.txt'))"],
+                               capture_output=True, text=True, timeout=120, check=True, env=env, cwd=tmp_path)
+    assert sorted(top_level.stdout.split()) == ["pasto", "pasto_client"]
+    shipped = subprocess.run([python, "-c", "import importlib.util as u; print([u.find_spec(n) is None for n in "
+                              "('service', 'migrations')], u.find_spec('pasto.service') is not None, "
+                              "u.find_spec('pasto.migrations') is not None)"],
+                             capture_output=True, text=True, timeout=120, check=True, env=env, cwd=tmp_path)
+    assert shipped.stdout.split() == ["[True,", "True]", "True", "True"], shipped.stdout
 
     # LocalAssigner from that environment against the live server gives the server's assignments.
     name = create_experiment()
@@ -102,3 +113,15 @@ def test_the_client_alone_installs_without_the_service_stack_and_assigns_like_th
     listing = subprocess.run([pasto, "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert listing.returncode == 0
     assert "(not installed here: needs the service extra)" in listing.stdout
+
+
+def test_every_package_folder_of_the_service_is_in_the_wheel():
+    """pyproject.toml lists the service's packages by hand (a package-dir mapping cannot be found
+    automatically): a new sub-package folder must be listed, or the install would miss it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(("pasto",) + path.parent.relative_to(ROOT).parts)
+               for top in ("service", "migrations") for path in (ROOT / top).rglob("*.py")
+               if "__pycache__" not in path.parts}
+    assert folders <= listed, sorted(folders - listed)

@@ -83,5 +83,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
     examples = [example for path in documentation_files(REPOSITORY)
                 for example in extract_examples(path.read_text(), str(path.relative_to(REPOSITORY)))]
     skipped = [example for example in examples if not example.runnable]
-    terminalreporter.write_line(f"doc tests: {len(examples) - len(skipped)} of {len(examples)} shell/HTTP examples "
+    terminalreporter.write_line(f"doc tests: {len(examples) - len(skipped)} of {len(examples)} shell/Python/HTTP examples "
                                 f"in README.md and docs/*.md run against a live server, {len(skipped)} marked skip")

@@ -1,7 +1,7 @@
-"""Executable documentation: the shell and HTTP examples of README.md and docs/*.md, run verbatim.
+"""Executable documentation: the shell, Python and HTTP examples of README.md and docs/*.md, run verbatim.
 
 :func:`extract_examples` finds every fenced block whose info string is ``sh``, ``bash``, ``shell``,
-``console`` or ``http``. A block that cannot run here carries a marker on the line right before its
+``console``, ``python`` (``py``, ``python3``) or ``http``. A block that cannot run here carries a marker on the line right before its
 fence (blank lines between are allowed)::
 
     <!-- doctest: skip (needs PostgreSQL at an operator's host) -->
@@ -14,6 +14,11 @@ and is counted as skipped; the reason is required. Every other block is run by :
   worktree). The blocks of one markdown file share their exported environment, in document order,
   as a reader pasting them into one terminal would.
 * ``console``: the lines after a ``$ `` prompt (with their ``\\`` continuations), the rest is output.
+* ``python``: the block's text, as it stands, in one Python interpreter per markdown file (the
+  test's own, in the shadow checkout, with the shared environment at the file's first Python block):
+  the blocks of a file share their names, as a reader's session would. The placeholders a reader
+  replaces, ``<ingest token>``, ``<read token>`` and ``<admin token>``, stand for the live server's
+  tokens, and the documentation's local address goes to the live server (as for ``curl`` below).
 * ``http``: a request line (``POST /api/v1/... HTTP/1.1``), headers, a blank line and a body,
   ``$VAR``/``${VAR}`` expanded from the shared environment, sent to the live server.
 
@@ -26,11 +31,15 @@ the docs describe the default port, and tests must not take a fixed one.
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +48,10 @@ import requests
 
 #: Info strings of the fenced blocks that are examples to run.
 SHELL_LANGUAGES = frozenset({"sh", "bash", "shell"})
-RUNNABLE_LANGUAGES = SHELL_LANGUAGES | {"console", "http"}
+PYTHON_LANGUAGES = frozenset({"python", "py", "python3"})
+RUNNABLE_LANGUAGES = SHELL_LANGUAGES | PYTHON_LANGUAGES | {"console", "http"}
+#: Placeholders of the documentation's Python examples -> the environment variable holding the value.
+PLACEHOLDERS = {"<ingest token>": "INGEST", "<read token>": "READ", "<admin token>": "ADMIN"}
 #: How long one block may take: README's simulator block needs ~20 s of CPU (1,000 + 200 Monte-Carlo
 #: runs), which took 150-430 s of wall time on the 2-core machine shared by eight busy sessions; the
 #: limit sits just under pytest's per-test timeout (600 s, pyproject.toml) so a hang is reported here.
@@ -74,7 +86,7 @@ class Example:
 
 
 def extract_examples(markdown: str, path: str) -> list[Example]:
-    """Every ``sh``/``bash``/``shell``/``console``/``http`` fenced block of ``markdown``, in order."""
+    """Every ``sh``/``bash``/``shell``/``console``/``python``/``http`` fenced block of ``markdown``, in order."""
     lines = markdown.splitlines()
     examples: list[Example] = []
     position = 0
@@ -197,6 +209,26 @@ class DocRunner:
         (shim_dir / "curl").chmod(0o755)
         path = os.pathsep.join([str(shim_dir), *map(str, bin_dirs), environment.get("PATH", os.defpath)])
         self.environment = {**environment, "PATH": path, "DOCTEST_HTTP_FAILURES": str(self._failures)}
+        self._python: subprocess.Popen | None = None
+        self._python_executable = next((str(Path(d) / "python") for d in bin_dirs if (Path(d) / "python").exists()),
+                                       sys.executable)
+
+    def close(self) -> None:
+        """Stop the file's Python interpreter, if a Python block started one."""
+        if self._python is not None:
+            self._python.stdin.close()
+            try:
+                self._python.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._python.kill()
+                self._python.wait()
+            self._python = None
+
+    def __enter__(self) -> "DocRunner":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def run(self, example: Example) -> BlockResult:
         if not example.runnable:
@@ -204,6 +236,8 @@ class DocRunner:
         self._failures.write_text("")
         if example.language == "http":
             result = self._run_http(example)
+        elif example.language in PYTHON_LANGUAGES:
+            result = self._run_python(example)
         else:
             script = example.text if example.language in SHELL_LANGUAGES else console_commands(example.text)
             result = self._run_shell(example, script)
@@ -226,6 +260,37 @@ class DocRunner:
             self.environment = dict(entry.split("=", 1) for entry in saved if "=" in entry)
         return BlockResult(example, completed.returncode, completed.stdout + completed.stderr)
 
+    def _python_source(self, text: str) -> str:
+        for placeholder, variable in PLACEHOLDERS.items():
+            if variable in self.environment:
+                text = text.replace(placeholder, self.environment[variable])
+        return re.sub(rf"https?://(?:127\.0\.0\.1|localhost):{DOCUMENTED_PORT}", self.live_url, text)
+
+    def _run_python(self, example: Example) -> BlockResult:
+        if self._python is None:
+            self._python = subprocess.Popen([self._python_executable, "-u", "-c", _PYTHON_DRIVER], cwd=self.checkout,
+                                            env=self.environment, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True)
+        self._python.stdin.write(json.dumps({"source": self._python_source(example.text),
+                                             "name": str(example)}) + "\n")
+        self._python.stdin.flush()
+        # The answer is the driver's last line; a block's own threads may print before it.
+        lines: list[str] = []
+        answer: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=lambda: answer.put(_read_until_answer(self._python.stdout, lines)),
+                                  daemon=True)
+        reader.start()
+        try:
+            returncode = answer.get(timeout=BLOCK_TIMEOUT_SECONDS)
+        except queue.Empty:
+            self._python.kill()
+            self._python = None
+            return BlockResult(example, -1, "".join(lines) + f"\n(timed out after {BLOCK_TIMEOUT_SECONDS} s)")
+        if returncode is None:  # the interpreter exited (the block called sys.exit or crashed it)
+            self._python = None
+            return BlockResult(example, -1, "".join(lines) + "\n(the Python interpreter exited)")
+        return BlockResult(example, returncode, "".join(lines))
+
     def _run_http(self, example: Example) -> BlockResult:
         head, _, body = example.text.partition("\n\n")
         request_line, *header_lines = _expand(head, self.environment).splitlines()
@@ -238,6 +303,35 @@ class DocRunner:
                                   timeout=60)
         failures = [f"{method} {target} answered {answer.status_code}"] if answer.status_code >= 400 else []
         return BlockResult(example, 0, f"{answer.status_code}\n{answer.text}", failures)
+
+
+_ANSWER = "\x00doctest-python-block-done "
+
+#: Runs each JSON line ``{"source", "name"}`` of stdin in one namespace; prints the block's output,
+#: then ``_ANSWER`` and 0 or 1 on a line of its own.
+_PYTHON_DRIVER = f"""
+import json, sys, traceback
+namespace = {{"__name__": "__main__"}}
+for line in sys.stdin:
+    block = json.loads(line)
+    try:
+        exec(compile(block["source"], block["name"], "exec"), namespace)
+        status = 0
+    except BaseException:
+        traceback.print_exc(file=sys.stdout)
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print({_ANSWER!r} + str(status), flush=True)
+"""
+
+
+def _read_until_answer(stream, lines: list[str]) -> int | None:
+    for line in stream:
+        if line.startswith(_ANSWER):
+            return int(line[len(_ANSWER):])
+        lines.append(line)
+    return None
 
 
 def _expand(text: str, environment: Mapping[str, str]) -> str:

@@ -1,4 +1,4 @@
-"""Every shell and HTTP example of README.md and docs/*.md runs, verbatim, against a live server.
+"""Every shell, Python and HTTP example of README.md and docs/*.md runs, verbatim, against a live server.
 
 An example that drifts from the code (a renamed command, a field the API now rejects, an example
 body that is a 422) fails here. Blocks that cannot run here say why in a
@@ -26,13 +26,13 @@ def examples_of(relative_path: str) -> list[Example]:
 
 def run_examples(examples: list[Example], server, tmp_path: Path) -> tuple[int, list[str]]:
     """Run the runnable ones in order (they share exported variables); returns (run, failure reports)."""
-    runner = DocRunner(REPOSITORY, tmp_path / "run", server.environment, server.url, bin_dirs=[BIN])
     failures = []
     runnable = [example for example in examples if example.runnable]
-    for example in runnable:
-        result = runner.run(example)
-        if not result.ok:
-            failures.append(result.describe())
+    with DocRunner(REPOSITORY, tmp_path / "run", server.environment, server.url, bin_dirs=[BIN]) as runner:
+        for example in runnable:
+            result = runner.run(example)
+            if not result.ok:
+                failures.append(result.describe())
     return len(runnable), failures
 
 
@@ -44,15 +44,59 @@ def test_the_documentation_has_examples_and_every_marker_is_valid():
         assert example.runnable or example.skip_reason.strip(), example
 
 
+#: Pages whose examples run against the live demo's experiment (``pasto demo``'s ``demo-ranking``,
+#: created on the doc server as the demo creates it, as a reader beside ``make run`` has it) and the
+#: reader's own ``feed-ranking`` of the same arms and metrics.
+ON_THE_DEMO = {"docs/client.md"}
+
+
+def create_the_demo_experiment(server) -> None:
+    from pasto_client import Client
+    from service.demo import ensure_experiment, load_demo_scenario
+
+    with Client(server.url, server.environment["ADMIN"]) as client:
+        assert ensure_experiment(client, load_demo_scenario(), round_seconds=3600) == "demo-ranking"
+        demo = client.get_experiment("demo-ranking")
+        client.create_experiment(name="feed-ranking", arms=demo["arms"], metrics=demo["metrics"],
+                                 objective=demo["objective"], round_seconds=3600)
+
+
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_every_example_runs(document, request, tmp_path):
     examples = examples_of(document)
+    # A page without a runnable block passes only when each of its blocks says why it cannot run
+    # (test_the_documentation_has_examples_and_every_marker_is_valid); it is not skipped.
+    assert all(example.runnable or example.skip_reason for example in examples)
     if not any(example.runnable for example in examples):
-        pytest.skip(f"{document} has no runnable shell or HTTP example "
-                    f"({len(examples)} marked skip)")
+        return
     doc_server = request.getfixturevalue("doc_server")  # a server only for a page with something to run
-    _, failures = run_examples(examples, doc_server, tmp_path)
+    if document in ON_THE_DEMO:
+        create_the_demo_experiment(doc_server)
+    ran, failures = run_examples(examples, doc_server, tmp_path)
+    assert ran == sum(example.runnable for example in examples)
     assert not failures, "\n\n".join(failures)
+
+
+def test_a_planted_error_in_the_client_page_fails(doc_server, tmp_path):
+    """docs/client.md's recommender example with the experiment's name misspelt: the run reports it."""
+    text = (REPOSITORY / "docs/client.md").read_text()
+    planted = text.replace('LocalAssigner(client, "demo-ranking")', 'LocalAssigner(client, "demo-rankin")', 1)
+    assert planted != text
+    create_the_demo_experiment(doc_server)
+    examples = extract_examples(planted, "docs/client.md")
+    assert any(example.language == "python" and example.runnable for example in examples)
+    _, failures = run_examples(examples, doc_server, tmp_path)
+    assert failures and "demo-rankin" in failures[0] and "PastoAPIError" in failures[0], failures
+
+
+def test_a_python_block_shares_names_with_the_next_and_reports_its_exception(doc_server, tmp_path):
+    page = ("```python\nfrom pasto_client import Client\nclient = Client('http://127.0.0.1:8000', token='<read token>')\n```\n\n"
+            "```python\nprint(client.health()['status'])\n```\n\n```python\nundefined_name\n```\n")
+    examples = extract_examples(page, "page.md")
+    with DocRunner(REPOSITORY, tmp_path / "run", doc_server.environment, doc_server.url, bin_dirs=[BIN]) as runner:
+        first, second, third = (runner.run(example) for example in examples)
+    assert first.ok and second.ok and "ok" in second.output, second.describe()
+    assert not third.ok and "NameError" in third.output
 
 
 # ------------------------------------------------------------------------------ the harness itself

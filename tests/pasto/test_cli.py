@@ -125,7 +125,11 @@ def test_entry_point_in_a_subprocess_never_imports_the_web_stack(tmp_path):
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert module.returncode == 0, module.stderr
-    assert "scenario setup-b" in module.stdout and "best mixture" not in module.stdout
+    # Drawn means: the reference line is the mean over the runs (fixed means print their own).
+    assert "scenario setup-b" in module.stdout
+    assert module.stdout.splitlines()[1].startswith("best single arm f = ")
+    assert "best mixture f = " in module.stdout and "means over the runs' drawn true means" in module.stdout
+    assert module.stderr == ""  # --quiet: no progress report
 
 
 def test_simulate_help_shows_an_example(capsys):
@@ -149,3 +153,27 @@ def test_the_plot_says_what_is_drawn_and_why_early_rounds_dip(tmp_path, capsys):
     assert "Drawn: f(mu p_hat) of the deployed mixture under the true means" in svg
     assert "Round 1 deploys the uniform mixture" in svg and "dip before the estimates sharpen" in svg
     assert "lowest: " in svg and "25th-75th percentile" in svg and "paper (mean over runs)" in svg
+
+
+def test_a_long_run_reports_progress_on_stderr_when_it_is_not_a_terminal(capsys):
+    # setup-b draws its means per run, so it is a long run whatever its size: progress without a terminal
+    # is one line per tenth of each phase (optima, rounds), on stderr; the table is on stdout.
+    assert main(["simulate", "setup-b", "--runs", "2", "--rounds", "20"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines and all(line.startswith("setup-b/default: ") for line in lines)
+    assert lines[-1].startswith("setup-b/default: 20/20 rounds") and "\r" not in captured.err
+    assert "2/2 runs' optima solved" in captured.err
+    assert "scenario setup-b" in captured.out and "setup-b/default" not in captured.out
+
+
+def test_simulate_help_lists_every_shipped_scenario_and_algorithm(capsys):
+    from pasto.cli import packaged_scenarios
+    from pasto.simulate import ALGORITHMS
+
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    text = capsys.readouterr().out
+    for name in [*packaged_scenarios(), *ALGORITHMS]:
+        assert f"\n  {name} " in text or f"\n  {name}\n" in text, name
+    assert len(packaged_scenarios()) >= 10 and "default" in ALGORITHMS

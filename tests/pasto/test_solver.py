@@ -160,8 +160,8 @@ def test_two_soft_guardrails_at_large_penalties_match_enumeration(lam):
 
 
 def test_regression_lambda_2e7_instance_mirror_ascent_got_wrong():
-    # Issue 14: at lambda = 2e7 the former best_mixture (mirror ascent + SLSQP) returned 0.634828
-    # here (seed 34 of the issue's draw: K = 7, two guardrails at 0.5); the optimum is 0.676257.
+    # At lambda = 2e7 a mirror ascent + SLSQP solver returned 0.634828
+    # here (seed 34 of a random draw: K = 7, two guardrails at 0.5); the optimum is 0.676257.
     objective = _objective(["soft", "soft"], [2e7, 2e7], [0.5, 0.5])
     rng = np.random.default_rng(34)
     k = int(rng.integers(5, 51))

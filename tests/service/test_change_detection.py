@@ -1,4 +1,4 @@
-"""Change detection in the service's rounds (issue 14): the default preset re-learns when the means change."""
+"""Change detection in the service's rounds: the default preset re-learns when the means change."""
 
 from __future__ import annotations
 

@@ -284,17 +284,18 @@ def test_the_service_declares_every_command_it_parses():
 
 
 def test_service_commands_without_the_service_give_a_clear_error(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "service", None)
-    monkeypatch.setitem(sys.modules, "service.cli", None)
+    # Installed, the service is pasto.service (pyproject.toml): the entry points name pasto.service.cli.
+    monkeypatch.setitem(sys.modules, "pasto.service", None)
+    monkeypatch.setitem(sys.modules, "pasto.service.cli", None)
     assert pasto_main(["serve", "--port", "5000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "the command 'serve' comes from the module 'service.cli', which is not installed" in err
+    assert "the command 'serve' comes from the module 'pasto.service.cli', which is not installed" in err
     assert "`pip install '.[service]'`" in err and "pasto simulate" in err
 
 
 def test_service_commands_without_a_dependency_say_to_install_the_service_extra(monkeypatch, capsys):
-    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
+    monkeypatch.delitem(sys.modules, "pasto.service.cli", raising=False)
     monkeypatch.setitem(sys.modules, "flask", None)  # service.cli imports flask first
     assert pasto_main(["serve", "--port", "5000"]) == 2
     err = capsys.readouterr().err
@@ -306,7 +307,7 @@ def test_service_commands_without_a_dependency_say_to_install_the_service_extra(
 
 def test_help_without_the_service_extra_still_lists_every_command(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "100")
-    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
+    monkeypatch.delitem(sys.modules, "pasto.service.cli", raising=False)
     monkeypatch.setitem(sys.modules, "flask", None)
     with pytest.raises(SystemExit) as info:
         pasto_main(["--help"])

@@ -317,7 +317,7 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
         for index, (diagnostics, deployed) in sorted(by_round.items()):
             deployed = np.asarray(deployed)
             # Judged on the ground truth, not on the estimates. On the estimates the test once failed
-            # (deployed 4.755 against 70% of the gain, 4.857; issue 18), and it fails in about 1% of
+            # (deployed 4.755 against 70% of the gain, 4.857), and it fails in about 1% of
             # the runs of an offline replica of this window (bench/demo_test_bounds.py --estimates:
             # 2 of 300): the estimated best mixture and best single blend are maxima over noisy
             # estimates (biased upward), the deployed mixture hedges against that noise by design,
@@ -327,7 +327,7 @@ def test_demo_runs_resumes_and_learns_a_winning_mixture(tmp_path):
             # (bench/demo_test_bounds.py --runs 4000 at 300, 630 and 1,000 sessions per round):
             # the deployed mixture's true watch time had at least 51% of the gain of mixing (0.1%
             # quantile 59%, 1% quantile 68%, median 94%), so half the gain was asked for. With safe
-            # serving (issue 14: hard guardrails on bounds, a baseline below the like-rate threshold
+            # serving (hard guardrails on bounds, a baseline below the like-rate threshold
             # trusted only until refuted) the replica's 300 runs at 630 sessions per round give
             # minimum 22%, 0.1% quantile 23%, 1% quantile 27%, median 89% (24 runs below half), so
             # a fifth is asked for: more than the best single blend, at a fifth of the gain; ...

@@ -1,4 +1,4 @@
-"""The API accepts hard guardrails, a baseline arm and the safe-serving options (issue 14)."""
+"""The API accepts hard guardrails, a baseline arm and the safe-serving options."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-segment mixtures through the API (issue 17): creation, assignment, observations, the round close,
+"""Per-segment mixtures through the API: creation, assignment, observations, the round close,
 diagnostics, and every bad segment input a 4xx naming it."""
 
 from __future__ import annotations

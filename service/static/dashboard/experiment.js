@@ -17,7 +17,6 @@ const TABLE_ROWS = 100;
 // the others into one rest entry (docs/api.md); with at most this many arms it answers in full. At
 // K = 10,000 a full poll was about 3 MB, a summarised one tens of kilobytes.
 const SUMMARY_ARMS = 100;
-const UNRANKED_COLOUR = "#5b6575";
 
 Chart.defaults.font.family = getComputedStyle(document.documentElement).fontFamily;
 Chart.defaults.color = "#5b6575";
@@ -164,15 +163,32 @@ const numberTooltip = { callbacks: { label: (item) => `${item.dataset.label}: ${
 
 // --- panels -------------------------------------------------------------------------------------
 
-// The same arm keeps the same colour in the area chart, the deployed bars and the table.
-function colourMap(series) {
-  const colours = new Map(series.map((entry, position) => [entry.arm, entry.arm === null ? OTHER_COLOUR : PALETTE[position]]));
-  return (arm) => colours.get(arm) ?? UNRANKED_COLOUR;
+// An arm's colour follows its position in the experiment's definition, not its rank: the same arm
+// keeps its colour across refreshes, pages and charts (area chart, deployed bars, arms table). The
+// first arms take the palette; later ones a hue of their own, spread by the golden angle.
+function definitionColour(index) {
+  if (index < PALETTE.length) return PALETTE[index];
+  const hue = (index * 137.508) % 360;
+  const [s, l] = [0.55, 0.45];
+  const a = s * Math.min(l, 1 - l);
+  const channel = (n) => {
+    const k = (n + hue / 30) % 12;
+    const value = l - a * Math.max(-1, Math.min(k - 3, 9 - k, 1));
+    return Math.round(255 * value).toString(16).padStart(2, "0");
+  };
+  return `#${channel(0)}${channel(8)}${channel(4)}`;
+}
+
+// `arm` is a position in experiment.arms (null: the "other" series); a summarised response holds some
+// arms only, and arm_summary.arms gives each one's position in the definition.
+function colourMap(experiment) {
+  return (arm) => (arm === null || arm === undefined ? OTHER_COLOUR
+    : definitionColour(experiment.arm_summary ? experiment.arm_summary.arms[arm] : arm));
 }
 
 function drawMixture(experiment, rounds) {
   const series = mixtureSeries(experiment, rounds, TOP_ARMS);
-  const colourOf = colourMap(series);
+  const colourOf = colourMap(experiment);
   drawChart("chart-mixture", {
     type: "line",
     data: {
@@ -186,7 +202,7 @@ function drawMixture(experiment, rounds) {
       })),
     },
     options: {
-      scales: { x: roundAxis(rounds), y: percentAxis({ stacked: true, title: { display: true, text: "probability" } }) },
+      scales: { x: roundAxis(rounds), y: percentAxis({ stacked: true, title: { display: true, text: "probability p_t (%)" } }) },
       plugins: { tooltip: { callbacks: { label: (item) => `${item.dataset.label}: ${formatPercent(item.parsed.y)}` } } },
     },
   });
@@ -210,7 +226,10 @@ function drawDeployed(experiment, colourOf) {
     options: {
       indexAxis: "y",
       interaction: { mode: "nearest", intersect: true },
-      scales: { x: percentAxis(), y: { ticks: { autoSkip: false } } },
+      scales: {
+        x: percentAxis({ title: { display: true, text: "deployed probability (%)" } }),
+        y: { ticks: { autoSkip: false }, title: { display: true, text: "arm" } },
+      },
       plugins: { legend: { display: false }, tooltip: { callbacks: { label: (item) => formatPercent(item.parsed.x) } } },
     },
   });
@@ -243,7 +262,7 @@ function drawObjective(rounds) {
     options: {
       scales: {
         x: roundAxis(rounds),
-        y: { title: { display: true, text: "f(V p)" }, ...(range ? { min: range.min, max: range.max } : {}) },
+        y: { title: { display: true, text: "objective f(V p) (primary metric units)" }, ...(range ? { min: range.min, max: range.max } : {}) },
       },
       plugins: {
         legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 4 || clipped.length > 0 } },
@@ -266,7 +285,7 @@ function drawRegret(rounds, cumulative) {
       })],
     },
     options: {
-      scales: { x: roundAxis(rounds), y: { beginAtZero: true } },
+      scales: { x: roundAxis(rounds), y: { beginAtZero: true, title: { display: true, text: "cumulative regret (objective units)" } } },
       plugins: { legend: { display: false }, tooltip: numberTooltip },
     },
   });
@@ -312,7 +331,7 @@ function drawGuardrails(experiment, rounds, diagnostics) {
         ],
       },
       options: {
-        scales: { x: roundAxis(rounds) },
+        scales: { x: roundAxis(rounds), y: { title: { display: true, text: `${entry.metric} (mean per observation)` } } },
         plugins: {
           legend: { labels: { ...LINE_LEGEND.labels, filter: (item) => item.datasetIndex !== 0 } },
           tooltip: { ...numberTooltip, filter: (item) => item.datasetIndex !== 0 },
@@ -340,7 +359,7 @@ function drawObservations(rounds) {
         // Half a round either side of the first and last bar: no empty slot before round 0
         // (the category-style offset added a whole one).
         x: { ...axis, min: axis.min - 0.5, max: axis.max + 0.5, offset: false, stacked: true },
-        y: { stacked: true, beginAtZero: true, ticks: { precision: 0 } },
+        y: { stacked: true, beginAtZero: true, ticks: { precision: 0 }, title: { display: true, text: "observations" } },
       },
     },
   });
@@ -494,11 +513,36 @@ function showLift(mixture, lift) {
   }
   const signed = (value, format) => (value === null ? "–" : `${value > 0 ? "+" : ""}${format(value)}`);
   const [low, high] = lift.interval;
+  if (lift.estimate === null) {
+    show(id, ...noData(hasData(latest.diagnostics) ? "not estimated yet" : "no observations yet"));
+    document.getElementById(id).dataset.verdict = "unknown";
+    return;
+  }
+  const deployed = mixture === "served" ? liftOf(latest.diagnostics, "deployed") : null;
+  const dips = mixture === "served" && lift.estimate < 0 && deployed?.estimate !== null && deployed?.estimate > lift.estimate;
   show(id, signed(lift.estimate, formatNumber),
     element("span", { class: "interval" }, low === null ? " [no interval yet]" : ` [${formatNumber(low)}, ${formatNumber(high)}]`),
-    lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`));
+    lift.relative === null ? "" : element("span", { class: "interval" }, ` ${signed(lift.relative, formatPercent)}`),
+    dips ? explorationNote() : "");
   const verdict = low === null ? "unknown" : low > 0 ? "above" : high < 0 ? "below" : "unclear";
   document.getElementById(id).dataset.verdict = verdict;
+}
+
+// Why a served figure can sit below the deployed one: p_t explores. One line under the card.
+const EXPLORATION_NOTE = "below the deployed mixture: this round's p_t also explores arms still being measured";
+
+function explorationNote() {
+  return element("span", { class: "interval note exploration-note" }, EXPLORATION_NOTE);
+}
+
+// "–" and why: a figure that needs data the experiment does not have yet (the API gives null).
+function noData(reason) {
+  return ["–", element("span", { class: "interval no-data" }, ` ${reason}`)];
+}
+
+function figure(id, value, reason, ...detail) {
+  if (value === null || value === undefined) show(id, ...noData(reason));
+  else show(id, formatNumber(value), ...detail);
 }
 
 function drawFigures(experiment, rounds, diagnostics) {
@@ -521,13 +565,17 @@ function drawFigures(experiment, rounds, diagnostics) {
     applied > 0 ? ` · updated through ${formatInteger(applied - 1)}` : " · no update yet"));
   const primary = primaryEstimate(experiment, diagnostics, experiment.deployed);
   document.getElementById("fig-primary-label").textContent = `${primaryLabel(experiment)}, deployed`;
-  show("fig-primary", primary ? formatNumber(primary.estimate) : "–",
+  // Null figures: before the first observation nothing is estimated.
+  const reason = hasData(diagnostics) ? "not estimated yet" : "no observations yet";
+  figure("fig-primary", primary?.estimate, reason,
     primary?.interval ? element("span", { class: "interval" }, ` ± ${formatNumber((primary.interval[1] - primary.interval[0]) / 2, 2)}`) : "");
-  show("fig-objective", formatNumber(diagnostics.objective.probabilities));
-  show("fig-deployed", formatNumber(diagnostics.objective.deployed));
-  show("fig-best-single", formatNumber(diagnostics.best_single.value),
-    element("span", { class: "interval" }, diagnostics.best_single.arm));
-  show("fig-gain", formatNumber(diagnostics.mixing_gain));
+  const { probabilities: servedValue, deployed: deployedValue } = diagnostics.objective;
+  figure("fig-objective", servedValue, reason,
+    servedValue !== null && deployedValue !== null && servedValue < deployedValue ? explorationNote() : "");
+  figure("fig-deployed", diagnostics.objective.deployed, reason);
+  figure("fig-best-single", diagnostics.best_single?.value, reason,
+    element("span", { class: "interval" }, ` ${diagnostics.best_single?.arm}`));
+  figure("fig-gain", diagnostics.mixing_gain, reason);
   for (const mixture of ["served", "deployed"]) showLift(mixture, liftOf(diagnostics, mixture));
   const guardrails = guardrailSummary(diagnostics);
   show("fig-guardrails", guardrails.total === 0 ? "none" : !guardrails.known ? "no data"
@@ -535,10 +583,13 @@ function drawFigures(experiment, rounds, diagnostics) {
   const { srm } = diagnostics;
   const srmKnown = srm.p_value !== null;
   show("fig-srm", !srmKnown ? "no data" : srm.ok ? badge("ok", "ok") : badge("mismatch", "bad"));
-  show("fig-observations", formatInteger(observationsTotal(rounds)));
-  show("fig-late", formatInteger(diagnostics.late_observations));
-  show("fig-srm-p", srmKnown ? formatNumber(srm.p_value, 2) : "–");
-  show("fig-srm-stat", srmKnown ? formatNumber(srm.statistic) : "–");
+  const observations = observationsTotal(rounds);
+  show("fig-observations", observations === 0 ? "none yet" : formatInteger(observations));
+  show("fig-late", diagnostics.late_observations === 0 ? "none" : formatInteger(diagnostics.late_observations));
+  const srmReason = hasData(diagnostics) ? "not enough arms served" : "no units observed yet";
+  show("fig-srm-p", ...(srmKnown ? [formatNumber(srm.p_value, 2)] : noData(srmReason)));
+  // A unit on an arm of probability 0 is an outright mismatch: statistic infinite (null in JSON), p-value 0.
+  show("fig-srm-stat", ...(!srmKnown ? noData(srmReason) : [srm.statistic === null ? "∞" : formatNumber(srm.statistic)]));
   document.title = `${experiment.name} · round ${experiment.round.index} · pasto`;
 }
 
@@ -581,6 +632,10 @@ function render() {
   drawArms(experiment, rounds, diagnostics, colourOf);
   drawSegments(experiment, diagnostics);
   drawFigures(experiment, rounds, diagnostics);
+  // Charts over rounds have nothing to draw before the first round's update: say so instead of a blank.
+  for (const id of ["mixture-empty", "objective-empty", "regret-empty"]) {
+    document.getElementById(id).hidden = experiment.applied_rounds > 0;
+  }
   // Tells a reader (and the browser test) which response the page shows.
   document.getElementById("experiment").dataset.rounds = String(rounds.length);
   document.getElementById("experiment").dataset.summarised = String(Boolean(experiment.arm_summary));
