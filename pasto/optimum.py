@@ -430,6 +430,47 @@ def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_dia
     )
 
 
+def linear_program(cost, upper_rows=None, upper_bounds=None, equality_rows=None, equality_bounds=None,
+                   lower=None, upper=None):
+    """min cost . x  s.t.  upper_rows x <= upper_bounds, equality_rows x = equality_bounds, lower <= x <= upper.
+
+    The one LP entry point of the package (HiGHS), for problems whose rows are not an objective's
+    guardrails (:func:`solve` is the entry point for those): pessimistic serving rows, the joint
+    problem of several segments.
+
+    Parameters
+    ----------
+    cost : ndarray, shape (n,)
+    upper_rows : ndarray, shape (u, n), optional
+    upper_bounds : ndarray, shape (u,), optional
+    equality_rows : ndarray, shape (e, n), optional
+    equality_bounds : ndarray, shape (e,), optional
+    lower, upper : ndarray, shape (n,), optional
+        Column bounds; 0 and +inf by default (nan or inf entries mean unbounded).
+
+    Returns
+    -------
+    (bool, ndarray, ndarray)
+        Whether an optimum was found, x (n,), and d(min cost)/d(upper_bounds) (u,), <= 0.
+    """
+    cost = np.asarray(cost, dtype=float)
+    n = cost.shape[0]
+    upper_rows = np.zeros((0, n)) if upper_rows is None else np.asarray(upper_rows, dtype=float).reshape(-1, n)
+    upper_bounds = np.zeros(0) if upper_bounds is None else np.asarray(upper_bounds, dtype=float)
+    equality_rows = np.zeros((0, n)) if equality_rows is None else np.asarray(equality_rows, dtype=float).reshape(-1, n)
+    equality_bounds = np.zeros(0) if equality_bounds is None else np.asarray(equality_bounds, dtype=float)
+    lower = np.zeros(n) if lower is None else np.where(np.isnan(lower), -_INFINITY, np.asarray(lower, dtype=float))
+    upper = np.full(n, _INFINITY) if upper is None else np.where(np.isnan(upper), _INFINITY,
+                                                                 np.asarray(upper, dtype=float))
+    lower = np.where(np.isneginf(lower), -_INFINITY, lower)
+    upper = np.where(np.isposinf(upper), _INFINITY, upper)
+    matrix = np.vstack([upper_rows, equality_rows])
+    row_lower = np.concatenate([np.full(upper_bounds.shape, -_INFINITY), equality_bounds])
+    row_upper = np.concatenate([upper_bounds, equality_bounds])
+    status, x, duals = _highs(cost, lower, upper, matrix, row_lower, row_upper)
+    return status == _OPTIMAL, x, duals[: upper_bounds.shape[0]]
+
+
 _INFINITY = highspy.kHighsInf
 _OPTIMAL = highspy.HighsModelStatus.kOptimal
 _INFEASIBLE = highspy.HighsModelStatus.kInfeasible

@@ -11,7 +11,7 @@ Model
               p_s in the simplex.
 
     With hard guardrails this is ONE linear program over the K x S variables (:func:`solve_joint`,
-    HiGHS through ``scipy.optimize.linprog``). Restriction: soft (penalised) guardrails are not part
+    HiGHS through :func:`pasto.optimum.linear_program`). Restriction: soft (penalised) guardrails are not part
     of the joint problem; a segmented objective with soft guardrails is rejected with a sentence
     saying so (give them ``"hard": true``). Per-segment thresholds are resolved on the segment's
     means, global ones on the traffic-weighted means sum_s w_s mu_s (this matters for ``relative_to``).
@@ -51,13 +51,12 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import linprog
 
 from pasto import algorithm
 from pasto.diagnostics import guardrail_report
 from pasto.estimators import Estimate, Statistics, pooled_estimate
 from pasto.objectives import Objective
-from pasto.optimum import solve
+from pasto.optimum import linear_program, solve
 
 __all__ = [
     "SCOPES",
@@ -388,29 +387,30 @@ def solve_joint(
     ones = np.ones(n_segments)
 
     def run(c, bnds):
-        return linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=equality, b_eq=ones, bounds=bnds, method="highs")
+        lower = np.array([np.nan if low is None else low for low, _ in bnds])
+        upper = np.array([np.nan if high is None else high for _, high in bnds])
+        return linear_program(c, a_ub, b_ub, equality, ones, lower, upper)
 
-    result = run(cost, bounds)
-    feasible = result.status == 0
+    feasible, solution, duals = run(cost, bounds)
     shortfall = 0.0
     if not feasible:
         # Phase one: the smallest largest shortfall t*, then the best mixtures meeting c - t*.
         phase_one = np.zeros(n + 1)
         phase_one[n] = 1.0
-        first = run(phase_one, bounds[:n] + [(0.0, None)])
-        if first.status != 0:
-            raise RuntimeError(f"HiGHS could not solve the joint segment problem: {first.message}")
-        shortfall = float(first.x[n])
+        solved, first, _ = run(phase_one, bounds[:n] + [(0.0, None)])
+        if not solved:
+            raise RuntimeError("HiGHS could not solve the joint segment problem.")
+        shortfall = float(first[n])
         relaxed = shortfall + 1e-9 * (1.0 + abs(shortfall))
-        result = run(cost, bounds[:n] + [(0.0, relaxed)])
-        if result.status != 0:
-            raise RuntimeError(f"HiGHS could not solve the relaxed joint segment problem: {result.message}")
-    x = np.maximum(result.x[:n], 0.0).reshape(n_segments, n_arms)
+        solved, solution, duals = run(cost, bounds[:n] + [(0.0, relaxed)])
+        if not solved:
+            raise RuntimeError("HiGHS could not solve the relaxed joint segment problem.")
+    x = np.maximum(solution[:n], 0.0).reshape(n_segments, n_arms)
     probabilities = x / x.sum(axis=1, keepdims=True)
     prices = np.zeros(len(scopes))
     for j, row in global_rows.items():
-        # linprog's marginals are d(min cost)/d(b_ub); lowering c_j raises b_ub by w... here b = -c.
-        prices[j] = -result.ineqlin.marginals[row] if feasible else np.nan
+        # The duals are d(min cost)/d(b_ub); lowering c_j raises b_ub by w... here b = -c.
+        prices[j] = -duals[row] if feasible else np.nan
     if not feasible:
         prices[:] = np.nan
     guarded_values = np.einsum("s,sgk,sk->g", shares, constraint_means[:, rows_g, :], probabilities)
@@ -453,11 +453,10 @@ def _solve_tied(objective, means, shares, scopes) -> np.ndarray:
             for s in range(n_segments):
                 rows.append(-means[s, row_index])
                 rhs.append(-thresholds[s, j])
-    result = linprog(cost, A_ub=np.array(rows), b_ub=np.array(rhs), A_eq=np.ones((1, n_arms)), b_eq=[1.0],
-                     bounds=[(0.0, None)] * n_arms, method="highs")
-    if result.status != 0:
+    solved, x, _ = linear_program(cost, np.array(rows), np.array(rhs), np.ones((1, n_arms)), [1.0])
+    if not solved:
         return solve(objective, platform).probabilities
-    p = np.maximum(result.x, 0.0)
+    p = np.maximum(x, 0.0)
     return p / p.sum()
 
 

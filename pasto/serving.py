@@ -71,13 +71,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linprog
 from scipy import stats
 from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
-from pasto.optimum import mirror_ascent, solve
+from pasto.optimum import linear_program, mirror_ascent, solve
 
 __all__ = [
     "ServingConfig",
@@ -391,19 +390,14 @@ def served_lp(
     matrix = constraints.matrix * free
     bounds = constraints.bounds - constraints.matrix @ fixed
     equality = np.ones((1, n_arms))
-    if constraints.count:
-        result = linprog(
-            -gains, A_ub=-matrix, b_ub=-bounds, A_eq=equality, b_eq=[1.0], bounds=(0, None), method="highs"
-        )
-    else:
-        result = None
-    if result is None or result.status == 0:
-        if result is None:
-            q = np.zeros(n_arms)
-            q[np.argmax(gains)] = 1.0
-        else:
-            q = np.clip(result.x, 0.0, None)
-            q /= q.sum()
+    if not constraints.count:
+        q = np.zeros(n_arms)
+        q[np.argmax(gains)] = 1.0
+        return fixed + free * q, np.array(True)
+    solved, x, _ = linear_program(-gains, -matrix, -bounds, equality, [1.0])
+    if solved:
+        q = np.clip(x, 0.0, None)
+        q /= q.sum()
         return fixed + free * q, np.array(True)
     return largest_slack(constraints, fixed), np.array(False)
 
@@ -423,11 +417,9 @@ def largest_slack(constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray
     objective = np.zeros(n_arms + 1)
     objective[-1] = -1.0
     a_ub = np.hstack([-scaled, np.ones((constraints.count, 1))])
-    result = linprog(
-        objective, A_ub=a_ub, b_ub=-scaled_bounds, A_eq=np.hstack([equality, [[0.0]]]), b_eq=[1.0],
-        bounds=[(0, None)] * n_arms + [(None, None)], method="highs",
-    )
-    q = np.clip(result.x[:n_arms], 0.0, None)
+    _, x, _ = linear_program(objective, a_ub, -scaled_bounds, np.hstack([equality, [[0.0]]]), [1.0],
+                             lower=np.r_[np.zeros(n_arms), -np.inf])
+    q = np.clip(x[:n_arms], 0.0, None)
     q /= q.sum()
     return fixed + free * q
 

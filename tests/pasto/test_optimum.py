@@ -6,6 +6,8 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pasto.objectives import Objective
 from pasto.optimum import (
@@ -147,3 +149,32 @@ def test_best_mixture_matches_brute_force_k2(seed):
     brute = OBJECTIVE_A.mixture_value(means, grid).max()
     _, value = best_mixture(OBJECTIVE_A, means)
     assert brute - 1e-12 <= value < brute + 1e-6
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 4), st.integers(0, 3), st.integers(0, 2**32 - 1))
+def test_linear_program_matches_vertex_enumeration(n, n_rows, seed):
+    """pasto.optimum.linear_program against an independent oracle: every vertex of {A x <= b, sum x = 1,
+    x >= 0} enumerated (n active constraints solved as a linear system), the cheapest feasible one."""
+    import itertools
+
+    from pasto.optimum import linear_program
+
+    rng = np.random.default_rng(seed)
+    cost, rows, bounds = rng.normal(size=n), rng.normal(size=(n_rows, n)), rng.normal(size=n_rows) + 0.3
+    solved, x, duals = linear_program(cost, rows, bounds, np.ones((1, n)), [1.0])
+    # Active sets: the equality, plus n - 1 of the inequality rows and the bounds x_i >= 0.
+    candidates = [(rows[i], bounds[i]) for i in range(n_rows)] + [(-np.eye(n)[i], 0.0) for i in range(n)]
+    best = None
+    for active in itertools.combinations(candidates, n - 1):
+        system = np.vstack([np.ones(n)] + [row for row, _ in active])
+        if abs(np.linalg.det(system)) < 1e-9:
+            continue
+        vertex = np.linalg.solve(system, np.r_[1.0, [bound for _, bound in active]])
+        if np.all(vertex >= -1e-9) and np.all(rows @ vertex <= bounds + 1e-9):
+            best = vertex if best is None or cost @ vertex < cost @ best else best
+    assert solved == (best is not None)
+    if solved:
+        assert cost @ x == pytest.approx(cost @ best, abs=1e-8)
+        assert np.all(rows @ x <= bounds + 1e-8) and x.sum() == pytest.approx(1.0) and np.all(x >= -1e-9)
+        assert duals.shape == (n_rows,) and np.all(duals <= 1e-9)
