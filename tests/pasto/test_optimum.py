@@ -156,8 +156,6 @@ def test_best_mixture_matches_brute_force_k2(seed):
 def test_linear_program_matches_vertex_enumeration(n, n_rows, seed):
     """pasto.optimum.linear_program against an independent oracle: every vertex of {A x <= b, sum x = 1,
     x >= 0} enumerated (n active constraints solved as a linear system), the cheapest feasible one."""
-    import itertools
-
     from pasto.optimum import linear_program
 
     rng = np.random.default_rng(seed)
