@@ -9,11 +9,11 @@
   change detector keeps one origin per window (``window_origins``), which start at the next look.
 
 The downgrade puts back the options' former defaults where this revision set them, which revision
-0013's code reads; the windows' origins are dropped (the former single block starts at its next
+0014's code reads; the windows' origins are dropped (the former single block starts at its next
 look).
 
-Revision ID: 0014
-Revises: 0013
+Revision ID: 0015
+Revises: 0014
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = '0014'
-down_revision = '0013'
+revision = '0015'
+down_revision = '0014'
 branch_labels = None
 depends_on = None
 
