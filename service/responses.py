@@ -394,8 +394,10 @@ class HealthSchema(_Response):
 
 class HealthSource(_Response):
     experiment: str
-    message: str
     since: Timestamp
+    message: str | None = Field(
+        default=None, description="The failure's sentence, only for a request whose bearer token may read "
+                                  "the experiment (engine text cut so that no row value is echoed).")
 
 
 class Health(_Response):

@@ -51,6 +51,7 @@ __all__ = [
     "MetricSource",
     "parse_source",
     "SQL_PARAMETERS",
+    "SourceLimits",
 ]
 
 #: Most applied rounds one update re-queries for late rows (each is one query on the engine).
@@ -71,6 +72,19 @@ class SourceError(Exception):
     Raised for a declaration pasto cannot use, an engine it cannot reach, SQL the engine refuses,
     and a result with missing columns or values pasto cannot use.
     """
+
+
+@dataclass(frozen=True)
+class SourceLimits:
+    """Deadlines, in seconds, of a source query (``PASTO_SOURCE_CONNECT_TIMEOUT``,
+    ``PASTO_SOURCE_STATEMENT_TIMEOUT``; see docs/scaling.md).
+
+    ``connect``: opening the engine's connection (PostgreSQL's ``connect_timeout``). ``statement``:
+    the query itself (PostgreSQL's ``statement_timeout``; DuckDB and Spark: the query is interrupted).
+    """
+
+    connect: float = 10.0
+    statement: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -274,7 +288,8 @@ def parse_source(spec: Any) -> MetricSource:
     Raises
     ------
     SourceError
-        When the declaration is incomplete, names an unknown engine, or holds a password.
+        When the declaration is incomplete, names an unknown engine, holds a password, or its ``sql`` is
+        not one read-only SELECT over tables (:func:`service.sources.sandbox.check_source_sql`).
     """
     spec = _object(spec, "declaration")
     _unknown_keys(spec, ("engine", "url", "url_env", "password_env", "files", "mapping", "sql",
@@ -310,6 +325,10 @@ def parse_source(spec: Any) -> MetricSource:
                           "or \"sql\" (a query returning arm, metric, count, sum, sum_of_squares).")
     mapping = _parse_mapping(_object(spec["mapping"], "mapping")) if "mapping" in spec else None
     sql = _string(spec, "sql", "declaration", required=False) if "sql" in spec else None
+    if sql is not None:
+        from .sandbox import check_source_sql  # the sandbox module reports with this module's SourceError
+
+        check_source_sql(sql, "spark" if engine == "spark" else "sqlalchemy")
     files = _parse_files(spec.get("files"))
     if files and engine == "sqlalchemy" and url is not None and not url.startswith("duckdb"):
         raise SourceError("The metric source's \"files\" are read by DuckDB and Spark only; this URL is "
