@@ -47,9 +47,11 @@ def healthz():
         response.headers["Retry-After"] = str(current_app.config["PASTO_DATABASE_RETRY_AFTER"])
         return response
     schema_ok = health.current == health.head
-    # A failing metric source or a scheduler that is not alive degrades, it does not fail, the service:
-    # it serves every experiment (a 503 would make a load balancer take a healthy server out).
-    status = ("degraded" if health.failing_sources or not health.alive else "ok") if schema_ok else "unavailable"
+    # A failing metric source or a scheduler that stopped beating degrades, it does not fail, the service:
+    # it serves every experiment (a 503 would make a load balancer take a healthy server out). A database
+    # no scheduler ever ran against (rounds closed by hand) is not degraded.
+    stalled = health.last_heartbeat is not None and not health.alive
+    status = ("degraded" if health.failing_sources or stalled else "ok") if schema_ok else "unavailable"
     readable = _may_read_sources() if health.failing_sources else False
     return respond(Health(
         status=status,

@@ -23,7 +23,8 @@ Files
 Late rows
     ``late_rounds`` (default 1): each round update also re-runs the query of that many rounds before
     it, whose updates already ran; rows that landed there since are counted as late (as late
-    observations of the webhook are).
+    observations of the webhook are). The round just before is re-run even with ``late_rounds = 0``:
+    what was served while its close committed landed after its update's query.
 
 Forms
     ``mapping`` (exposure and event tables, see :class:`TableMapping`), from which pasto generates one
@@ -85,6 +86,11 @@ class SourceLimits:
 
     connect: float = 10.0
     statement: float = 300.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SourceLimits:
+        return cls(connect=float(config["PASTO_SOURCE_CONNECT_TIMEOUT"]),
+                   statement=float(config["PASTO_SOURCE_STATEMENT_TIMEOUT"]))
 
 
 @dataclass(frozen=True)
