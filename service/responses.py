@@ -403,7 +403,7 @@ class HealthSource(_Response):
 class Health(_Response):
     status: Literal["ok", "degraded", "unavailable"] = Field(
         description="ok; degraded (HTTP 200: the service serves, but a running experiment's metric source "
-                    "is failing, see `sources`); unavailable (HTTP 503).")
+                    "is failing, see `sources`, or the scheduler's heartbeat went stale); unavailable (HTTP 503).")
     database: HealthDatabase
     scheduler: HealthScheduler
     schema_: HealthSchema = Field(alias="schema")

@@ -337,3 +337,19 @@ def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api
 def experiment_row_named(app, name: str):
     with get_db(app).read() as session:
         return session.execute(sa.select(Experiment).where(Experiment.name == name)).scalar_one()
+
+
+def test_healthz_is_degraded_once_the_scheduler_stops_beating(api, app, monkeypatch):
+    import service.controller.reports as reports_controller
+    from service.models import utcnow
+
+    client = api.client
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "ok" and health["scheduler"]["alive"] is False  # no scheduler ever ran
+    run_scheduled_work(app, "test-scheduler")
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "ok" and health["scheduler"]["alive"] is True
+    later = utcnow() + timedelta(seconds=60)  # well past max(3 x interval, 5 s) without a tick
+    monkeypatch.setattr(reports_controller, "utcnow", lambda: later)
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "degraded" and health["scheduler"]["alive"] is False
