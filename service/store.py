@@ -283,6 +283,11 @@ def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
             finally:
                 cursor.close()
             connection.rollback()
+        except BaseException:
+            # A connection that failed (the server went away mid-query) is dropped, not returned to the
+            # pool: the pool's reset of it would fail again and log a traceback of its own.
+            connection.invalidate()
+            raise
         finally:
             connection.close()
     finally:
