@@ -20,6 +20,10 @@ produces one long round, not a burst of empty catch-up rounds.
 Every close is one transaction holding the experiment row lock, with a compare-and-set
 (``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
 scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
+A round's summary (objective, regret, guardrails) is computed after that transaction, from what the
+transaction stored with the update (``rounds.summary_input``); a summary a crash lost is stored by the
+next tick. Experiments with a metric source close in threads of their own, off the scheduler's tick
+(:class:`SourceCloses`), so a slow source delays no other experiment.
 
 Pooled statistics (``service.store``) are running totals, so a close costs the same in round 1,000 as in round 1.
 ``pooled_statistics`` holds the sums of the rows of every applied round; observations ingestion
@@ -184,7 +188,8 @@ def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = N
     """Close every running experiment's round whose ``ends_at`` has passed and run due updates.
 
     The scheduler's job (``service.scheduler``), a plain function so it can be called and tested
-    without a scheduler. Safe to run concurrently in several processes. With ``source_closes``,
+    without a scheduler. Safe to run concurrently in several processes. First stores the summaries a
+    crash or a failed write left missing (:func:`repair_summaries`). With ``source_closes``,
     experiments with a metric source are handed to it and closed off this call (their advances are
     not in the returned list); without, they are closed here, one after the other.
     """
