@@ -156,6 +156,9 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
                                                                       len(exposed[index]))
         assert sum(rounds[index]["counts"]) == len(exposed[index]), index
     assert sum(sum(rounds[index]["units"]) for index in rounds) == sum(len(units) for units in exposed.values())
+    print(f"{source.get('engine', 'sqlalchemy')} {source.get('url', source.get('url_env'))}: rounds 0..{last_served}, "
+          f"units exposed {[len(exposed[index]) for index in range(last_served + 1)]}, counted "
+          f"{[sum(rounds[index]['units']) for index in range(last_served + 1)]}")
     get_db(app).engine.dispose()
 
 
