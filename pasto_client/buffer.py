@@ -263,9 +263,9 @@ class ObservationBuffer:
             backoff = min(self.max_backoff, backoff * 2)
 
     def _reject(self, batch: list[dict], error: PastoAPIError) -> None:
-        if error.status == 422 and len(batch) > 1:
+        if (error.status == 422 or (error.status == 409 and error.code == "round_pruned")) and len(batch) > 1:
             # The server takes a batch all or nothing: bisect to isolate the invalid observations
-            # so that their valid neighbours are still recorded.
+            # (or those of a round already pruned) so that their valid neighbours are still recorded.
             half = len(batch) // 2
             self._send(batch[:half])
             self._send(batch[half:])

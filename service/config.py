@@ -28,6 +28,14 @@ DATABASE_TIMEOUTS = {
     "PASTO_DATABASE_FAIL_FAST": 2.0,
 }
 
+#: Deadlines of a metric source's queries (seconds; see docs/scaling.md).
+SOURCE_TIMEOUTS = {
+    "PASTO_SOURCE_CONNECT_TIMEOUT": 10.0,     # opening the source engine's connection
+    "PASTO_SOURCE_STATEMENT_TIMEOUT": 300.0,  # one source query (a round's aggregation)
+}
+#: Source experiments whose queries run at once, each in a thread of its own, off the scheduler's tick.
+DEFAULT_SOURCE_WORKERS = 4
+
 #: ``Retry-After`` (seconds) of a 503 ``database_unavailable``.
 DEFAULT_DATABASE_RETRY_AFTER = 5
 
@@ -80,6 +88,9 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     statistics batch ids are kept; data for an older round is then refused; zero or more seconds, or
     ``forever``; default 7 days, :data:`DEFAULT_RETENTION_SECONDS`), ``PASTO_RETENTION_CHECK_SECONDS``
     (seconds between the scheduler's retention runs, default 60),
+    ``PASTO_SOURCE_CONNECT_TIMEOUT`` / ``PASTO_SOURCE_STATEMENT_TIMEOUT`` (seconds, a metric source's
+    connect and query deadlines, defaults in :data:`SOURCE_TIMEOUTS`), ``PASTO_SOURCE_WORKERS`` (how many
+    source experiments' closes run at once off the scheduler's tick, default 4),
     ``MAX_CONTENT_LENGTH`` (largest request body in bytes, default 16 MiB; Flask's key, read from the
     environment as ``PASTO_MAX_CONTENT_LENGTH`` like the other settings).
 
@@ -97,6 +108,8 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
         "MAX_CONTENT_LENGTH": DEFAULT_MAX_CONTENT_LENGTH,
         "PASTO_EXPOSURE_LOG": None,
         **DATABASE_TIMEOUTS,
+        **SOURCE_TIMEOUTS,
+        "PASTO_SOURCE_WORKERS": DEFAULT_SOURCE_WORKERS,
         "PASTO_DATABASE_RETRY_AFTER": DEFAULT_DATABASE_RETRY_AFTER,
         "PASTO_AUTH_FAILURE_LIMIT": DEFAULT_AUTH_FAILURE_LIMIT,
         "PASTO_METRICS_TOP_ARMS": DEFAULT_METRICS_TOP_ARMS,
@@ -107,7 +120,7 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     for key in ("PASTO_DATABASE_URL", "PASTO_ADMIN_TOKEN", "PASTO_SCHEDULER_INTERVAL", "PASTO_VERSION_CHECK_SECONDS",
                 "PASTO_DASHBOARD_POLL_SECONDS", "PASTO_EXPOSURE_LOG", "PASTO_DATABASE_RETRY_AFTER", "PASTO_AUTH_FAILURE_LIMIT",
                 "PASTO_METRICS_TOP_ARMS", "PASTO_METRICS_TOP_SEGMENTS", "PASTO_RETENTION_SECONDS",
-                "PASTO_RETENTION_CHECK_SECONDS", *DATABASE_TIMEOUTS):
+                "PASTO_RETENTION_CHECK_SECONDS", *DATABASE_TIMEOUTS, *SOURCE_TIMEOUTS, "PASTO_SOURCE_WORKERS"):
         if os.environ.get(key):
             config[key] = os.environ[key]
     for flag in ("PASTO_ANONYMOUS_LOOPBACK_READ", "PASTO_METRICS_ANONYMOUS"):
@@ -123,8 +136,10 @@ def load_config(instance_path: str, overrides: Mapping[str, Any] | None = None) 
     config["PASTO_DASHBOARD_POLL_SECONDS"] = _seconds("PASTO_DASHBOARD_POLL_SECONDS",
                                                       config["PASTO_DASHBOARD_POLL_SECONDS"])
     config["MAX_CONTENT_LENGTH"] = _bytes("PASTO_MAX_CONTENT_LENGTH", config["MAX_CONTENT_LENGTH"])
-    for key in DATABASE_TIMEOUTS:
+    for key in (*DATABASE_TIMEOUTS, *SOURCE_TIMEOUTS):
         config[key] = _seconds(key, config[key])
+    config["PASTO_SOURCE_WORKERS"] = _whole_seconds("PASTO_SOURCE_WORKERS", config["PASTO_SOURCE_WORKERS"],
+                                                    "source experiments")
     config["PASTO_DATABASE_RETRY_AFTER"] = _whole_seconds("PASTO_DATABASE_RETRY_AFTER",
                                                           config["PASTO_DATABASE_RETRY_AFTER"])
     config["PASTO_AUTH_FAILURE_LIMIT"] = _whole_seconds("PASTO_AUTH_FAILURE_LIMIT",

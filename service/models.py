@@ -128,6 +128,9 @@ class Round(Base):
     segment_probabilities: Mapped[list[Any] | None]
     deployed: Mapped[list[Any] | None]
     summary: Mapped[dict[str, Any] | None]
+    #: What the summary is computed from (state and pooled statistics right after the update), written
+    #: with the update and cleared with the summary's write: a summary lost to a crash is repaired from it.
+    summary_input: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
 
 
 #: What an :class:`ExperimentEvent` records. Nothing can change an experiment's configuration after

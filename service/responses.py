@@ -397,14 +397,16 @@ class HealthSchema(_Response):
 
 class HealthSource(_Response):
     experiment: str
-    message: str
     since: Timestamp
+    message: str | None = Field(
+        default=None, description="The failure's sentence, only for a request whose bearer token may read "
+                                  "the experiment (engine text cut so that no row value is echoed).")
 
 
 class Health(_Response):
     status: Literal["ok", "degraded", "unavailable"] = Field(
         description="ok; degraded (HTTP 200: the service serves, but a running experiment's metric source "
-                    "is failing, see `sources`); unavailable (HTTP 503).")
+                    "is failing, see `sources`, or the scheduler's heartbeat went stale); unavailable (HTTP 503).")
     database: HealthDatabase
     scheduler: HealthScheduler
     schema_: HealthSchema = Field(alias="schema")

@@ -20,9 +20,11 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from flask import Flask
 
 from .controller.retention import PruneResult, prune
-from .controller.rounds import RoundAdvance, close_due_rounds, record_controller_start, record_heartbeat
+from .controller.rounds import (RoundAdvance, SourceCloses, close_due_rounds, record_controller_start,
+                                record_heartbeat)
 from .db import Database, get_db, is_unavailable_error
 from .models import utcnow
+from .sources import SourceLimits
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,11 @@ class ControllerStart:
     recorded: bool = False
 
 
-def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = None) -> list[RoundAdvance]:
+def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = None,
+                       source_closes: SourceCloses | None = None) -> list[RoundAdvance]:
     """One scheduler tick: record the heartbeat and, the first time, the scheduler's ``start``; then
-    close due rounds.
+    close due rounds (experiments with a metric source: handed to ``source_closes`` when given, so a
+    slow source never holds the tick, its heartbeat or another experiment's close).
 
     The start is recorded before any close, so each experiment's event names the round it was serving
     when the controller came back (rounds that ended while it was down close right after). While the
@@ -59,7 +63,8 @@ def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = No
         if start is not None and not start.recorded:
             record_controller_start(database, name, start.at)
             start.recorded = True
-        advances = close_due_rounds(database, now)
+        advances = close_due_rounds(database, now, limits=SourceLimits.from_config(app.config),
+                                    source_closes=source_closes)
     except Exception as error:
         if not is_unavailable_error(error):
             raise
@@ -91,12 +96,16 @@ def run_retention(app: Flask) -> PruneResult | None:
 
 def start_scheduler(app: Flask) -> BackgroundScheduler:
     """Start a daemon BackgroundScheduler running :func:`run_scheduled_work` every
-    ``PASTO_SCHEDULER_INTERVAL`` (its first run, at once, records this start) and :func:`run_retention`
-    every ``PASTO_RETENTION_CHECK_SECONDS``."""
+    ``PASTO_SCHEDULER_INTERVAL`` (its first run, at once, records this start; source experiments'
+    closes run off the tick, ``PASTO_SOURCE_WORKERS`` at once) and :func:`run_retention` every
+    ``PASTO_RETENTION_CHECK_SECONDS``."""
     interval = float(app.config["PASTO_SCHEDULER_INTERVAL"])
     scheduler = BackgroundScheduler(timezone=timezone.utc, daemon=True)
+    source_closes = SourceCloses(get_db(app), app.config["PASTO_SOURCE_WORKERS"], SourceLimits.from_config(app.config),
+                                 clock=lambda: utcnow())
     scheduler.add_job(
-        run_scheduled_work, "interval", seconds=interval, args=[app, scheduler_name(), ControllerStart(utcnow())],
+        run_scheduled_work, "interval", seconds=interval,
+        args=[app, scheduler_name(), ControllerStart(utcnow()), source_closes],
         id="pasto-close-rounds", max_instances=1, coalesce=True, misfire_grace_time=None,
         next_run_time=datetime.now(timezone.utc),
     )

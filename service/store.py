@@ -283,6 +283,11 @@ def experiment_version(database: Database, name: str) -> tuple[int, int] | None:
             finally:
                 cursor.close()
             connection.rollback()
+        except BaseException:
+            # A connection that failed (the server went away mid-query) is dropped, not returned to the
+            # pool: the pool's reset of it would fail again and log a traceback of its own.
+            connection.invalidate()
+            raise
         finally:
             connection.close()
     finally:
@@ -555,6 +560,18 @@ def due_experiment_ids(database: Database, now: datetime) -> list[int]:
         ).scalars())
 
 
+def due_experiments(database: Database, now: datetime) -> list[tuple[int, bool]]:
+    """Like :func:`due_experiment_ids`, each with whether it declares a metric source."""
+    with database.read() as session:
+        return [(row.id, (row.config or {}).get("source") is not None) for row in session.execute(
+            sa.select(_experiments.c.id, _experiments.c.config)
+            .join(_rounds, sa.and_(_rounds.c.experiment_id == _experiments.c.id,
+                                   _rounds.c.index == _experiments.c.round_index))
+            .where(_experiments.c.status == "running")
+            .where(sa.or_(_rounds.c.ends_at <= now, _experiments.c.applied_rounds < _experiments.c.round_index))
+            .order_by(_experiments.c.id))]
+
+
 def rounds_from(session: Session, experiment_id: int, first_index: int) -> dict[int, Round]:
     """Rounds ``first_index`` and later (ORM objects: changes to them are written at commit)."""
     return {row.index: row for row in session.execute(
@@ -583,18 +600,23 @@ def advance_experiment(session: Session, experiment: sa.Row, *, round_index: int
 
 def close_and_start_round(session: Session, current: Round, *, now: datetime, next_index: int,
                           round_seconds: float, probabilities: list[float],
-                          segment_probabilities: list[Any] | None = None) -> None:
+                          segment_probabilities: list[Any] | None = None,
+                          scheduled_at: datetime | None = None) -> None:
     """Close ``current`` now (a round closed early by hand was served until now, not its planned end)
-    and start round ``next_index`` (segmented experiments: with the per-segment propensities it serves)."""
+    and start round ``next_index`` (segmented experiments: with the per-segment propensities it serves).
+
+    The next round ends ``round_seconds`` after ``scheduled_at`` (default ``now``): the moment the
+    close was due, so a close that commits later than it began keeps the schedule."""
     current.closed_at = now
     current.ends_at = min(current.ends_at, now)
     session.add(Round(experiment_id=current.experiment_id, index=next_index, started_at=now,
-                      ends_at=now + timedelta(seconds=round_seconds), probabilities=probabilities,
+                      ends_at=(scheduled_at or now) + timedelta(seconds=round_seconds), probabilities=probabilities,
                       segment_probabilities=segment_probabilities))
 
 
 def store_summaries(database: Database, experiment_id: int, summaries: list[tuple[int, dict[str, Any]]]) -> None:
-    """Store ``(round_index, summary)`` of rounds that have none yet, in one transaction."""
+    """Store ``(round_index, summary)`` of rounds that have none yet, in one transaction, and clear their
+    summary inputs (a round whose summary another process stored first keeps that one)."""
     with database.write() as session:
         for round_index, summary in summaries:
             session.execute(
@@ -603,6 +625,29 @@ def store_summaries(database: Database, experiment_id: int, summaries: list[tupl
                        _rounds.c.summary.is_(None))
                 .values(summary=summary)
             )
+            session.execute(
+                sa.update(_rounds)
+                .where(_rounds.c.experiment_id == experiment_id, _rounds.c.index == round_index,
+                       _rounds.c.summary_input.is_not(None))
+                .values(summary_input=None)
+            )
+
+
+def record_summary_input(round_row: Round, summary_input: dict[str, Any]) -> None:
+    """Keep what the round's summary is computed from, written with its update (at commit)."""
+    round_row.summary_input = summary_input
+
+
+def pending_summaries(database: Database, applied_before: datetime, limit: int = 20) -> list[tuple[int, int, dict]]:
+    """``(experiment_id, round_index, summary_input)`` of applied rounds (before ``applied_before``)
+    whose summary was never stored: the close committed, the summary's write did not happen."""
+    with database.read() as session:
+        return [(row.experiment_id, row.index, row.summary_input) for row in session.execute(
+            sa.select(_rounds.c.experiment_id, _rounds.c.index, _rounds.c.summary_input)
+            .where(_rounds.c.summary.is_(None), _rounds.c.summary_input.is_not(None),
+                   _rounds.c.applied_at <= applied_before)
+            .order_by(_rounds.c.experiment_id, _rounds.c.index)
+            .limit(limit))]
 
 
 def fold_statistics(database: Database, session: Session, experiment_id: int, round_index: int) -> int:

@@ -20,6 +20,10 @@ produces one long round, not a burst of empty catch-up rounds.
 Every close is one transaction holding the experiment row lock, with a compare-and-set
 (``WHERE round_index = :i AND applied_rounds = :a``) on the experiment row: two schedulers, or a
 scheduler and an admin, can never apply the same round twice, and a crash leaves the round open.
+A round's summary (objective, regret, guardrails) is computed after that transaction, from what the
+transaction stored with the update (``rounds.summary_input``); a summary a crash lost is stored by the
+next tick. Experiments with a metric source close in threads of their own, off the scheduler's tick
+(:class:`SourceCloses`), so a slow source delays no other experiment.
 
 Pooled statistics (``service.store``) are running totals, so a close costs the same in round 1,000 as in round 1.
 ``pooled_statistics`` holds the sums of the rows of every applied round; observations ingestion
@@ -36,12 +40,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import numpy as np
-from flask import Flask
+from flask import Flask, current_app
 
 from pasto.algorithm import AlgorithmConfig, ControllerState, round_generator, update
 from pasto.estimators import Statistics
@@ -57,6 +62,7 @@ from ..models import utcnow
 from .experiments import (algorithm_and_objective, dump_segment_state, expected_shares, load_segment_state,
                           segmented_config)
 from .reports import round_summary, segment_observations, segment_summary
+from ..sources import SourceLimits
 from .sources import SourceFailed, SourceResults, apply_results, due_work, fetch_due_rounds
 
 log = logging.getLogger(__name__)
@@ -108,7 +114,8 @@ def close_current_round(name: str, expected_round_index: int | None) -> tuple[Ro
         raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
                                         "round can be closed.")
     try:
-        advance = close_round(get_db(), snapshot.id, expected)
+        advance = close_round(get_db(), snapshot.id, expected,
+                              limits=SourceLimits.from_config(current_app.config))
     except SourceFailed as error:
         raise ApiError(502, "source_failed", f"Round {expected} of {name!r} cannot close: {error} "
                                              "The round stays open and is served as before.") from None
@@ -119,36 +126,97 @@ def close_current_round(name: str, expected_round_index: int | None) -> tuple[Ro
 
 
 def close_round(database: Database, experiment_id: int, expected_round_index: int,
-                now: datetime | None = None) -> RoundAdvance | None:
+                now: datetime | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
     """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
 
     Returns None, changing nothing, when the round is no longer the current one (someone else
     closed it) or the experiment is not running. :class:`~service.controller.sources.SourceFailed`
     (nothing changed) when the experiment's metric source fails.
     """
-    return _advance(database, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index)
+    return _advance(database, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index,
+                    limits=limits)
 
 
-def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = None) -> list[RoundAdvance]:
+class SourceCloses:
+    """Source experiments' closes, run off the scheduler's tick, at most ``workers`` at once.
+
+    A source query can take minutes (or hang until its statement timeout); run in the tick, it would
+    hold every other experiment's close and the scheduler's heartbeat. The tick hands each due source
+    experiment here instead and goes on. Each close runs in a daemon thread of its own (a hung query
+    never holds the process's exit); an experiment whose previous close is still running, or one
+    that finds ``workers`` closes running, is not started: the next tick looks at it afresh.
+    """
+
+    def __init__(self, database: Database, workers: int, limits: SourceLimits, clock=utcnow) -> None:
+        self._database = database
+        self._workers = workers
+        self._limits = limits
+        self._clock = clock
+        self._running: set[int] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, experiment_id: int) -> bool:
+        """Start closing ``experiment_id``; False when it is already closing or every worker is busy."""
+        with self._lock:
+            if experiment_id in self._running or len(self._running) >= self._workers:
+                return False
+            self._running.add(experiment_id)
+        threading.Thread(target=self._close, args=(experiment_id,), name=f"pasto-source-{experiment_id}",
+                         daemon=True).start()
+        return True
+
+    def running(self) -> set[int]:
+        """The experiments whose close is running now."""
+        with self._lock:
+            return set(self._running)
+
+    def _close(self, experiment_id: int) -> None:
+        try:
+            advance = _close_one(self._database, experiment_id, self._clock(), self._limits)
+            if advance is not None:
+                log.info("Experiment %s: closed round %s, applied %s, now serving round %s (%.1f ms)",
+                         advance.experiment, advance.closed_round, list(advance.applied), advance.round_index,
+                         advance.duration_seconds * 1000)
+        finally:
+            with self._lock:
+                self._running.discard(experiment_id)
+
+
+def close_due_rounds(app_or_database: Flask | Database, now: datetime | None = None, *,
+                     limits: SourceLimits | None = None, source_closes: SourceCloses | None = None
+                     ) -> list[RoundAdvance]:
     """Close every running experiment's round whose ``ends_at`` has passed and run due updates.
 
     The scheduler's job (``service.scheduler``), a plain function so it can be called and tested
-    without a scheduler. Safe to run concurrently in several processes.
+    without a scheduler. Safe to run concurrently in several processes. First stores the summaries a
+    crash or a failed write left missing (:func:`repair_summaries`). With ``source_closes``,
+    experiments with a metric source are handed to it and closed off this call (their advances are
+    not in the returned list); without, they are closed here, one after the other.
     """
     database = app_or_database if isinstance(app_or_database, Database) else get_db(app_or_database)
     now = now or utcnow()
+    limits = limits or SourceLimits()
+    repair_summaries(database, now)
     advances = []
-    for experiment_id in store.due_experiment_ids(database, now):
-        try:
-            advance = _advance(database, experiment_id, now, manual=False)
-        except SourceFailed:  # stored and logged; the round stays open and the next tick tries again
+    for experiment_id, has_source in store.due_experiments(database, now):
+        if has_source and source_closes is not None:
+            source_closes.submit(experiment_id)
             continue
-        except Exception:  # one broken experiment must not stop the others from advancing
-            log.exception("Closing the round of experiment %s failed", experiment_id)
-            continue
+        advance = _close_one(database, experiment_id, now, limits)
         if advance is not None:
             advances.append(advance)
     return advances
+
+
+def _close_one(database: Database, experiment_id: int, now: datetime, limits: SourceLimits) -> RoundAdvance | None:
+    """One experiment's due close; None when nothing was due, it failed, or another process closed it."""
+    try:
+        return _advance(database, experiment_id, now, manual=False, limits=limits)
+    except SourceFailed:  # stored and logged; the round stays open and the next tick tries again
+        return None
+    except Exception:  # one broken experiment must not stop the others from advancing
+        log.exception("Closing the round of experiment %s failed", experiment_id)
+        return None
 
 
 def record_heartbeat(database: Database, scheduler: str, now: datetime) -> None:
@@ -164,16 +232,16 @@ def record_controller_start(database: Database, scheduler: str, now: datetime) -
 
 
 def _advance(database: Database, experiment_id: int, now: datetime, *, manual: bool,
-             expected_round_index: int | None = None) -> RoundAdvance | None:
+             expected_round_index: int | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
     started = time.perf_counter()
     summaries: list[_PendingSummary] = []
     # A metric source is queried before the write transaction: a slow warehouse holds no lock.
     source_results = fetch_due_rounds(database, experiment_id, now, manual=manual,
-                                      expected_round_index=expected_round_index)
+                                      expected_round_index=expected_round_index, limits=limits or SourceLimits())
     try:
         with database.write() as session:
             result = _advance_in(database, session, experiment_id, now, manual, expected_round_index, summaries,
-                                 source_results)
+                                 source_results, started)
             if result is None:
                 return None
     except _LostRace:
@@ -192,7 +260,8 @@ def _advance(database: Database, experiment_id: int, now: datetime, *, manual: b
 
 def _advance_in(database: Database, session, experiment_id: int, now: datetime, manual: bool,
                 expected_round_index: int | None, summaries: list[_PendingSummary],
-                source_results: SourceResults | None = None) -> RoundAdvance | None:
+                source_results: SourceResults | None = None,
+                started: float | None = None) -> RoundAdvance | None:
     # Exclusive row lock: ingestion takes it shared, so no observation lands while this transaction
     # adds statistics into the totals (store.fold_statistics relies on it) or decides which rounds are late.
     experiment = store.lock_experiment(session, experiment_id)
@@ -238,6 +307,7 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
                 state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities,
                                rng=round_generator(experiment.seed, index + 1))
                 summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
+                store.record_summary_input(rounds[index], _summary_input(summaries[-1]))
             else:
                 segment_round, segment_pooled = store.update_segment_statistics(
                     database, session, experiment_id, index, segment_state.n_segments, objective.n_metrics,
@@ -255,6 +325,7 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
                 state = aggregate_state(segment_state, shares)
                 summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities, segmented,
                                                  segment_state, segment_pooled, shares, segment_names))
+                store.record_summary_input(rounds[index], _summary_input(summaries[-1]))
             store.record_update(rounds[index], now, state.deployed.tolist())
     new_round_index = current_index + 1 if closing else current_index
     if not store.advance_experiment(session, experiment, round_index=new_round_index,
@@ -266,14 +337,71 @@ def _advance_in(database: Database, session, experiment_id: int, now: datetime, 
     lag = 0.0
     if closing:
         lag = max(0.0, (now - current.ends_at).total_seconds()) if not manual else 0.0
+        closed_at = now
+        if config.get("source") is not None and started is not None:
+            # The round was served until this transaction commits, not until the tick began: its source
+            # query ran in between (seconds, minutes at 10^8 events). The round's window, which later
+            # queries of the source read, ends when the next round starts being served.
+            closed_at = now + timedelta(seconds=max(0.0, time.perf_counter() - started))
         store.close_and_start_round(
-            session, current, now=now, next_index=new_round_index, round_seconds=config["round_seconds"],
+            session, current, now=closed_at, next_index=new_round_index, round_seconds=config["round_seconds"],
             probabilities=state.probabilities.tolist(),
-            segment_probabilities=None if segment_state is None else segment_state.probabilities.tolist())
+            segment_probabilities=None if segment_state is None else segment_state.probabilities.tolist(),
+            scheduled_at=now)
     return RoundAdvance(
         experiment=experiment.name, closed_round=current_index if closing else None, applied=tuple(due),
         round_index=new_round_index, duration_seconds=0.0, lag_seconds=lag, deployed=state.deployed.tolist(),
     )
+
+
+def _statistics_lists(statistics: Statistics) -> list:
+    return [statistics.counts.tolist(), statistics.sums.tolist(), statistics.sums_of_squares.tolist()]
+
+
+def _statistics_from(lists: list) -> Statistics:
+    return Statistics(*(np.asarray(values, dtype=np.float64) for values in lists))
+
+
+def _summary_input(pending: _PendingSummary) -> dict:
+    """What :func:`_summary` needs of a round beyond the experiment's configuration, as JSON (written
+    with the round's update, so that a summary lost to a crash can be computed later)."""
+    data = {"state": pending.state.to_dict(), "pooled": _statistics_lists(pending.pooled),
+            "propensities": np.asarray(pending.propensities, dtype=np.float64).tolist()}
+    if pending.segmented is not None:
+        data.update(segment_state=dump_segment_state(pending.segment_state, pending.segment_names),
+                    segment_pooled=_statistics_lists(pending.segment_pooled),
+                    shares=np.asarray(pending.shares, dtype=np.float64).tolist())
+    return data
+
+
+def repair_summaries(database: Database, now: datetime) -> list[tuple[int, int]]:
+    """Compute and store the summaries of applied rounds that have none: their close committed, and the
+    process died (or the write failed) before the summary was stored. Returns ``(experiment_id,
+    round_index)`` of those repaired. Rounds applied in the last few seconds are left to the process
+    that applied them (computing one twice is harmless: the first stored summary is kept)."""
+    repaired = []
+    for experiment_id, round_index, data in store.pending_summaries(database, now - timedelta(seconds=2)):
+        try:
+            with database.read() as session:
+                experiment = store.read_experiment(session, experiment_id)
+                if experiment is None:
+                    continue
+                algorithm, objective = algorithm_and_objective(session, experiment_id, experiment.config)
+            pending = _PendingSummary(round_index, algorithm, objective, ControllerState.from_dict(data["state"]),
+                                      _statistics_from(data["pooled"]), np.asarray(data["propensities"]))
+            if "segment_state" in data:
+                segment_state, names = load_segment_state(data["segment_state"])
+                pending = dataclasses.replace(
+                    pending, segmented=segmented_config(experiment.config, algorithm), segment_state=segment_state,
+                    segment_pooled=_statistics_from(data["segment_pooled"]), shares=np.asarray(data["shares"]),
+                    segment_names=names)
+            store.store_summaries(database, experiment_id, [(round_index, _summary(pending))])
+        except Exception:  # the database went away, or the summary itself fails: the next tick tries again
+            log.exception("Repairing the summary of round %s of experiment %s failed", round_index, experiment_id)
+            continue
+        log.info("Experiment %s: stored the missing summary of round %s", experiment.name, round_index)
+        repaired.append((experiment_id, round_index))
+    return repaired
 
 
 def _store_summaries(database: Database, experiment_id: int, summaries: list[_PendingSummary]) -> None:
@@ -281,7 +409,9 @@ def _store_summaries(database: Database, experiment_id: int, summaries: list[_Pe
 
     The exact optimum behind the regret estimate is the slowest part of a close at large K; doing it
     after the experiment row is unlocked keeps ingestion and assignment refreshes from waiting on it.
-    A crash in between only leaves those rounds without a summary (reported as null).
+    What the summaries are computed from was written with the close (``rounds.summary_input``): a
+    crash in between, or a failed write, leaves it, and the next tick's :func:`repair_summaries`
+    stores the summary from it.
     """
     if not summaries:
         return

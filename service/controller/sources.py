@@ -40,7 +40,8 @@ import numpy as np
 from .. import store
 from ..db import Database
 from ..models import utcnow
-from ..sources import RoundStatistics, RoundWindow, SourceError, fetch_round_statistics, parse_source
+from ..sources import RoundStatistics, RoundWindow, SourceError, SourceLimits, fetch_round_statistics, parse_source
+from ..sources.sandbox import display_message
 from ..sources.spec import MAX_LATE_ROUNDS
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,8 @@ def declared_source(config: Mapping[str, Any]):
 
 
 def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, manual: bool,
-                     expected_round_index: int | None = None) -> SourceResults | None:
+                     expected_round_index: int | None = None,
+                     limits: SourceLimits = SourceLimits()) -> SourceResults | None:
     """Query the experiment's source for the rounds the close at ``now`` needs (see the module docstring).
 
     Returns None (nothing queried) when the experiment has no source, is not running, or has nothing
@@ -118,7 +120,9 @@ def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, m
         source = declared_source(experiment.config)
     except SourceError as error:  # stored before a stricter check: shown like any failure
         _failed(database, experiment_id, experiment.name, None, str(error))
-    first = max(0, experiment.applied_rounds - source.late_rounds)
+    # The round the previous update applied is re-queried at least once: what was served between its
+    # query and its close's commit landed after that query (late_rounds = 0 re-queries it all the same).
+    first = max(0, experiment.applied_rounds - max(source.late_rounds, 1))
     work = due_work(experiment.round_index, experiment.applied_rounds,
                     {index: times[1] for index, times in rounds.items()},
                     timedelta(seconds=experiment.config["settle_seconds"]), now, manual)
@@ -131,18 +135,18 @@ def fetch_due_rounds(database: Database, experiment_id: int, now: datetime, *, m
     results: dict[int, RoundStatistics] = {}
     for index in indices:
         round_started, _, closed_at = rounds[index]
-        # A round is served until it closes (the current one: now), however late the close.
+        # A round is served until its close commits (the current one: at least until now); with a round
+        # column its last exposure extends that (service.sources.query, rule 3).
         window = RoundWindow(index, round_started, closed_at if closed_at is not None else now)
         try:
             results[index] = fetch_round_statistics(source, experiment.name, window, arms,
-                                                    experiment.config["metrics"])
+                                                    experiment.config["metrics"], limits)
         except SourceError as error:
             _failed(database, experiment_id, experiment.name, index, str(error))
         except Exception as error:  # a driver's exception the source step does not know: shown all the same
             log.exception("Experiment %s: the metric source raised an unexpected error", experiment.name)
-            first_line = (str(error).strip().splitlines() or [""])[0][:400]
             _failed(database, experiment_id, experiment.name, index,
-                    f"The metric source failed unexpectedly: {type(error).__name__}: {first_line}")
+                    f"The metric source failed unexpectedly: {type(error).__name__}: {display_message(str(error))}")
     return SourceResults(started_at, results)
 
 

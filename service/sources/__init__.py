@@ -9,13 +9,14 @@ Every failure is a :class:`SourceError` whose message is one sentence. See docs/
 
 from .query import SparkSqlDialect, aggregation_query, compile_query
 from .run import RoundStatistics, RoundWindow, fetch_round_statistics, source_sql, spark_session
-from .spec import MetricSource, SourceError, parse_source
+from .spec import MetricSource, SourceError, SourceLimits, parse_source
 
 __all__ = [
     "MetricSource",
     "RoundStatistics",
     "RoundWindow",
     "SourceError",
+    "SourceLimits",
     "SparkSqlDialect",
     "aggregation_query",
     "compile_query",

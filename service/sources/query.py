@@ -10,7 +10,11 @@ Attribution rule (one round, window ``[starts_at, ends_at)``):
    assigns a unit one arm per round, so later exposures of the same unit repeat the first.
 3. An event belongs to the round when its unit has such an exposure, its timestamp falls in the
    window, and (when exposures have timestamps) it is not earlier than that first exposure: an event
-   before the unit saw its arm cannot have been caused by it.
+   before the unit saw its arm cannot have been caused by it. With a round column and timestamps, the
+   window ends no earlier than the round's last exposure (its events up to that instant included): a
+   round is served until every process has seen its close (an assignment answered from a snapshot
+   that was not yet refreshed, a request in flight at the close), and what was served in round r
+   counts in round r however late that was.
 4. Per arm and metric: ``count`` = events with a non-NULL value of the metric's column, ``sum`` and
    ``sum_of_squares`` of that value as a double; per arm, ``units`` = distinct units with at least one
    event in the round (the service's definition for observations sent through the webhook).
@@ -92,15 +96,19 @@ def aggregation_query(mapping: TableMapping, metrics: Sequence[str]) -> sa.Selec
         exposures.c[exposure.arm].label("arm"),
         sa.func.row_number().over(partition_by=exposures.c[exposure.unit], order_by=order).label("exposure_rank"),
     ]
+    labelled = exposure.round is not None and exposure.timestamp is not None
     if exposure.timestamp is not None:
         ranked_columns.append(exposures.c[exposure.timestamp].label("exposed_at"))
+    if labelled:
+        ranked_columns.append(sa.func.max(exposures.c[exposure.timestamp]).over().label("served_until"))
     ranked = sa.select(*ranked_columns).where(*conditions).subquery("round_exposures")
 
+    event_time = events.c[event.timestamp]
     join_on = [
         ranked.c.unit == events.c[event.unit],
         ranked.c.exposure_rank == sa.literal_column("1"),
-        events.c[event.timestamp] >= starts_at,
-        events.c[event.timestamp] < ends_at,
+        event_time >= starts_at,
+        sa.or_(event_time < ends_at, event_time <= ranked.c.served_until) if labelled else event_time < ends_at,
     ]
     if exposure.timestamp is not None:
         join_on.append(events.c[event.timestamp] >= ranked.c.exposed_at)

@@ -23,7 +23,8 @@ Files
 Late rows
     ``late_rounds`` (default 1): each round update also re-runs the query of that many rounds before
     it, whose updates already ran; rows that landed there since are counted as late (as late
-    observations of the webhook are).
+    observations of the webhook are). The round just before is re-run even with ``late_rounds = 0``:
+    what was served while its close committed landed after its update's query.
 
 Forms
     ``mapping`` (exposure and event tables, see :class:`TableMapping`), from which pasto generates one
@@ -51,6 +52,7 @@ __all__ = [
     "MetricSource",
     "parse_source",
     "SQL_PARAMETERS",
+    "SourceLimits",
 ]
 
 #: Most applied rounds one update re-queries for late rows (each is one query on the engine).
@@ -71,6 +73,24 @@ class SourceError(Exception):
     Raised for a declaration pasto cannot use, an engine it cannot reach, SQL the engine refuses,
     and a result with missing columns or values pasto cannot use.
     """
+
+
+@dataclass(frozen=True)
+class SourceLimits:
+    """Deadlines, in seconds, of a source query (``PASTO_SOURCE_CONNECT_TIMEOUT``,
+    ``PASTO_SOURCE_STATEMENT_TIMEOUT``; see docs/scaling.md).
+
+    ``connect``: opening the engine's connection (PostgreSQL's ``connect_timeout``). ``statement``:
+    the query itself (PostgreSQL's ``statement_timeout``; DuckDB and Spark: the query is interrupted).
+    """
+
+    connect: float = 10.0
+    statement: float = 300.0
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> SourceLimits:
+        return cls(connect=float(config["PASTO_SOURCE_CONNECT_TIMEOUT"]),
+                   statement=float(config["PASTO_SOURCE_STATEMENT_TIMEOUT"]))
 
 
 @dataclass(frozen=True)
@@ -274,7 +294,8 @@ def parse_source(spec: Any) -> MetricSource:
     Raises
     ------
     SourceError
-        When the declaration is incomplete, names an unknown engine, or holds a password.
+        When the declaration is incomplete, names an unknown engine, holds a password, or its ``sql`` is
+        not one read-only SELECT over tables (:func:`service.sources.sandbox.check_source_sql`).
     """
     spec = _object(spec, "declaration")
     _unknown_keys(spec, ("engine", "url", "url_env", "password_env", "files", "mapping", "sql",
@@ -310,6 +331,10 @@ def parse_source(spec: Any) -> MetricSource:
                           "or \"sql\" (a query returning arm, metric, count, sum, sum_of_squares).")
     mapping = _parse_mapping(_object(spec["mapping"], "mapping")) if "mapping" in spec else None
     sql = _string(spec, "sql", "declaration", required=False) if "sql" in spec else None
+    if sql is not None:
+        from .sandbox import check_source_sql  # the sandbox module reports with this module's SourceError
+
+        check_source_sql(sql, "spark" if engine == "spark" else "sqlalchemy")
     files = _parse_files(spec.get("files"))
     if files and engine == "sqlalchemy" and url is not None and not url.startswith("duckdb"):
         raise SourceError("The metric source's \"files\" are read by DuckDB and Spark only; this URL is "

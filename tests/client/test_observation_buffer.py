@@ -260,3 +260,35 @@ def test_a_forgotten_close_still_sends_at_exit(server, admin, create_experiment)
     subprocess.run([sys.executable, "-c", script, server.url, server.admin_token, name],
                    check=True, timeout=60)
     assert counted(admin, name) == 50
+
+
+def test_a_pruned_round_observation_is_isolated_and_its_neighbours_accepted(server, admin, create_experiment,
+                                                                             true_means):
+    """A 409 round_pruned (an observation of a round retention pruned) is not retried either: bisection
+    keeps its valid neighbours, as for a 422."""
+    from datetime import timedelta
+
+    from service import create_app
+    from service.controller.retention import prune
+    from service.db import get_db
+    from service.models import utcnow
+
+    name = create_experiment()
+    admin.close_round(name)
+    admin.close_round(name)  # round 0 applied a round ago; round 2 is served
+    # Retention (the scheduler's job) prunes round 0's ids: its data can no longer be de-duplicated.
+    app = create_app({"PASTO_DATABASE_URL": server.database_url, "PASTO_ADMIN_TOKEN": server.admin_token})
+    prune(get_db(app), utcnow() + timedelta(seconds=1), 0)
+    get_db(app).engine.dispose()
+    rejected: list[tuple[PastoAPIError, list[dict]]] = []
+    buffer = ObservationBuffer(admin, name, max_batch=16, flush_interval=60,
+                               on_error=lambda error, batch: rejected.append((error, batch)))
+    with LocalAssigner(admin, name) as assigner:
+        add_assigned(buffer, assigner, 7, true_means, prefix="before")
+        pruned_id = buffer.add("pruned-unit", 0, {"watch_time": 1.0})
+        add_assigned(buffer, assigner, 8, true_means, prefix="after")
+    buffer.close(timeout=30)
+    assert buffer.accepted == 15 and buffer.rejected == 1 and buffer.retries == 0
+    error, batch = rejected[0]
+    assert (error.status, error.code) == (409, "round_pruned") and [o["id"] for o in batch] == [pruned_id]
+    assert counted(admin, name, round_index=2) == 15

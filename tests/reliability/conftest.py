@@ -203,14 +203,16 @@ class ServiceProcesses:
 
     def gunicorn(self, database_url: str, *, workers: int = 4, wait: bool = True, timeout: int = 30,
                  settings: dict[str, str] | None = None) -> ServiceProcess:
-        """``gunicorn -w N -b 127.0.0.1:PORT service.wsgi:app``, healthy when returned (if ``wait``).
+        """``gunicorn -c python:service.gunicorn_conf -w N -b 127.0.0.1:PORT service.wsgi:app`` (the documented
+        command line), healthy when returned (if ``wait``).
 
         The access log records the pid of the worker that served each request (``%(p)s``), so a
         test can tell which of the N workers answered what.
         """
         port = free_port()
         access_log = self.log_dir / f"gunicorn-access-{len(self.started)}.log"
-        command = [PYTHON, "-m", "gunicorn", "-w", str(workers), "-b", f"127.0.0.1:{port}",
+        command = [PYTHON, "-m", "gunicorn", "-c", "python:service.gunicorn_conf", "-w", str(workers),
+                   "-b", f"127.0.0.1:{port}",
                    "--access-logfile", str(access_log),
                    "--access-logformat", "%(p)s %(m)s %(U)s %(q)s %(s)s",
                    "--graceful-timeout", "5", "--timeout", str(timeout), "service.wsgi:app"]

@@ -332,3 +332,91 @@ def test_sqlite_kill_during_round_update_applies_it_once(migrated_sqlite, servic
     # The replay can tell: applying the killed round's update twice gives another state.
     assert replay(engine, apply_twice=caught)[1]
     assert_sqlite_intact(migrated_sqlite)
+
+
+# ------------------------------------------------------------------ kills during closes: summaries
+#: Crashes per process kind: the issue's acceptance (10 kills of each during closes).
+CLOSE_KILLS = 10
+#: Arms of the experiment killed during its closes: a summary (the exact optimum behind its regret)
+#: then takes a good part of each close, so kills land between a close's commit and its summary.
+SUMMARY_ARMS = 200
+
+
+def _unsummarized(engine: sa.Engine) -> int:
+    """Applied rounds of the experiment without a summary."""
+    with engine.connect() as connection:
+        return connection.execute(sa.text(
+            "SELECT count(*) FROM rounds WHERE applied_at IS NOT NULL AND summary IS NULL")).scalar_one()
+
+
+def _applied(engine: sa.Engine) -> int:
+    with engine.connect() as connection:
+        return connection.execute(sa.text("SELECT applied_rounds FROM experiments")).scalar_one()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("killed", ["serve", "gunicorn", "worker"])
+def test_kills_during_closes_leave_every_applied_round_summarized(killed, migrated_postgres, service_processes,
+                                                                  inspect_engine):
+    """kill -9, 10 times, of the process closing rounds (``pasto serve`` with its scheduler, ``pasto
+    worker``) or answering an admin's closes (the gunicorn group), at random moments of 1-second rounds:
+    after a restart every applied round has its summary (the next tick stores those a kill lost), and
+    the cumulative regret counts every round."""
+    import random
+
+    url = migrated_postgres
+    engine = inspect_engine(url)
+    api = service_processes.serve(url)  # reads and the admin's closes when gunicorn is killed
+    arms = [{"name": f"arm{k}", "params": {}} for k in range(SUMMARY_ARMS)]
+    with Client(api.url, ADMIN_TOKEN, timeout=60) as client:
+        client.create_experiment(name=NAME, arms=arms, metrics=["x"], objective={"primary": "x"}, round_seconds=1,
+                                 seed=SEED)
+    rng = random.Random(SEED)  # how long a kill waits for a close's summary window at most
+    lost_at_kills = []
+    for _ in range(CLOSE_KILLS):
+        if killed == "serve":
+            process = service_processes.serve(url, scheduler=True)
+        elif killed == "worker":
+            process = service_processes.worker(url)
+        else:
+            process = service_processes.gunicorn(url, workers=2)
+        applied = _applied(engine)
+        closing = None
+        if killed == "gunicorn":
+            # An admin closes rounds through the gunicorn group as fast as it answers.
+            pool = ThreadPoolExecutor(1)
+            stop = [False]
+
+            def close_repeatedly(base_url=process.url):
+                with Client(base_url, ADMIN_TOKEN, timeout=10) as admin:
+                    while not stop[0]:
+                        try:
+                            admin.close_round(NAME)
+                        except (PastoAPIError, PastoConnectionError):
+                            return
+
+            closing = pool.submit(close_repeatedly)
+        # Kill once a close has run since the start: the moment a close has committed and its summary
+        # is not stored yet, when the polls see one (else at a random moment of the next second).
+        wait_until(lambda: _applied(engine) > applied, 60, "no close after the start")
+        deadline = time.monotonic() + rng.uniform(1.0, 3.0)
+        while time.monotonic() < deadline and _unsummarized(engine) == 0:
+            time.sleep(0.001)
+        process.kill9()
+        if closing is not None:
+            stop[0] = True
+            closing.result(timeout=30)
+            pool.shutdown()
+        lost_at_kills.append(_unsummarized(engine))
+    # One scheduler again: its ticks store every summary a kill lost.
+    repairer = service_processes.worker(url)
+    wait_until(lambda: _unsummarized(engine) == 0, 60, "an applied round is still without a summary")
+    repairer.stop()
+    applied = _applied(engine)
+    with Client(api.url, ADMIN_TOKEN, timeout=60) as client:
+        diagnostics = client.diagnostics(NAME)
+    assert len(diagnostics["regret"]["per_round"]) == applied, lost_at_kills
+    assert all(value is not None for value in diagnostics["regret"]["per_round"])
+    assert diagnostics["regret"]["cumulative"] == pytest.approx(sum(diagnostics["regret"]["per_round"]))
+    print(f"{killed}: {CLOSE_KILLS} kills, {applied} rounds applied, rounds without a summary right after each "
+          f"kill: {lost_at_kills}")

@@ -264,6 +264,9 @@ def test_postgres_away_assignment_serves_the_cached_mixture_ingestion_503(cluste
     accepted = requests.post(f"{server.url}{API}/observations", json=observations, headers=HEADERS, timeout=60)
     assert accepted.status_code == 202, accepted.text
     assert sum(1 for line in log_lines(server.log()) if "The database is unavailable" in line) == 1
+    # One line per outage: no connection that failed goes back to the pool (its reset would log a
+    # traceback, "Exception during reset or similar").
+    assert "Traceback" not in server.log() and "Exception during reset" not in server.log(), server.log()
 
 
 #: The stall: the issue's probe stopped PostgreSQL for 45 s against gunicorn's default 30 s worker

@@ -135,3 +135,57 @@ def test_a_stalled_server_costs_one_connect_timeout_then_requests_fail_fast(tmp_
         database.engine.dispose()
     finally:
         listener.close()
+
+
+@pytest.mark.postgres
+def test_a_connection_that_died_in_the_version_check_is_not_returned_to_the_pool(postgres_url, caplog):
+    """The server ends the connection in the middle of the assignment path's version check: the check
+    fails once (the caller logs the outage), and the dead connection is dropped, not handed back to the
+    pool, whose reset of it would log a traceback ("Exception during reset or similar")."""
+    import logging
+    import threading
+    import time
+
+    from service import store
+    from tests.service.conftest import make_app
+    from service.db import get_db
+
+    app = make_app(postgres_url)
+    database = get_db(app)
+    assert store.experiment_version(database, "none") is None  # the pool holds a live connection now
+    blocker = sa.create_engine(postgres_url)
+    caplog.set_level(logging.DEBUG, logger="sqlalchemy.pool")
+    errors = []
+    with blocker.connect() as connection:
+        connection.execute(sa.text("LOCK TABLE experiments IN ACCESS EXCLUSIVE MODE"))
+
+        def check():
+            try:
+                store.experiment_version(database, "none")
+            except Exception as error:  # the connection was ended under it
+                errors.append(error)
+
+        checker = threading.Thread(target=check)
+        checker.start()
+        # Hang guard: the check waits on the lock within milliseconds.
+        deadline = time.monotonic() + 10
+        while True:
+            connection.execute(sa.text("SELECT pg_stat_clear_snapshot()"))  # a fresh view in this transaction
+            waiting = connection.execute(sa.text(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%experiments%'"
+            )).scalars().all()
+            if waiting:
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        connection.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": waiting[0]})
+        checker.join(timeout=30)
+        connection.rollback()
+    blocker.dispose()
+    import psycopg
+
+    assert len(errors) == 1 and isinstance(errors[0], psycopg.OperationalError), errors  # the raw DBAPI's
+    assert not [record for record in caplog.records if "Exception during reset" in record.getMessage()
+                or record.exc_info], [record.getMessage() for record in caplog.records]
+    assert store.experiment_version(database, "none") is None  # the next check has a live connection
+    database.engine.dispose()

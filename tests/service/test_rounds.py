@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 import pasto.algorithm
 from pasto.algorithm import AlgorithmConfig
+from service import store
 from service.controller.rounds import close_due_rounds, close_round
 from service.db import get_db
 from service.models import Experiment, Round
@@ -289,3 +290,70 @@ def test_default_page_size_bounds_the_cells_of_a_page():
     assert default_page_rounds(2) == 1000
     assert default_page_rounds(10_000) == 20
     assert default_page_rounds(300_000) == 1
+
+
+def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api, setup_a, monkeypatch):
+    """The close commits, then the summary's write fails (a crash, a locked SQLite): the round keeps
+    what its summary is computed from, and the next tick stores the very summary the close would have."""
+    api = backend_api
+    app = api.client.application
+    for name in ("lost", "kept"):
+        assert api("POST", "/api/v1/experiments", json=setup_a(name=name, round_seconds=60)).status_code == 201
+    lost_id, kept_id = experiment_row_named(app, "lost").id, experiment_row_named(app, "kept").id
+    real_store = store.store_summaries
+
+    def failing_store(database, experiment_id, summaries):
+        if experiment_id == lost_id:
+            raise sa.exc.OperationalError("UPDATE rounds", {}, Exception("database is locked"))
+        return real_store(database, experiment_id, summaries)
+
+    for round_index in range(3):
+        for name in ("lost", "kept"):
+            batch = [{"id": f"{name}{round_index}-{i}", "unit": f"u{round_index}-{i}", "round": round_index,
+                      "values": {"x": 1.0 if i % 3 else -1.0, "y": 0.5 - (i % 2)}} for i in range(40)]
+            response = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
+                           json={"observations": batch})
+            assert response.status_code == 202
+        with monkeypatch.context() as patch:
+            patch.setattr(store, "store_summaries", failing_store)
+            advances = close_due_rounds(app, max(row.ends_at for row in round_rows(app)))
+        assert sorted(advance.experiment for advance in advances) == ["kept", "lost"]
+    with get_db(app).read() as session:
+        summaries = dict(session.execute(sa.select(Round.experiment_id, sa.func.count(Round.summary))
+                                         .group_by(Round.experiment_id)).all())
+    assert summaries[lost_id] == 0 and summaries[kept_id] == 3
+    # The next tick, a few seconds later, repairs all three; nothing else changes.
+    last_applied = max(row.applied_at for row in round_rows(app) if row.applied_at is not None)
+    assert close_due_rounds(app, last_applied + timedelta(seconds=3)) == []
+    with get_db(app).read() as session:
+        rows = session.execute(sa.select(Round.experiment_id, Round.index, Round.summary, Round.summary_input)
+                               .where(Round.applied_at.is_not(None))
+                               .order_by(Round.experiment_id, Round.index)).all()
+    lost = [row.summary for row in rows if row.experiment_id == lost_id]
+    kept = [row.summary for row in rows if row.experiment_id == kept_id]
+    assert len(lost) == len(kept) == 3 and lost == kept
+    assert all(row.summary_input is None for row in rows)
+    diagnostics = [api("GET", f"/api/v1/experiments/{name}/diagnostics").get_json() for name in ("lost", "kept")]
+    assert len(diagnostics[0]["regret"]["per_round"]) == 3  # cumulative regret counts every round
+    assert diagnostics[0]["regret"] == diagnostics[1]["regret"]
+
+
+def experiment_row_named(app, name: str):
+    with get_db(app).read() as session:
+        return session.execute(sa.select(Experiment).where(Experiment.name == name)).scalar_one()
+
+
+def test_healthz_is_degraded_once_the_scheduler_stops_beating(api, app, monkeypatch):
+    import service.controller.reports as reports_controller
+    from service.models import utcnow
+
+    client = api.client
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "ok" and health["scheduler"]["alive"] is False  # no scheduler ever ran
+    run_scheduled_work(app, "test-scheduler")
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "ok" and health["scheduler"]["alive"] is True
+    later = utcnow() + timedelta(seconds=60)  # well past max(3 x interval, 5 s) without a tick
+    monkeypatch.setattr(reports_controller, "utcnow", lambda: later)
+    health = client.get("/healthz").get_json()
+    assert health["status"] == "degraded" and health["scheduler"]["alive"] is False

@@ -30,6 +30,7 @@ import sqlalchemy as sa
 
 from tests.migrated import upgrade_to_head
 import service.controller.experiments as experiments_controller
+import service.controller.reports as reports_controller
 import service.scheduler as scheduler_module
 from service import create_app
 from service.auth import create_token
@@ -177,6 +178,7 @@ class Run:
         self.clock = Clock()
         monkeypatch.setattr(scheduler_module, "utcnow", self.clock)
         monkeypatch.setattr(experiments_controller, "utcnow", self.clock)
+        monkeypatch.setattr(reports_controller, "utcnow", self.clock)  # /healthz: the scheduler is alive
         upgrade_to_head(database_url)
         self.app = create_app({"PASTO_DATABASE_URL": database_url, "PASTO_ADMIN_TOKEN": ADMIN, "TESTING": True,
                                "PASTO_VERSION_CHECK_SECONDS": 0})
@@ -390,8 +392,13 @@ def test_a_broken_source_keeps_serving_shows_its_error_and_recovers(tmp_path, mo
         health = run.client.get("/healthz")
         assert health.status_code == 200
         assert health.get_json()["status"] == "degraded"
+        # Anonymous: which experiment fails and since when, never the engine's text.
+        assert health.get_json()["sources"] == [{"experiment": Run.SOURCED, "since": error["since"]}]
+        assert "parquet" not in health.get_data(as_text=True).lower()
+        # A token that may read the experiment gets the message.
+        health = run.call("GET", "/healthz", run.ingest_token)
         assert health.get_json()["sources"] == [
-            {"experiment": Run.SOURCED, "message": error["message"], "since": error["since"]}]
+            {"experiment": Run.SOURCED, "since": error["since"], "message": error["message"]}]
         metrics = run.call("GET", "/metrics").get_data(as_text=True)
         assert _metric_value(metrics, "pasto_source_errors_total", Run.SOURCED) == attempt
         assert _metric_value(metrics, "pasto_source_failing", Run.SOURCED) == 1
