@@ -39,6 +39,7 @@ from tests.service.conftest import (  # noqa: F401
     ADMIN_TOKEN, api, app, app_factory, backend_api, backend_url, serve, setup_a_body, sqlite_url, tokens,
 )
 from tests.service.test_auth import ROUTES as SERVICE_AUTH_MATRIX
+from tests.service.test_auth import rule_of
 
 ROLES = ("read", "ingest", "admin")
 SAFE_METHODS = {"GET", "HEAD", "OPTIONS"}
@@ -57,6 +58,8 @@ MUTATING_ROLES = {
     ("POST", "/api/v1/experiments/<name>/archive"): "admin",
     ("DELETE", "/api/v1/experiments/<name>"): "admin",
     ("POST", "/api/v1/experiments/<name>/statistics"): "ingest",
+    ("POST", "/ofrep/v1/evaluate/flags/<key>"): "ingest",
+    ("POST", "/ofrep/v1/evaluate/flags"): "ingest",
 }
 
 #: A body each route would accept, so that a refusal can only be the token's doing.
@@ -68,6 +71,8 @@ VALID_BODIES = {
     "/api/v1/experiments/<name>/rounds": {"round": 0},
     "/api/v1/experiments/<name>/statistics": {"batch_id": "b-1", "cells": [
         {"round": 0, "arm": "a", "metric": "x", "count": 1, "sum": 1.0, "sum_of_squares": 1.0}]},
+    "/ofrep/v1/evaluate/flags/<key>": {"context": {"targetingKey": "u-1"}},
+    "/ofrep/v1/evaluate/flags": {"context": {"targetingKey": "u-1"}},
 }
 
 
@@ -127,7 +132,7 @@ def refusal_problems(send, routes: list[tuple[str, str]], tokens: dict[str, str]
         if role is None:
             problems.append(f"{method} {rule} has no role in MUTATING_ROLES")
             continue
-        path = rule.replace("<name>", NAME)
+        path = rule.replace("<name>", NAME).replace("<key>", NAME)
         body = VALID_BODIES.get(rule)
         attempts = [("no Authorization header", {}, 401)]
         attempts += [(why, {"Authorization": header}, 401) for why, header in bad_authorizations(tokens).items()]
@@ -151,7 +156,7 @@ def test_every_mutating_route_has_a_role_here_in_the_view_and_in_the_service_mat
     routes = mutating_routes(app)
     assert set(routes) == set(MUTATING_ROLES), "a mutating route was added or removed: give it a role here"
     endpoints = {(method, rule.rule): rule.endpoint for rule in app.url_map.iter_rules() for method in rule.methods}
-    service_matrix = {(method, path.replace(NAME, "<name>")): role for method, path, role, _ in SERVICE_AUTH_MATRIX}
+    service_matrix = {(method, rule_of(path)): role for method, path, role, _ in SERVICE_AUTH_MATRIX}
     for route, role in MUTATING_ROLES.items():
         view = app.view_functions[endpoints[route]]
         assert getattr(view, "required_role", None) == role, f"{route}: the view requires " \

@@ -39,12 +39,19 @@ ROUTES = [
     ("POST", "/api/v1/experiments/setup-a/stop", "admin", None),
     ("POST", "/api/v1/experiments/setup-a/archive", "admin", None),
     ("DELETE", "/api/v1/experiments/setup-a", "admin", None),  # 409 for the admin: not archived
+    ("POST", "/ofrep/v1/evaluate/flags/setup-a", "ingest", {"context": {"targetingKey": "u1"}}),
+    ("POST", "/ofrep/v1/evaluate/flags", "ingest", {"context": {"targetingKey": "u1"}}),
 ]
 PUBLIC = [("GET", "/healthz"), ("GET", "/api/v1/openapi.json")]
 
 
+def rule_of(path: str) -> str:
+    """The Flask rule of a path of the matrix (the experiment is <name> in the API, <key> in OFREP)."""
+    return path.replace("setup-a", "<key>" if path.startswith("/ofrep/") else "<name>")
+
+
 def test_the_matrix_covers_every_api_route(app):
-    documented = {(method, path.replace("setup-a", "<name>")) for method, path, _, _ in ROUTES} | set(PUBLIC)
+    documented = {(method, rule_of(path)) for method, path, _, _ in ROUTES} | set(PUBLIC)
     for rule in app.url_map.iter_rules():
         if rule.endpoint == "static" or rule.endpoint.split(".")[0] == "dashboard" or rule.rule == "/metrics":
             continue
