@@ -111,7 +111,7 @@ class PrefixHasher:
 
 
 def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -> np.ndarray:
-    """Vectorised ``bucket`` over many units.
+    """Vectorised ``bucket`` over many units: ``buckets(seed, units, r)[i] == bucket(seed, units[i], r)``.
 
     Parameters
     ----------
@@ -123,32 +123,74 @@ def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -
     -------
     numpy.ndarray of float64, shape (N,)
     """
-    encoded = [u.encode("utf-8") if isinstance(u, str) else _bad_unit(u) for u in units]
-    n = len(encoded)
+    if not isinstance(units, (list, tuple)):
+        units = list(units)
+    n = len(units)
     if n == 0:
         return np.zeros(0, dtype=np.float64)
-    lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=n)
+    try:
+        ascii_only = "".join(units).isascii()  # also the type check, in C
+    except TypeError:
+        for unit in units:
+            if not isinstance(unit, str):
+                _bad_unit(unit)
+        raise
+    if ascii_only:
+        # One byte per character: the lengths in characters are the lengths in bytes.
+        encoded: Sequence[str] | list[bytes] = units
+        lengths = np.fromiter(map(len, units), dtype=np.intp, count=n)
+    else:
+        encoded = [unit.encode("utf-8") for unit in units]
+        lengths = np.fromiter(map(len, encoded), dtype=np.intp, count=n)
+    h = np.full(n, fnv1a_32(_key_prefix(seed, round_index)), dtype=np.uint32)
+    # A few very long units would make the padded byte matrix n x (longest) large: they are hashed
+    # one by one instead, the rest in the matrix.
     width = int(lengths.max())
-    matrix = np.zeros((n, max(width, 1)), dtype=np.uint8)
-    if width:
-        flat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        rows = np.repeat(np.arange(n), lengths)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        cols = np.arange(flat.size) - starts
-        matrix[rows, cols] = flat
-    h = np.full(n, fnv1a_32(_key_prefix(seed, round_index)), dtype=np.uint64)
-    prime = np.uint64(FNV_PRIME)
-    mask = np.uint64(_MASK)
-    for column in range(width):
-        active = lengths > column
-        stepped = ((h ^ matrix[:, column].astype(np.uint64)) * prime) & mask
-        h = np.where(active, stepped, h)
-    h ^= h >> np.uint64(16)
-    h = (h * np.uint64(0x85EBCA6B)) & mask
-    h ^= h >> np.uint64(13)
-    h = (h * np.uint64(0xC2B2AE35)) & mask
-    h ^= h >> np.uint64(16)
-    return h.astype(np.float64) * _SCALE
+    cap = max(_LONG_UNIT, 8 * (int(lengths.sum()) // n + 1))
+    if width > cap:
+        long = np.flatnonzero(lengths > cap)
+        for i in long.tolist():
+            h[i] = fnv1a_32(encoded[i] if not ascii_only else encoded[i].encode("ascii"), int(h[i]))
+        short = np.flatnonzero(lengths <= cap)
+        _fnv1a_rows(h, short, [encoded[i] for i in short.tolist()], lengths[short])
+    else:
+        _fnv1a_rows(h, None, encoded, lengths)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h * _SCALE
+
+
+# Units longer than this (and than 8 times the batch's mean length) are hashed outside the byte matrix.
+_LONG_UNIT = 256
+
+
+def _fnv1a_rows(h: np.ndarray, rows: np.ndarray | None, encoded: Sequence, lengths: np.ndarray) -> None:
+    """Continue FNV-1a in ``h[rows]`` (all of ``h`` if ``rows`` is None) over the bytes of ``encoded``
+    (ASCII str or bytes, one per row, ``lengths`` their byte lengths), column by column in uint32
+    (whose multiplication wraps modulo 2**32 as FNV's does)."""
+    if len(encoded) == 0:
+        return
+    # Fixed-width bytes, zero-padded on the right; a unit's own trailing zero bytes are told apart
+    # from the padding by ``lengths``.
+    matrix = np.array(encoded, dtype=np.bytes_)
+    n, itemsize = matrix.shape[0], matrix.dtype.itemsize
+    columns = np.ascontiguousarray(matrix.view(np.uint8).reshape(n, itemsize).T)
+    state = h if rows is None else h[rows]
+    prime = np.uint32(FNV_PRIME)
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    for column in range(shortest):
+        np.bitwise_xor(state, columns[column], out=state)
+        np.multiply(state, prime, out=state)
+    stepped = np.empty_like(state)
+    for column in range(shortest, longest):
+        np.bitwise_xor(state, columns[column], out=stepped)
+        np.multiply(stepped, prime, out=stepped)
+        np.copyto(state, stepped, where=lengths > column)
+    if rows is not None:
+        h[rows] = state
 
 
 def _bad_unit(unit: object) -> bytes:

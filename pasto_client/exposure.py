@@ -115,22 +115,34 @@ def exposure_contexts(
     segment : str or None
         Segmented experiments: the segment this mixture is served to.
     """
-    contexts = []
-    for index, (arm, probability) in enumerate(zip(arms, mixture, strict=True)):
-        fields = {
-            "experiment": experiment,
-            "round": int(round_index),
-            "arm": arm,
-            "arm_index": index,
-            "probability": float(probability),
-            "mixture_version": mixture_version,
-            "segment": segment,
-        }
-        members = json.dumps(fields, separators=(",", ":"))[1:-1]
-        contexts.append(ExposureContext(
-            **fields, json_middle=f',{members},"timestamp":"', serial=next(_serials)
-        ))
-    return tuple(contexts)
+    return tuple(
+        exposure_context(experiment, round_index, arm, index, probability, mixture_version, segment)
+        for index, (arm, probability) in enumerate(zip(arms, mixture, strict=True))
+    )
+
+
+def exposure_context(
+    experiment: str,
+    round_index: int,
+    arm: str,
+    arm_index: int,
+    probability: float,
+    mixture_version: str | None,
+    segment: str | None = None,
+) -> ExposureContext:
+    """The :class:`ExposureContext` of one arm (position ``arm_index``) of the mixture being served;
+    see :func:`exposure_contexts`."""
+    fields = {
+        "experiment": experiment,
+        "round": int(round_index),
+        "arm": arm,
+        "arm_index": int(arm_index),
+        "probability": float(probability),
+        "mixture_version": mixture_version,
+        "segment": segment,
+    }
+    members = json.dumps(fields, separators=(",", ":"))[1:-1]
+    return ExposureContext(**fields, json_middle=f',{members},"timestamp":"', serial=next(_serials))
 
 
 class ExposureBatch:
