@@ -129,32 +129,46 @@ def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -
     if n == 0:
         return np.zeros(0, dtype=np.float64)
     try:
-        ascii_only = "".join(units).isascii()  # also the type check, in C
+        joined = "".join(units)  # also the type check, in C
     except TypeError:
         for unit in units:
             if not isinstance(unit, str):
                 _bad_unit(unit)
         raise
-    if ascii_only:
-        # One byte per character: the lengths in characters are the lengths in bytes.
+    if joined.isascii():
+        # One byte per character. Without NUL in the units, NUL separators give every unit's end
+        # in one pass over the bytes (no per-unit Python call at all).
+        if "\x00" not in joined:
+            data = np.frombuffer(("\x00".join(units) + "\x00").encode("ascii"), dtype=np.uint8)
+            ends = np.flatnonzero(data == 0)
+            starts = np.empty(n, dtype=np.intp)
+            starts[0] = 0
+            starts[1:] = ends[:-1] + 1
+            lengths = ends - starts
+        else:
+            lengths = np.fromiter(map(len, units), dtype=np.intp, count=n)
+            data = np.frombuffer(joined.encode("ascii"), dtype=np.uint8)
+            starts = np.cumsum(lengths) - lengths
         encoded: Sequence[str] | list[bytes] = units
-        lengths = np.fromiter(map(len, units), dtype=np.intp, count=n)
     else:
         encoded = [unit.encode("utf-8") for unit in units]
         lengths = np.fromiter(map(len, encoded), dtype=np.intp, count=n)
-    h = np.full(n, fnv1a_32(_key_prefix(seed, round_index)), dtype=np.uint32)
-    # A few very long units would make the padded byte matrix n x (longest) large: they are hashed
-    # one by one instead, the rest in the matrix.
-    width = int(lengths.max())
+        data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        starts = np.cumsum(lengths) - lengths
+    prefix = fnv1a_32(_key_prefix(seed, round_index))
+    h = np.full(n, prefix, dtype=np.uint32)
+    # A few very long units would make the column loop as long as the longest of them: they are
+    # hashed one by one instead (their length set to 0 for the loop, which then leaves them alone).
     cap = max(_LONG_UNIT, 8 * (int(lengths.sum()) // n + 1))
-    if width > cap:
-        long = np.flatnonzero(lengths > cap)
+    long = np.flatnonzero(lengths > cap) if int(lengths.max()) > cap else None
+    if long is not None:
+        lengths = lengths.copy()
+        lengths[long] = 0
+    _fnv1a_columns(h, data, starts, lengths)
+    if long is not None:
         for i in long.tolist():
-            h[i] = fnv1a_32(encoded[i] if not ascii_only else encoded[i].encode("ascii"), int(h[i]))
-        short = np.flatnonzero(lengths <= cap)
-        _fnv1a_rows(h, short, [encoded[i] for i in short.tolist()], lengths[short])
-    else:
-        _fnv1a_rows(h, None, encoded, lengths)
+            unit = encoded[i]
+            h[i] = fnv1a_32(unit.encode("utf-8") if isinstance(unit, str) else unit, prefix)
     h ^= h >> np.uint32(16)
     h *= np.uint32(0x85EBCA6B)
     h ^= h >> np.uint32(13)
@@ -163,34 +177,31 @@ def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -
     return h * _SCALE
 
 
-# Units longer than this (and than 8 times the batch's mean length) are hashed outside the byte matrix.
+# Units longer than this (and than 8 times the batch's mean length) are hashed outside the column loop.
 _LONG_UNIT = 256
 
 
-def _fnv1a_rows(h: np.ndarray, rows: np.ndarray | None, encoded: Sequence, lengths: np.ndarray) -> None:
-    """Continue FNV-1a in ``h[rows]`` (all of ``h`` if ``rows`` is None) over the bytes of ``encoded``
-    (ASCII str or bytes, one per row, ``lengths`` their byte lengths), column by column in uint32
-    (whose multiplication wraps modulo 2**32 as FNV's does)."""
-    if len(encoded) == 0:
-        return
-    # Fixed-width bytes, zero-padded on the right; a unit's own trailing zero bytes are told apart
-    # from the padding by ``lengths``.
-    matrix = np.array(encoded, dtype=np.bytes_)
-    n, itemsize = matrix.shape[0], matrix.dtype.itemsize
-    columns = np.ascontiguousarray(matrix.view(np.uint8).reshape(n, itemsize).T)
-    state = h if rows is None else h[rows]
-    prime = np.uint32(FNV_PRIME)
+def _fnv1a_columns(h: np.ndarray, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+    """Continue FNV-1a in ``h`` (N,) over the bytes of N units, unit ``i`` being
+    ``data[starts[i]:starts[i] + lengths[i]]``: one gather per byte position, in uint32 (whose
+    multiplication wraps modulo 2**32 as FNV's does); only the positions past the shortest unit
+    need the mask of the units still going."""
     shortest, longest = int(lengths.min()), int(lengths.max())
-    for column in range(shortest):
-        np.bitwise_xor(state, columns[column], out=state)
-        np.multiply(state, prime, out=state)
-    stepped = np.empty_like(state)
-    for column in range(shortest, longest):
-        np.bitwise_xor(state, columns[column], out=stepped)
-        np.multiply(stepped, prime, out=stepped)
-        np.copyto(state, stepped, where=lengths > column)
-    if rows is not None:
-        h[rows] = state
+    if longest == 0:
+        return
+    # Positions past a unit's end read the next unit's bytes (or this padding), then are masked out.
+    padded = np.concatenate([data, np.zeros(longest, dtype=np.uint8)])
+    prime = np.uint32(FNV_PRIME)
+    stepped = np.empty_like(h)
+    for column in range(longest):
+        byte = padded[starts + column]
+        if column < shortest:
+            np.bitwise_xor(h, byte, out=h)
+            np.multiply(h, prime, out=h)
+        else:
+            np.bitwise_xor(h, byte, out=stepped)
+            np.multiply(stepped, prime, out=stepped)
+            np.copyto(h, stepped, where=lengths > column)
 
 
 def _bad_unit(unit: object) -> bytes:
