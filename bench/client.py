@@ -5,6 +5,8 @@ Measures single-threaded assignments per second, in one process and one run:
 - ``hash only``: ``PrefixHasher(seed, round)(unit)``, the floor any per-call assignment pays;
 - ``pasto assign``: ``LocalAssigner.assign(unit)`` (hash + bisection + a prebuilt Assignment);
 - ``pasto assign_many``: ``LocalAssigner.assign_many(units)`` in batches (numpy hashing);
+- ``pasto.hashing.buckets``: the hash ``assign_many`` runs, alone (what choosing the arms and
+  returning one answer per unit adds is the difference);
 - ``numpy batch hash``: the bare baseline of ``assign_many``: the same hash written by hand in numpy
   over the same batches (:func:`numpy_batch_hash`: fixed-width bytes, FNV-1a column by column in
   uint32 under a length mask, the finaliser), without choosing arms or returning answers;
@@ -93,6 +95,7 @@ def numpy_batch_hash(seed: int, round_index: int):
 
 ASSIGN = "pasto LocalAssigner.assign"
 HASH_BATCH = "numpy batch hash (bare baseline of assign_many)"
+BUCKETS = "pasto.hashing.buckets (assign_many's hash alone)"
 SINK_ROWS = {
     "pasto LocalAssigner.assign + JSON-lines sink": ("exposures.jsonl", JsonLinesSink),
     "pasto LocalAssigner.assign + Parquet sink": ("exposures.parquet", ParquetSink),
@@ -154,6 +157,7 @@ def measure(units: list[str], n_arms: int, batch_size: int, repeats: int) -> dic
             assigner.assign_many, batch_size
         ),
         HASH_BATCH: (numpy_batch_hash(SEED, ROUND_INDEX), batch_size),
+        BUCKETS: (lambda batch: buckets(SEED, batch, ROUND_INDEX), batch_size),
     }
     if not np.array_equal(rows[HASH_BATCH][0](units[:batch_size]), buckets(SEED, units[:batch_size], ROUND_INDEX)):
         raise RuntimeError("The bare numpy batch hash does not give pasto's buckets.")
@@ -257,6 +261,7 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
         batch = next(v for k, v in r.items() if k.startswith("pasto LocalAssigner.assign_many"))
         parts.append(f"assign_many / assign = {batch / ours:.2f}")
         parts.append(f"assign_many / numpy batch hash = {batch / r[HASH_BATCH]:.2f} (target >= 0.8)")
+        parts.append(f"assign_many / its hash alone = {batch / r[BUCKETS]:.2f}")
         lines.append(f"- {shape}: " + "; ".join(parts) + ".")
     lines += [
         "",
