@@ -1461,6 +1461,165 @@ def history_main(argv: list[str], docs: Path = DOCS) -> dict[str, Any]:
     return results
 
 
+# ---------------------------------------------------------------------------------- assign only
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %(token)s"
+counter = 0
+batch = %(batch)d
+body = function(n)
+  if batch == 0 then return '{"unit":"user-' .. n .. '"}' end
+  local units = {}
+  for j = 1, batch do units[j] = '"user-' .. n .. '-' .. j .. '"' end
+  return '{"units":[' .. table.concat(units, ",") .. ']}'
+end
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, nil, nil, body(counter))
+end
+refused = false
+response = function(status, headers, body)
+  if status ~= 200 and not refused then
+    refused = true
+    io.write("first refused: " .. status .. " " .. body .. "\\n")
+  end
+end
+"""
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and of its live descendants (gunicorn's workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def wrk_pass(port: int, path: str, token: str, kind: str, batch_size: int, seconds: float,
+             connections: int, server_pid: int | None = None) -> dict[str, Any]:
+    """One ``wrk`` pass (Debian's wrk, 1 thread, ``connections`` keep-alive connections) against ``path``:
+    requests/s, the count of non-2xx answers and (with ``server_pid``) the server's CPU microseconds per
+    request. Every request names a new unit (or batch of units)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_SCRIPT % {"token": token, "batch": 0 if kind == "assign" else batch_size})
+    cpu = process_cpu_seconds(server_pid) if server_pid else 0.0
+    try:
+        completed = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", script.name, f"http://127.0.0.1:{port}{path}"],
+            capture_output=True, text=True, check=True, timeout=seconds + 60,
+        )
+    finally:
+        os.unlink(script.name)
+    cpu = process_cpu_seconds(server_pid) - cpu if server_pid else float("nan")
+    out = completed.stdout
+    if completed.stderr.strip():
+        raise RuntimeError(f"wrk: {completed.stderr.strip()[:500]}")
+    rate = float(out.split("Requests/sec:")[1].split()[0])
+    errors = int(out.split("Non-2xx or 3xx responses:")[1].split()[0]) if "Non-2xx" in out else 0
+    refused = out.split("first refused: ", 1)[1].strip()[:300] if "first refused: " in out else None
+    count = int(out.split(" requests in ")[0].split()[-1])
+    return {"rate": rate, "errors": errors, "count": count, "refused": refused, "cpu_us": cpu / max(count, 1) * 1e6}
+
+
+def assign_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py assign``: only the assign endpoint against the bare one, per backend and
+    server (waitress with ``--threads``, or gunicorn ``-w --workers`` gthread), single units and batches,
+    A/B then B/A, with the Python load generator or ``--wrk`` (Debian's wrk); the median paired ratio."""
+    parser = argparse.ArgumentParser(prog="bench/serve.py assign")
+    parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--server", choices=("waitress", "gunicorn"), default="waitress")
+    parser.add_argument("--workers", type=int, default=4, help="gunicorn workers")
+    parser.add_argument("--threads", type=int, default=8, help="waitress threads, or threads per gunicorn worker")
+    parser.add_argument("--arms", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wrk", action="store_true", help="load with wrk instead of the Python clients")
+    parser.add_argument("--connections", type=int, default=8, help="wrk connections")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=50_000)
+    args = parser.parse_args(argv)
+    loadgen = None if args.wrk else LoadGenerator(args.clients)
+    cluster = None
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-assign-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "sqlite":
+                    backend = Backend("sqlite", Path(workdir))
+                else:
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                try:
+                    url = backend.new_database("assign")
+                    app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
+                    from service.db import get_db
+
+                    get_db(app).engine.dispose()
+                    workers = args.workers if args.server == "gunicorn" else 1
+                    server = Server(url, args.arms, server=args.server, threads=args.threads, workers=workers)
+                    try:
+                        for kind in ("assign", "assign_batch"):
+                            results[f"{name}/{kind}"] = _assign_passes(server, loadgen, token, args, kind)
+                    finally:
+                        server.stop()
+                finally:
+                    backend.close()
+    finally:
+        if loadgen is not None:
+            loadgen.close()
+        if cluster is not None:
+            cluster.stop()
+    server_name = (f"gunicorn -w {args.workers} (gthread, {args.threads} threads)" if args.server == "gunicorn"
+                   else f"waitress ({args.threads} threads)")
+    print(f"\n{server_name}, K = {args.arms}, load: "
+          + (f"wrk -t1 -c{args.connections}" if args.wrk else f"{args.clients} Python clients") + f", "
+          f"{args.repeats} x {args.seconds:g} s per side; requests/s (best pass) and the median paired ratio\n")
+    print("| backend | request | bare, req/s | pasto, req/s | pasto / bare | server CPU per request, bare / pasto, us "
+          "| bare / pasto CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key, result in results.items():
+        backend, kind = key.split("/")
+        label = "1 unit" if kind == "assign" else f"{args.batch_size} units"
+        bare_cpu, pasto_cpu = result["bare"].get("cpu_min", float("nan")), result["pasto"].get("cpu_min", float("nan"))
+        print(f"| {backend} | {label} | {result['bare']['rate']:,.0f} | {result['pasto']['rate']:,.0f} | "
+              f"{paired_ratio(result['pasto'], result['bare']):.2f} | {bare_cpu:,.0f} / {pasto_cpu:,.0f} | "
+              f"{bare_cpu / pasto_cpu:.2f} |")
+    return results
+
+
+def _assign_passes(server: Server, loadgen, token: str, args, kind: str) -> dict[str, Any]:
+    paths = {"bare": "/bare/assign", "pasto": f"/api/v1/experiments/{EXPERIMENT}/assign"}
+    if loadgen is not None:
+        args.requests = args.requests
+        return measure_assign(server, loadgen, token, args, kind)
+    passes: dict[str, list] = {"bare": [], "pasto": []}
+    for side in ("bare", "pasto"):  # warm-up
+        wrk_pass(server.port, paths[side], token, kind, args.batch_size, 1, args.connections)
+    for repeat in range(args.repeats):
+        for side in (("bare", "pasto") if repeat % 2 == 0 else ("pasto", "bare")):
+            passes[side].append(wrk_pass(server.port, paths[side], token, kind, args.batch_size, args.seconds,
+                                         args.connections, server.process.pid))
+    for side, side_passes in passes.items():
+        if any(p["errors"] for p in side_passes):
+            raise RuntimeError(f"The {side} endpoint answered errors: {side_passes}")
+    return {side: {**max(side_passes, key=lambda p: p["rate"]), "rates": [p["rate"] for p in side_passes],
+                   "cpu_min": min(p["cpu_us"] for p in side_passes)}
+            for side, side_passes in passes.items()}
+
+
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_server"]:
@@ -1469,6 +1628,8 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         return history_main(argv[1:], docs)
     if argv[:1] == ["diagnostics-solve"]:
         return diagnostics_solve_main(argv[1:])
+    if argv[:1] == ["assign"]:
+        return assign_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:
