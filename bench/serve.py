@@ -1620,6 +1620,180 @@ def _assign_passes(server: Server, loadgen, token: str, args, kind: str) -> dict
             for side, side_passes in passes.items()}
 
 
+# ---------------------------------------------------------------------------------- the close at large K
+def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, n_metrics: int) -> float:
+    """Seconds of the SQL a round close must run, written by hand on the DBAPI connection and rolled
+    back: lock the experiment row, fold the round's and the late cells into the running totals (the
+    same upsert), read the round's cells and the totals (fetchall into one float64 array each), write
+    a controller state of the same size as the service's (K x (6 + 12 M) floats, one JSON text) and
+    the next round's K probabilities. What any implementation of the close pays for its data."""
+    import sqlalchemy as sa
+
+    from service.models import Experiment
+    from service.store import _placeholder
+
+    engine = database.engine
+    p = _placeholder(engine)
+    state = json.dumps({"arrays": np.random.default_rng(0).random((6 + 12 * n_metrics, n_arms)).tolist()})
+    probabilities = json.dumps(np.full(n_arms, 1.0 / n_arms).tolist())
+    connection = engine.raw_connection()
+    try:
+        cursor = connection.cursor()
+        started = time.perf_counter()
+        if engine.dialect.name == "sqlite":
+            cursor.execute("BEGIN IMMEDIATE")
+            lock = f"SELECT id, state FROM experiments WHERE id = {p}"
+        else:
+            lock = f"SELECT id, state FROM experiments WHERE id = {p} FOR UPDATE"
+        cursor.execute(lock, (experiment_id,))
+        cursor.fetchall()
+        cursor.execute(
+            "INSERT INTO pooled_statistics (experiment_id, metric_index, arm_index, count, sum, sum_of_squares) "
+            f"SELECT {p}, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
+            "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+            f"WHERE experiment_id = {p} AND round_index = {p} UNION ALL "
+            f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics WHERE experiment_id = {p}"
+            ") AS cells GROUP BY metric_index, arm_index ORDER BY metric_index, arm_index "
+            "ON CONFLICT (experiment_id, metric_index, arm_index) DO UPDATE SET count = pooled_statistics.count "
+            "+ excluded.count, sum = pooled_statistics.sum + excluded.sum, "
+            "sum_of_squares = pooled_statistics.sum_of_squares + excluded.sum_of_squares",
+            (experiment_id, experiment_id, round_index, experiment_id))
+        cursor.execute(f"DELETE FROM late_statistics WHERE experiment_id = {p}", (experiment_id,))
+        for sql, parameters in (
+            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+             f"WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index)),
+            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+             f"WHERE experiment_id = {p}", (experiment_id,)),
+        ):
+            cursor.execute(sql, parameters)
+            np.array(cursor.fetchall(), dtype=np.float64)
+        cursor.execute(f"UPDATE experiments SET state = {p} WHERE id = {p}", (state, experiment_id))
+        cursor.execute(f"UPDATE rounds SET probabilities = {p} WHERE experiment_id = {p} AND {_quoted_index(engine)} = {p}",
+                       (probabilities, experiment_id, round_index))
+        seconds = time.perf_counter() - started
+        connection.rollback()
+        cursor.close()
+    finally:
+        connection.close()
+    del sa, Experiment
+    return seconds
+
+
+def _quoted_index(engine) -> str:
+    return '"index"'
+
+
+def close_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py close``: the round close at large K beside the SQL it must run (bare,
+    :func:`bare_close_sql`) and the update alone, per backend; the close's peak traced memory; the
+    dashboard's summarised poll (``?arms=100``) afterwards."""
+    parser = argparse.ArgumentParser(prog="bench/serve.py close")
+    parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--arms", type=_parse_list, default=[10_000])
+    parser.add_argument("--preset", default="default")
+    parser.add_argument("--rounds", type=int, default=3, help="closes per K (the first one is a warm-up)")
+    args = parser.parse_args(argv)
+    import tracemalloc
+
+    import sqlalchemy as sa
+
+    from service.controller.rounds import close_round
+    from service.db import get_db
+    from service.models import Experiment, RoundStatistic
+
+    results: dict[str, Any] = {}
+    cluster = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-close-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "sqlite":
+                    backend = Backend("sqlite", Path(workdir))
+                else:
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                try:
+                    for n_arms in args.arms:
+                        experiment = close_experiment(n_arms, args.preset)
+                        created = time.perf_counter()
+                        app, token = prepare_database(backend.new_database(f"close{n_arms}"),
+                                                      [(experiment, n_arms, args.preset)])
+                        created = time.perf_counter() - created
+                        database = get_db(app)
+                        with database.read() as session:
+                            experiment_id = session.execute(
+                                sa.select(Experiment.id).where(Experiment.name == experiment)).scalar_one()
+                        rng = np.random.default_rng(0)
+                        means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+                        row = {"created_s": created, "close_ms": [], "bare_ms": [], "error": None}
+                        for round_index in range(args.rounds + 1):
+                            statistics_ = synthetic_statistics(rng, means, 3)
+                            rows = [{"experiment_id": experiment_id, "round_index": round_index, "arm_index": k,
+                                     "metric_index": m, "count": int(statistics_.counts[m, k]),
+                                     "sum": float(statistics_.sums[m, k]),
+                                     "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
+                                    for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0]
+                            with database.write() as session:
+                                session.execute(sa.insert(RoundStatistic.__table__), rows)
+                            bare = bare_close_sql(database, experiment_id, round_index, n_arms, len(METRICS))
+                            traced = round_index == args.rounds  # the last close: under tracemalloc, not timed
+                            if traced:
+                                tracemalloc.start()
+                            started = time.perf_counter()
+                            try:
+                                close_round(database, experiment_id, round_index)
+                            except MemoryError as error:
+                                row["error"] = f"MemoryError: {str(error)[:120]}"
+                                if traced:
+                                    tracemalloc.stop()
+                                break
+                            seconds = time.perf_counter() - started
+                            if traced:
+                                row["peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+                                tracemalloc.stop()
+                            elif round_index > 0:
+                                row["close_ms"].append(seconds * 1000)
+                                row["bare_ms"].append(bare * 1000)
+                            print(f"[{name}] K = {n_arms:,} round {round_index}: close {seconds * 1000:,.0f} ms, "
+                                  f"bare SQL {bare * 1000:,.0f} ms", flush=True)
+                        if row["error"] is None:
+                            client = app.test_client()
+                            headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                            for label, path in (("experiment", f"/api/v1/experiments/{experiment}?arms=100"),
+                                                ("rounds", f"/api/v1/experiments/{experiment}/rounds?arms=100")):
+                                started = time.perf_counter()
+                                response = client.get(path, headers=headers)
+                                row[f"poll_{label}"] = (response.status_code, (time.perf_counter() - started) * 1000,
+                                                        len(response.get_data()))
+                        update = measure_update_alone(n_arms, args.preset, 3) if row["error"] is None else None
+                        row["update_ms"] = None if update is None else update["median_ms"]
+                        results[f"{name}/{n_arms}"] = row
+                        database.engine.dispose()
+                finally:
+                    backend.close()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    print(f"\nRound close, preset {args.preset!r}, M = {len(METRICS)}: median over rounds 1..{args.rounds - 1} "
+          "(round 0 is a warm-up; the last close runs under tracemalloc for its peak)\n")
+    print("| backend | K | close, ms | bare SQL of the close, ms | bare SQL / close | update alone, ms | "
+          "peak traced memory of the close, MB | GET experiment / rounds ?arms=100: status, ms, bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for key, row in results.items():
+        backend, n_arms = key.split("/")
+        if row["error"] is not None:
+            print(f"| {backend} | {int(n_arms):,} | {row['error']} | | | | | |")
+            continue
+        close_ms, bare_ms = statistics.median(row["close_ms"]), statistics.median(row["bare_ms"])
+        polls = "; ".join(f"{status}, {ms:,.0f} ms, {size:,} B" for status, ms, size in
+                          (row["poll_experiment"], row["poll_rounds"]))
+        print(f"| {backend} | {int(n_arms):,} | {close_ms:,.0f} | {bare_ms:,.0f} | {bare_ms / close_ms:.2f} | "
+              f"{row['update_ms']:,.0f} | {row['peak_mb']:,.0f} | {polls} |")
+    return results
+
+
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_server"]:
@@ -1630,6 +1804,8 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         return diagnostics_solve_main(argv[1:])
     if argv[:1] == ["assign"]:
         return assign_main(argv[1:])
+    if argv[:1] == ["close"]:
+        return close_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

@@ -19,7 +19,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from .errors import ApiError, body_order, format_location, invalid, problems_error, validation_problems
 
 MAX_BATCH = 10_000
-MAX_ARMS = 10_000
+MAX_ARMS = 100_000
 MAX_SEED = 2**63 - 1
 #: Largest magnitude of a metric value, threshold, weight or penalty: sums of squares of many values
 #: must stay finite in float64.
