@@ -1626,15 +1626,17 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
     back: lock the experiment row, fold the round's and the late cells into the running totals (the
     same upsert), read the round's cells and the totals (fetchall into one float64 array each), write
     a controller state of the same size as the service's (K x (6 + 12 M) floats, one JSON text) and
-    the next round's K probabilities. What any implementation of the close pays for its data."""
+    the next round's K probabilities. What any implementation of the close pays for its data.
+    The experiment row is read with its state, as the close reads it."""
     import sqlalchemy as sa
 
-    from service.models import Experiment
+    from service.models import Experiment, pack_arrays
     from service.store import _placeholder
 
     engine = database.engine
     p = _placeholder(engine)
-    state = json.dumps({"arrays": np.random.default_rng(0).random((6 + 12 * n_metrics, n_arms)).tolist()})
+    # The state as the service stores it (service.models.PackedArraysJSON): float64 bytes in base64.
+    state = json.dumps({"arrays": pack_arrays(np.random.default_rng(0).random((6 + 12 * n_metrics, n_arms)).tolist())})
     probabilities = json.dumps(np.full(n_arms, 1.0 / n_arms).tolist())
     connection = engine.raw_connection()
     try:
@@ -1692,7 +1694,11 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--arms", type=_parse_list, default=[10_000])
     parser.add_argument("--preset", default="default")
     parser.add_argument("--rounds", type=int, default=3, help="closes per K (the first one is a warm-up)")
+    parser.add_argument("--statement-timeout", type=float, default=120.0,
+                        help="PASTO_DATABASE_STATEMENT_TIMEOUT for the run (the fold of 500,000 cells at K = 100,000 "
+                             "can exceed the 10 s default on a loaded machine)")
     args = parser.parse_args(argv)
+    os.environ["PASTO_DATABASE_STATEMENT_TIMEOUT"] = str(args.statement_timeout)
     import tracemalloc
 
     import sqlalchemy as sa
@@ -1735,8 +1741,9 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                                      "sum": float(statistics_.sums[m, k]),
                                      "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
                                     for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0]
-                            with database.write() as session:
-                                session.execute(sa.insert(RoundStatistic.__table__), rows)
+                            for start in range(0, len(rows), 20_000):  # within the statement timeout
+                                with database.write() as session:
+                                    session.execute(sa.insert(RoundStatistic.__table__), rows[start:start + 20_000])
                             bare = bare_close_sql(database, experiment_id, round_index, n_arms, len(METRICS))
                             traced = round_index == args.rounds  # the last close: under tracemalloc, not timed
                             if traced:
