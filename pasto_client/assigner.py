@@ -14,7 +14,6 @@ from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from operator import itemgetter
 from types import MappingProxyType
 from typing import Any
 
@@ -65,7 +64,10 @@ class _ServedMixture:
     """
 
     __slots__ = ("mixture", "cumulative", "assignments", "exposures", "arms", "round_index", "segment",
-                 "_built", "_logged", "_experiment", "_mixture_version", "_lock")
+                 "_built", "_logged", "_built_objects", "_logged_objects", "_experiment", "_mixture_version",
+                 "_lock")
+    # (K,) object arrays mirroring assignments / exposures, which batches index in C (``take``), and
+    # (K,) bools saying which of their slots are filled.
 
     def __init__(self, arms: _Arms, mixture: Sequence[float], round_index: int, segment: str | None,
                  experiment: str, mixture_version: str | None) -> None:
@@ -87,6 +89,8 @@ class _ServedMixture:
         self.exposures: list[ExposureContext | None] = [None] * n_arms
         self._built = np.zeros(n_arms, dtype=bool)
         self._logged = np.zeros(n_arms, dtype=bool)
+        self._built_objects = np.full(n_arms, None, dtype=object)
+        self._logged_objects = np.full(n_arms, None, dtype=object)
         self._experiment = experiment
         self._mixture_version = mixture_version
         self._lock = threading.Lock()
@@ -98,7 +102,7 @@ class _ServedMixture:
             if built is None:
                 built = Assignment(arm=self.arms.names[k], params=self.arms.params(k), round=self.round_index,
                                    probability=self.mixture[k], segment=self.segment)
-                self.assignments[k] = built
+                self.assignments[k] = self._built_objects[k] = built
                 self._built[k] = True
             return built
 
@@ -109,7 +113,7 @@ class _ServedMixture:
             if context is None:
                 context = exposure_context(self._experiment, self.round_index, self.arms.names[k], k,
                                            self.mixture[k], self._mixture_version, segment=self.segment)
-                self.exposures[k] = context
+                self.exposures[k] = self._logged_objects[k] = context
                 self._logged[k] = True
             return context
 
@@ -119,24 +123,20 @@ class _ServedMixture:
 
     def assignments_of(self, arms: np.ndarray) -> list[Assignment]:
         """The assignments of arm positions ``arms`` (N,), in order."""
-        for k in np.unique(arms[~self._built[arms]]).tolist():
-            self.assignment(k)
-        return _pick(self.assignments, arms)
+        return _pick(self._built_objects, self._built, arms, self.assignment)
 
     def exposures_of(self, arms: np.ndarray) -> list[ExposureContext]:
         """The exposure contexts of arm positions ``arms`` (N,), in order."""
-        for k in np.unique(arms[~self._logged[arms]]).tolist():
-            self.exposure(k)
-        return _pick(self.exposures, arms)
+        return _pick(self._logged_objects, self._logged, arms, self.exposure)
 
 
-def _pick(slots: list, positions: np.ndarray) -> list:
-    """``[slots[k] for k in positions]`` at C speed."""
-    if positions.size == 0:
-        return []
-    if positions.size == 1:
-        return [slots[int(positions[0])]]
-    return list(itemgetter(*positions.tolist())(slots))
+def _pick(slots: np.ndarray, filled: np.ndarray, positions: np.ndarray, build: Callable[[int], Any]) -> list:
+    """``[slots[k] for k in positions]`` at C speed, building (``build(k)``) the slots not yet ``filled``."""
+    missing = ~filled.take(positions)
+    if missing.any():
+        for k in np.unique(positions[missing]).tolist():
+            build(k)
+    return slots.take(positions).tolist()
 
 
 @dataclass(frozen=True, slots=True)
