@@ -65,7 +65,7 @@ class _ServedMixture:
 
     __slots__ = ("mixture", "cumulative", "assignments", "exposures", "arms", "round_index", "segment",
                  "_built", "_logged", "_built_objects", "_logged_objects", "_experiment", "_mixture_version",
-                 "_lock")
+                 "_lock", "_guide")
     # (K,) object arrays mirroring assignments / exposures, which batches index in C (``take``), and
     # (K,) bools saying which of their slots are filled.
 
@@ -94,6 +94,7 @@ class _ServedMixture:
         self._experiment = experiment
         self._mixture_version = mixture_version
         self._lock = threading.Lock()
+        self._guide: np.ndarray | None = None
 
     def assignment(self, k: int) -> Assignment:
         """Arm ``k``'s assignment, built on first use; one object per arm whichever thread asks first."""
@@ -118,8 +119,37 @@ class _ServedMixture:
             return context
 
     def draw(self, u: np.ndarray) -> np.ndarray:
-        """The arm positions of buckets ``u`` (N,): the smallest k with u < cumulative[k]."""
-        return np.searchsorted(np.frombuffer(self.cumulative, dtype=np.float64), u, side="right")
+        """The arm positions of buckets ``u`` (N,): the smallest k with u < cumulative[k]
+        (``np.searchsorted(cumulative, u, side="right")``, which it equals for every u)."""
+        cumulative = np.frombuffer(self.cumulative, dtype=np.float64)
+        n_arms = cumulative.size
+        if n_arms < _GUIDE_FROM_ARMS or u.size < 64:
+            return np.searchsorted(cumulative, u, side="right")
+        # A binary search over 100,000 arms misses the cache at every step. A guide table (built on the
+        # first batch: 4 bytes per arm) gives, for each of K equal slices of [0, 1), the answer at its
+        # left end; from there an answer is a step or two away for any mixture whose mass is not
+        # piled on a few slices. Units still moving after a few steps are searched the plain way.
+        guide = self._guide
+        if guide is None:
+            guide = self._guide = np.searchsorted(cumulative, np.arange(n_arms + 1) / n_arms, side="right"
+                                                  ).astype(np.int32)
+        k = guide.take(np.minimum((u * n_arms).astype(np.int64), n_arms - 1)).astype(np.int64)
+        np.minimum(k, n_arms - 1, out=k)
+        for _ in range(_GUIDE_STEPS):  # the slice's left end can round above u: step back
+            back = (k > 0) & (cumulative.take(np.maximum(k - 1, 0)) > u)
+            if not back.any():
+                break
+            k[back] -= 1
+        else:
+            return np.searchsorted(cumulative, u, side="right")
+        for _ in range(_GUIDE_STEPS):
+            ahead = (k < n_arms - 1) & (cumulative.take(k) <= u)
+            if not ahead.any():
+                return k
+            k[ahead] += 1
+        moving = (k < n_arms - 1) & (cumulative.take(k) <= u)
+        k[moving] = np.searchsorted(cumulative, u[moving], side="right")
+        return k
 
     def assignments_of(self, arms: np.ndarray) -> list[Assignment]:
         """The assignments of arm positions ``arms`` (N,), in order."""
@@ -128,6 +158,12 @@ class _ServedMixture:
     def exposures_of(self, arms: np.ndarray) -> list[ExposureContext]:
         """The exposure contexts of arm positions ``arms`` (N,), in order."""
         return _pick(self._logged_objects, self._logged, arms, self.exposure)
+
+
+# Batches over at least this many arms draw through a guide table (``_ServedMixture.draw``), which
+# tries this many steps from the table's answer before a plain search.
+_GUIDE_FROM_ARMS = 1024
+_GUIDE_STEPS = 4
 
 
 def _pick(slots: np.ndarray, filled: np.ndarray, positions: np.ndarray, build: Callable[[int], Any]) -> list:

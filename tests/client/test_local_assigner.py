@@ -399,3 +399,23 @@ def test_arms_first_drawn_from_many_threads_get_one_assignment_object_each():
                 assert by_arm.setdefault(answer.arm, answer) is answer
         k = int(next(iter(by_arm.values())).arm.split("-")[1])
         assert dict(by_arm[f"setting-{k}"].params) == ({"k": k} if k % 2 else {"k": k, "odd": False})
+
+
+@pytest.mark.parametrize("shape", ["dirichlet", "uneven", "three arms", "uniform"])
+def test_batch_draw_over_many_arms_is_the_inverse_cdf_for_every_bucket(shape):
+    """Over 1,024 arms and more, batches draw through a guide table: the same arm as a binary search
+    over the cumulative mixture for every bucket, at and around every cumulative value too."""
+    from pasto_client.assigner import _Arms, _ServedMixture
+
+    rng = np.random.default_rng(len(shape))
+    for n_arms in (1024, 5000, 100_000):
+        weights = {"dirichlet": lambda: rng.dirichlet(np.ones(n_arms)),
+                   "uneven": lambda: rng.dirichlet(np.full(n_arms, 0.01)),
+                   "three arms": lambda: np.bincount(rng.integers(0, n_arms, 3), minlength=n_arms).astype(float),
+                   "uniform": lambda: np.ones(n_arms)}[shape]()
+        served = _ServedMixture(_Arms([{"name": f"a{k}"} for k in range(n_arms)]), weights.tolist(), 0, None, "x", None)
+        cumulative = np.frombuffer(served.cumulative, dtype=np.float64)
+        u = np.concatenate([rng.random(5000), cumulative[:-1], np.nextafter(cumulative[:-1], 0.0),
+                            np.nextafter(cumulative[:-1], 1.0)])
+        u = u[(u >= 0.0) & (u < 1.0)]
+        np.testing.assert_array_equal(served.draw(u), np.searchsorted(cumulative, u, side="right"))
