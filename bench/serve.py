@@ -29,6 +29,14 @@ assign passes: the assignment path must write nothing.
   per segment) beside the unsegmented close of the same K in the same run, on each backend; with
   ``--write-docs`` it replaces the "## Segmented round close" section.
 
+``python bench/serve.py assign`` (apart from the rest): only the assign endpoint against the bare one,
+on waitress or under ``--server gunicorn --workers N``, loaded by the Python clients or ``--wrk``
+(Debian's wrk), with the server's CPU time per request (:func:`assign_main`). ``python bench/serve.py
+close``: the round close at large K (``--arms 10000,100000``) beside the SQL it must run written by
+hand, the update alone, the close's peak traced memory and the dashboard's ``?arms=100`` reads
+(:func:`close_main`). Their figures are in docs/benchmarks.md, "## Scale in K and in requests",
+written by hand.
+
 History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
 1,000 rounds, on SQLite, served by waitress; the bytes and milliseconds of what the dashboard's page
 reads on each poll (the experiment, its diagnostics and the rounds that can still change), of its
@@ -1514,7 +1522,7 @@ def wrk_pass(port: int, path: str, token: str, kind: str, batch_size: int, secon
     cpu = process_cpu_seconds(server_pid) if server_pid else 0.0
     try:
         completed = subprocess.run(
-            ["wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "-s", script.name, f"http://127.0.0.1:{port}{path}"],
+            ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", script.name, f"http://127.0.0.1:{port}{path}"],
             capture_output=True, text=True, check=True, timeout=seconds + 60,
         )
     finally:
@@ -1603,7 +1611,6 @@ def assign_main(argv: list[str]) -> dict[str, Any]:
 def _assign_passes(server: Server, loadgen, token: str, args, kind: str) -> dict[str, Any]:
     paths = {"bare": "/bare/assign", "pasto": f"/api/v1/experiments/{EXPERIMENT}/assign"}
     if loadgen is not None:
-        args.requests = args.requests
         return measure_assign(server, loadgen, token, args, kind)
     passes: dict[str, list] = {"bare": [], "pasto": []}
     for side in ("bare", "pasto"):  # warm-up
@@ -1628,9 +1635,7 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
     a controller state of the same size as the service's (K x (6 + 12 M) floats, one JSON text) and
     the next round's K probabilities. What any implementation of the close pays for its data.
     The experiment row is read with its state, as the close reads it."""
-    import sqlalchemy as sa
-
-    from service.models import Experiment, pack_arrays
+    from service.models import pack_arrays
     from service.store import _placeholder
 
     engine = database.engine
@@ -1670,19 +1675,14 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
             cursor.execute(sql, parameters)
             np.array(cursor.fetchall(), dtype=np.float64)
         cursor.execute(f"UPDATE experiments SET state = {p} WHERE id = {p}", (state, experiment_id))
-        cursor.execute(f"UPDATE rounds SET probabilities = {p} WHERE experiment_id = {p} AND {_quoted_index(engine)} = {p}",
+        cursor.execute(f'UPDATE rounds SET probabilities = {p} WHERE experiment_id = {p} AND "index" = {p}',
                        (probabilities, experiment_id, round_index))
         seconds = time.perf_counter() - started
         connection.rollback()
         cursor.close()
     finally:
         connection.close()
-    del sa, Experiment
     return seconds
-
-
-def _quoted_index(engine) -> str:
-    return '"index"'
 
 
 def close_main(argv: list[str]) -> dict[str, Any]:
