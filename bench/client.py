@@ -5,6 +5,11 @@ Measures single-threaded assignments per second, in one process and one run:
 - ``hash only``: ``PrefixHasher(seed, round)(unit)``, the floor any per-call assignment pays;
 - ``pasto assign``: ``LocalAssigner.assign(unit)`` (hash + bisection + a prebuilt Assignment);
 - ``pasto assign_many``: ``LocalAssigner.assign_many(units)`` in batches (numpy hashing);
+- ``pasto.hashing.buckets``: the hash ``assign_many`` runs, alone (what choosing the arms and
+  returning one answer per unit adds is the difference);
+- ``numpy batch hash``: the bare baseline of ``assign_many``: the same hash written by hand in numpy
+  over the same batches (:func:`numpy_batch_hash`: fixed-width bytes, FNV-1a column by column in
+  uint32 under a length mask, the finaliser), without choosing arms or returning answers;
 - ``growthbook hash+choose``: the GrowthBook Python SDK's own ``gbhash`` + ``chooseVariation``;
 - ``growthbook run()``: its full ``GrowthBook.run(Experiment)`` after ``set_attributes``;
 - ``pasto assign + JSON-lines sink`` / ``+ Parquet sink``: ``LocalAssigner.assign`` with an exposure
@@ -39,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from pasto_client import JsonLinesSink, LocalAssigner, ParquetSink
-from pasto.hashing import PrefixHasher
+from pasto.hashing import PrefixHasher, buckets, fnv1a_32
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
@@ -65,7 +70,32 @@ def make_experiment(n_arms: int) -> dict:
     }
 
 
+def numpy_batch_hash(seed: int, round_index: int):
+    """The bare batch hash of ASCII units in numpy, as a team would write it: the buckets of a batch,
+    shape (N,), equal to ``pasto.hashing.buckets`` (checked in :func:`measure`)."""
+    prefix = fnv1a_32(f"{seed}:{round_index}:".encode())
+    prime = np.uint32(16777619)
+
+    def hash_batch(units: list[str]) -> np.ndarray:
+        matrix = np.array(units, dtype=np.bytes_)
+        lengths = np.fromiter(map(len, units), dtype=np.intp, count=len(units))
+        columns = matrix.view(np.uint8).reshape(len(units), matrix.dtype.itemsize).T
+        h = np.full(len(units), prefix, dtype=np.uint32)
+        for column in range(columns.shape[0]):
+            h = np.where(lengths > column, (h ^ columns[column]) * prime, h)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+        return h * (1.0 / 2**32)
+
+    return hash_batch
+
+
 ASSIGN = "pasto LocalAssigner.assign"
+HASH_BATCH = "numpy batch hash (bare baseline of assign_many)"
+BUCKETS = "pasto.hashing.buckets (assign_many's hash alone)"
 SINK_ROWS = {
     "pasto LocalAssigner.assign + JSON-lines sink": ("exposures.jsonl", JsonLinesSink),
     "pasto LocalAssigner.assign + Parquet sink": ("exposures.parquet", ParquetSink),
@@ -110,7 +140,7 @@ def timed_pass(function, units, batch_size: int | None) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def measure(units: list[str], n_arms: int, batch_size: int, repeats: int) -> dict[str, float]:
+def measure(units: list[str], n_arms: int, batch_size: int, repeats: int, batch_only: bool = False) -> dict[str, float]:
     """Assignments per second of every row on ``units`` (wall clock); the rows named in
     ``CPU_ROWS`` also get an entry ``"<row> [cpu]"``: assignments per second of process CPU time.
 
@@ -126,7 +156,16 @@ def measure(units: list[str], n_arms: int, batch_size: int, repeats: int) -> dic
         f"pasto LocalAssigner.assign_many (batches of {batch_size})": (
             assigner.assign_many, batch_size
         ),
+        HASH_BATCH: (numpy_batch_hash(SEED, ROUND_INDEX), batch_size),
+        BUCKETS: (lambda batch: buckets(SEED, batch, ROUND_INDEX), batch_size),
     }
+    if not np.array_equal(rows[HASH_BATCH][0](units[:batch_size]), buckets(SEED, units[:batch_size], ROUND_INDEX)):
+        raise RuntimeError("The bare numpy batch hash does not give pasto's buckets.")
+    if batch_only:  # the batch rows alone (at large K: GrowthBook's choice scans every arm per call)
+        rows = {name: row for name, row in rows.items() if row[1] is not None}
+        best = {name: min(timed_pass(function, units, size)[0] for _ in range(repeats))
+                for name, (function, size) in rows.items()}
+        return {name: len(units) / seconds for name, seconds in best.items()}
     growthbook = None
     try:
         from growthbook import Experiment, GrowthBook
@@ -226,6 +265,8 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
             parts.append(f"assign / growthbook run() = {ours / gb_run:.1f}")
         batch = next(v for k, v in r.items() if k.startswith("pasto LocalAssigner.assign_many"))
         parts.append(f"assign_many / assign = {batch / ours:.2f}")
+        parts.append(f"assign_many / numpy batch hash = {batch / r[HASH_BATCH]:.2f} (target >= 0.8)")
+        parts.append(f"assign_many / its hash alone = {batch / r[BUCKETS]:.2f}")
         lines.append(f"- {shape}: " + "; ".join(parts) + ".")
     lines += [
         "",
@@ -270,6 +311,31 @@ def render(table: dict[str, dict[str, float]], command: str, args: argparse.Name
     return "\n".join(lines)
 
 
+def measure_memory(n_arms: int) -> dict[str, float]:
+    """Bytes per arm a fresh ``LocalAssigner`` holds (tracemalloc, after construction), after it has
+    assigned 200,000 units (each arm drawn builds its Assignment once), and the bare minimum: the
+    cumulative mixture as float64 and the arm names."""
+    import gc
+    import tracemalloc
+
+    experiment = make_experiment(n_arms)
+    names = sum(sys.getsizeof(arm["name"]) + 8 for arm in experiment["arms"])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assigner = LocalAssigner(None, EXPERIMENT, experiment=experiment)
+        held = tracemalloc.get_traced_memory()[0] - before
+        assigner.assign_many([f"user-{i}" for i in range(200_000)])
+        gc.collect()
+        drawn = len(set(a.arm for a in assigner.assign_many([f"user-{i}" for i in range(200_000)])))
+        after = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return {"held": held / n_arms, "after": after / n_arms, "bare": (8 * n_arms + names) / n_arms,
+            "drawn": drawn}
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -304,7 +370,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="passes; the best one counts")
     parser.add_argument("--write-docs", action="store_true",
                         help="replace the '## Client' section of docs/benchmarks.md")
+    parser.add_argument("--memory-arms", default="",
+                        help="only print the bytes per arm a LocalAssigner holds at these K, e.g. 10000,100000")
+    parser.add_argument("--batch-only", action="store_true",
+                        help="only print the batch rows (assign_many and its two baselines), e.g. at --arms 100000")
     args = parser.parse_args(argv)
+    if args.batch_only:
+        units = [f"user-{i}" for i in range(args.units)]
+        rates = measure(units, args.arms, args.batch_size, args.repeats, batch_only=True)
+        print(f"K = {args.arms:,}, {args.units:,} user-<n> units, batches of {args.batch_size:,}, best of {args.repeats}:")
+        for name, rate in rates.items():
+            print(f"| {name} | {rate:,.0f} |")
+        batch = next(v for k, v in rates.items() if k.startswith("pasto LocalAssigner.assign_many"))
+        print(f"assign_many / numpy batch hash = {batch / rates[HASH_BATCH]:.2f}; "
+              f"assign_many / its hash alone = {batch / rates[BUCKETS]:.2f}")
+        return
+    if args.memory_arms:
+        print("| K | held after construction, B/arm | after 200,000 units, B/arm (arms drawn) | "
+              "bare: float64 cumulative + names, B/arm | held / bare |")
+        print("|---:|---:|---:|---:|---:|")
+        for n_arms in (int(k) for k in args.memory_arms.split(",")):
+            m = measure_memory(n_arms)
+            print(f"| {n_arms:,} | {m['held']:.0f} | {m['after']:.0f} ({m['drawn']:,}) | {m['bare']:.0f} | "
+                  f"{m['held'] / m['bare']:.2f} |")
+        return
     args.load_before = os.getloadavg()[0]
     shapes = {
         "user-<n> ids (10-11 bytes)": [f"user-{i}" for i in range(args.units)],

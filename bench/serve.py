@@ -29,6 +29,14 @@ assign passes: the assignment path must write nothing.
   per segment) beside the unsegmented close of the same K in the same run, on each backend; with
   ``--write-docs`` it replaces the "## Segmented round close" section.
 
+``python bench/serve.py assign`` (apart from the rest): only the assign endpoint against the bare one,
+on waitress or under ``--server gunicorn --workers N``, loaded by the Python clients or ``--wrk``
+(Debian's wrk), with the server's CPU time per request (:func:`assign_main`). ``python bench/serve.py
+close``: the round close at large K (``--arms 10000,100000``) beside the SQL it must run written by
+hand, the update alone, the close's peak traced memory and the dashboard's ``?arms=100`` reads
+(:func:`close_main`). Their figures are in docs/benchmarks.md, "## Scale in K and in requests",
+written by hand.
+
 History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
 1,000 rounds, on SQLite, served by waitress; the bytes and milliseconds of what the dashboard's page
 reads on each poll (the experiment, its diagnostics and the rounds that can still change), of its
@@ -1461,6 +1469,338 @@ def history_main(argv: list[str], docs: Path = DOCS) -> dict[str, Any]:
     return results
 
 
+# ---------------------------------------------------------------------------------- assign only
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %(token)s"
+counter = 0
+batch = %(batch)d
+body = function(n)
+  if batch == 0 then return '{"unit":"user-' .. n .. '"}' end
+  local units = {}
+  for j = 1, batch do units[j] = '"user-' .. n .. '-' .. j .. '"' end
+  return '{"units":[' .. table.concat(units, ",") .. ']}'
+end
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, nil, nil, body(counter))
+end
+refused = false
+response = function(status, headers, body)
+  if status ~= 200 and not refused then
+    refused = true
+    io.write("first refused: " .. status .. " " .. body .. "\\n")
+  end
+end
+"""
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and of its live descendants (gunicorn's workers)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(child) for child in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def wrk_pass(port: int, path: str, token: str, kind: str, batch_size: int, seconds: float,
+             connections: int, server_pid: int | None = None) -> dict[str, Any]:
+    """One ``wrk`` pass (Debian's wrk, 1 thread, ``connections`` keep-alive connections) against ``path``:
+    requests/s, the count of non-2xx answers and (with ``server_pid``) the server's CPU microseconds per
+    request. Every request names a new unit (or batch of units)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_SCRIPT % {"token": token, "batch": 0 if kind == "assign" else batch_size})
+    cpu = process_cpu_seconds(server_pid) if server_pid else 0.0
+    try:
+        completed = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "-s", script.name, f"http://127.0.0.1:{port}{path}"],
+            capture_output=True, text=True, check=True, timeout=seconds + 60,
+        )
+    finally:
+        os.unlink(script.name)
+    cpu = process_cpu_seconds(server_pid) - cpu if server_pid else float("nan")
+    out = completed.stdout
+    if completed.stderr.strip():
+        raise RuntimeError(f"wrk: {completed.stderr.strip()[:500]}")
+    rate = float(out.split("Requests/sec:")[1].split()[0])
+    errors = int(out.split("Non-2xx or 3xx responses:")[1].split()[0]) if "Non-2xx" in out else 0
+    refused = out.split("first refused: ", 1)[1].strip()[:300] if "first refused: " in out else None
+    count = int(out.split(" requests in ")[0].split()[-1])
+    return {"rate": rate, "errors": errors, "count": count, "refused": refused, "cpu_us": cpu / max(count, 1) * 1e6}
+
+
+def assign_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py assign``: only the assign endpoint against the bare one, per backend and
+    server (waitress with ``--threads``, or gunicorn ``-w --workers`` gthread), single units and batches,
+    A/B then B/A, with the Python load generator or ``--wrk`` (Debian's wrk); the median paired ratio."""
+    parser = argparse.ArgumentParser(prog="bench/serve.py assign")
+    parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--server", choices=("waitress", "gunicorn"), default="waitress")
+    parser.add_argument("--workers", type=int, default=4, help="gunicorn workers")
+    parser.add_argument("--threads", type=int, default=8, help="waitress threads, or threads per gunicorn worker")
+    parser.add_argument("--arms", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wrk", action="store_true", help="load with wrk instead of the Python clients")
+    parser.add_argument("--connections", type=int, default=8, help="wrk connections")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=50_000)
+    args = parser.parse_args(argv)
+    loadgen = None if args.wrk else LoadGenerator(args.clients)
+    cluster = None
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-assign-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "sqlite":
+                    backend = Backend("sqlite", Path(workdir))
+                else:
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                try:
+                    url = backend.new_database("assign")
+                    app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
+                    from service.db import get_db
+
+                    get_db(app).engine.dispose()
+                    workers = args.workers if args.server == "gunicorn" else 1
+                    server = Server(url, args.arms, server=args.server, threads=args.threads, workers=workers)
+                    try:
+                        for kind in ("assign", "assign_batch"):
+                            results[f"{name}/{kind}"] = _assign_passes(server, loadgen, token, args, kind)
+                    finally:
+                        server.stop()
+                finally:
+                    backend.close()
+    finally:
+        if loadgen is not None:
+            loadgen.close()
+        if cluster is not None:
+            cluster.stop()
+    server_name = (f"gunicorn -w {args.workers} (gthread, {args.threads} threads)" if args.server == "gunicorn"
+                   else f"waitress ({args.threads} threads)")
+    print(f"\n{server_name}, K = {args.arms}, load: "
+          + (f"wrk -t1 -c{args.connections}" if args.wrk else f"{args.clients} Python clients") + f", "
+          f"{args.repeats} x {args.seconds:g} s per side; requests/s (best pass) and the median paired ratio\n")
+    print("| backend | request | bare, req/s | pasto, req/s | pasto / bare | server CPU per request, bare / pasto, us "
+          "| bare / pasto CPU |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for key, result in results.items():
+        backend, kind = key.split("/")
+        label = "1 unit" if kind == "assign" else f"{args.batch_size} units"
+        bare_cpu, pasto_cpu = result["bare"].get("cpu_min", float("nan")), result["pasto"].get("cpu_min", float("nan"))
+        print(f"| {backend} | {label} | {result['bare']['rate']:,.0f} | {result['pasto']['rate']:,.0f} | "
+              f"{paired_ratio(result['pasto'], result['bare']):.2f} | {bare_cpu:,.0f} / {pasto_cpu:,.0f} | "
+              f"{bare_cpu / pasto_cpu:.2f} |")
+    return results
+
+
+def _assign_passes(server: Server, loadgen, token: str, args, kind: str) -> dict[str, Any]:
+    paths = {"bare": "/bare/assign", "pasto": f"/api/v1/experiments/{EXPERIMENT}/assign"}
+    if loadgen is not None:
+        return measure_assign(server, loadgen, token, args, kind)
+    passes: dict[str, list] = {"bare": [], "pasto": []}
+    for side in ("bare", "pasto"):  # warm-up
+        wrk_pass(server.port, paths[side], token, kind, args.batch_size, 1, args.connections)
+    for repeat in range(args.repeats):
+        for side in (("bare", "pasto") if repeat % 2 == 0 else ("pasto", "bare")):
+            passes[side].append(wrk_pass(server.port, paths[side], token, kind, args.batch_size, args.seconds,
+                                         args.connections, server.process.pid))
+    for side, side_passes in passes.items():
+        if any(p["errors"] for p in side_passes):
+            raise RuntimeError(f"The {side} endpoint answered errors: {side_passes}")
+    return {side: {**max(side_passes, key=lambda p: p["rate"]), "rates": [p["rate"] for p in side_passes],
+                   "cpu_min": min(p["cpu_us"] for p in side_passes)}
+            for side, side_passes in passes.items()}
+
+
+# ---------------------------------------------------------------------------------- the close at large K
+def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, n_metrics: int) -> float:
+    """Seconds of the SQL a round close must run, written by hand on the DBAPI connection and rolled
+    back: lock the experiment row, fold the round's and the late cells into the running totals (the
+    same upsert), read the round's cells and the totals (fetchall into one float64 array each), write
+    a controller state of the same size as the service's (K x (6 + 12 M) floats, one JSON text) and
+    the next round's K probabilities. What any implementation of the close pays for its data.
+    The experiment row is read with its state, as the close reads it."""
+    from service.models import pack_arrays
+    from service.store import _placeholder
+
+    engine = database.engine
+    p = _placeholder(engine)
+    # The state as the service stores it (service.models.PackedArraysJSON): float64 bytes in base64.
+    state = json.dumps({"arrays": pack_arrays(np.random.default_rng(0).random((6 + 12 * n_metrics, n_arms)).tolist())})
+    probabilities = json.dumps(np.full(n_arms, 1.0 / n_arms).tolist())
+    connection = engine.raw_connection()
+    try:
+        cursor = connection.cursor()
+        started = time.perf_counter()
+        if engine.dialect.name == "sqlite":
+            cursor.execute("BEGIN IMMEDIATE")
+            lock = f"SELECT id, state FROM experiments WHERE id = {p}"
+        else:
+            lock = f"SELECT id, state FROM experiments WHERE id = {p} FOR UPDATE"
+        cursor.execute(lock, (experiment_id,))
+        cursor.fetchall()
+        cursor.execute(
+            "INSERT INTO pooled_statistics (experiment_id, metric_index, arm_index, count, sum, sum_of_squares) "
+            f"SELECT {p}, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
+            "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+            f"WHERE experiment_id = {p} AND round_index = {p} UNION ALL "
+            f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics WHERE experiment_id = {p}"
+            ") AS cells GROUP BY metric_index, arm_index ORDER BY metric_index, arm_index "
+            "ON CONFLICT (experiment_id, metric_index, arm_index) DO UPDATE SET count = pooled_statistics.count "
+            "+ excluded.count, sum = pooled_statistics.sum + excluded.sum, "
+            "sum_of_squares = pooled_statistics.sum_of_squares + excluded.sum_of_squares",
+            (experiment_id, experiment_id, round_index, experiment_id))
+        cursor.execute(f"DELETE FROM late_statistics WHERE experiment_id = {p}", (experiment_id,))
+        for sql, parameters in (
+            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+             f"WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index)),
+            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+             f"WHERE experiment_id = {p}", (experiment_id,)),
+        ):
+            cursor.execute(sql, parameters)
+            np.array(cursor.fetchall(), dtype=np.float64)
+        cursor.execute(f"UPDATE experiments SET state = {p} WHERE id = {p}", (state, experiment_id))
+        cursor.execute(f'UPDATE rounds SET probabilities = {p} WHERE experiment_id = {p} AND "index" = {p}',
+                       (probabilities, experiment_id, round_index))
+        seconds = time.perf_counter() - started
+        connection.rollback()
+        cursor.close()
+    finally:
+        connection.close()
+    return seconds
+
+
+def close_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py close``: the round close at large K beside the SQL it must run (bare,
+    :func:`bare_close_sql`) and the update alone, per backend; the close's peak traced memory; the
+    dashboard's summarised poll (``?arms=100``) afterwards."""
+    parser = argparse.ArgumentParser(prog="bench/serve.py close")
+    parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--arms", type=_parse_list, default=[10_000])
+    parser.add_argument("--preset", default="default")
+    parser.add_argument("--rounds", type=int, default=3, help="closes per K (the first one is a warm-up)")
+    parser.add_argument("--statement-timeout", type=float, default=120.0,
+                        help="PASTO_DATABASE_STATEMENT_TIMEOUT for the run (the fold of 500,000 cells at K = 100,000 "
+                             "can exceed the 10 s default on a loaded machine)")
+    args = parser.parse_args(argv)
+    os.environ["PASTO_DATABASE_STATEMENT_TIMEOUT"] = str(args.statement_timeout)
+    import tracemalloc
+
+    import sqlalchemy as sa
+
+    from service.controller.rounds import close_round
+    from service.db import get_db
+    from service.models import Experiment, RoundStatistic
+
+    results: dict[str, Any] = {}
+    cluster = None
+    try:
+        with tempfile.TemporaryDirectory(prefix="pasto-bench-close-") as workdir:
+            for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
+                if name == "sqlite":
+                    backend = Backend("sqlite", Path(workdir))
+                else:
+                    server_url, cluster = _postgres_server(args)
+                    if server_url is None:
+                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+                        continue
+                    backend = Backend("postgres", Path(workdir), server_url)
+                try:
+                    for n_arms in args.arms:
+                        experiment = close_experiment(n_arms, args.preset)
+                        created = time.perf_counter()
+                        app, token = prepare_database(backend.new_database(f"close{n_arms}"),
+                                                      [(experiment, n_arms, args.preset)])
+                        created = time.perf_counter() - created
+                        database = get_db(app)
+                        with database.read() as session:
+                            experiment_id = session.execute(
+                                sa.select(Experiment.id).where(Experiment.name == experiment)).scalar_one()
+                        rng = np.random.default_rng(0)
+                        means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+                        row = {"created_s": created, "close_ms": [], "bare_ms": [], "error": None}
+                        for round_index in range(args.rounds + 1):
+                            statistics_ = synthetic_statistics(rng, means, 3)
+                            rows = [{"experiment_id": experiment_id, "round_index": round_index, "arm_index": k,
+                                     "metric_index": m, "count": int(statistics_.counts[m, k]),
+                                     "sum": float(statistics_.sums[m, k]),
+                                     "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
+                                    for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0]
+                            for start in range(0, len(rows), 20_000):  # within the statement timeout
+                                with database.write() as session:
+                                    session.execute(sa.insert(RoundStatistic.__table__), rows[start:start + 20_000])
+                            bare = bare_close_sql(database, experiment_id, round_index, n_arms, len(METRICS))
+                            traced = round_index == args.rounds  # the last close: under tracemalloc, not timed
+                            if traced:
+                                tracemalloc.start()
+                            started = time.perf_counter()
+                            try:
+                                close_round(database, experiment_id, round_index)
+                            except MemoryError as error:
+                                row["error"] = f"MemoryError: {str(error)[:120]}"
+                                if traced:
+                                    tracemalloc.stop()
+                                break
+                            seconds = time.perf_counter() - started
+                            if traced:
+                                row["peak_mb"] = tracemalloc.get_traced_memory()[1] / 2**20
+                                tracemalloc.stop()
+                            elif round_index > 0:
+                                row["close_ms"].append(seconds * 1000)
+                                row["bare_ms"].append(bare * 1000)
+                            print(f"[{name}] K = {n_arms:,} round {round_index}: close {seconds * 1000:,.0f} ms, "
+                                  f"bare SQL {bare * 1000:,.0f} ms", flush=True)
+                        if row["error"] is None:
+                            client = app.test_client()
+                            headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                            for label, path in (("experiment", f"/api/v1/experiments/{experiment}?arms=100"),
+                                                ("rounds", f"/api/v1/experiments/{experiment}/rounds?arms=100")):
+                                started = time.perf_counter()
+                                response = client.get(path, headers=headers)
+                                row[f"poll_{label}"] = (response.status_code, (time.perf_counter() - started) * 1000,
+                                                        len(response.get_data()))
+                        update = measure_update_alone(n_arms, args.preset, 3) if row["error"] is None else None
+                        row["update_ms"] = None if update is None else update["median_ms"]
+                        results[f"{name}/{n_arms}"] = row
+                        database.engine.dispose()
+                finally:
+                    backend.close()
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    print(f"\nRound close, preset {args.preset!r}, M = {len(METRICS)}: median over rounds 1..{args.rounds - 1} "
+          "(round 0 is a warm-up; the last close runs under tracemalloc for its peak)\n")
+    print("| backend | K | close, ms | bare SQL of the close, ms | bare SQL / close | update alone, ms | "
+          "peak traced memory of the close, MB | GET experiment / rounds ?arms=100: status, ms, bytes |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for key, row in results.items():
+        backend, n_arms = key.split("/")
+        if row["error"] is not None:
+            print(f"| {backend} | {int(n_arms):,} | {row['error']} | | | | | |")
+            continue
+        close_ms, bare_ms = statistics.median(row["close_ms"]), statistics.median(row["bare_ms"])
+        polls = "; ".join(f"{status}, {ms:,.0f} ms, {size:,} B" for status, ms, size in
+                          (row["poll_experiment"], row["poll_rounds"]))
+        print(f"| {backend} | {int(n_arms):,} | {close_ms:,.0f} | {bare_ms:,.0f} | {bare_ms / close_ms:.2f} | "
+              f"{row['update_ms']:,.0f} | {row['peak_mb']:,.0f} | {polls} |")
+    return results
+
+
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_server"]:
@@ -1469,6 +1809,10 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         return history_main(argv[1:], docs)
     if argv[:1] == ["diagnostics-solve"]:
         return diagnostics_solve_main(argv[1:])
+    if argv[:1] == ["assign"]:
+        return assign_main(argv[1:])
+    if argv[:1] == ["close"]:
+        return close_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

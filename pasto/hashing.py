@@ -111,7 +111,7 @@ class PrefixHasher:
 
 
 def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -> np.ndarray:
-    """Vectorised ``bucket`` over many units.
+    """Vectorised ``bucket`` over many units: ``buckets(seed, units, r)[i] == bucket(seed, units[i], r)``.
 
     Parameters
     ----------
@@ -123,32 +123,85 @@ def buckets(seed: int, units: Sequence[str] | Iterable[str], round_index: int) -
     -------
     numpy.ndarray of float64, shape (N,)
     """
-    encoded = [u.encode("utf-8") if isinstance(u, str) else _bad_unit(u) for u in units]
-    n = len(encoded)
+    if not isinstance(units, (list, tuple)):
+        units = list(units)
+    n = len(units)
     if n == 0:
         return np.zeros(0, dtype=np.float64)
-    lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=n)
-    width = int(lengths.max())
-    matrix = np.zeros((n, max(width, 1)), dtype=np.uint8)
-    if width:
-        flat = np.frombuffer(b"".join(encoded), dtype=np.uint8)
-        rows = np.repeat(np.arange(n), lengths)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        cols = np.arange(flat.size) - starts
-        matrix[rows, cols] = flat
-    h = np.full(n, fnv1a_32(_key_prefix(seed, round_index)), dtype=np.uint64)
-    prime = np.uint64(FNV_PRIME)
-    mask = np.uint64(_MASK)
-    for column in range(width):
-        active = lengths > column
-        stepped = ((h ^ matrix[:, column].astype(np.uint64)) * prime) & mask
-        h = np.where(active, stepped, h)
-    h ^= h >> np.uint64(16)
-    h = (h * np.uint64(0x85EBCA6B)) & mask
-    h ^= h >> np.uint64(13)
-    h = (h * np.uint64(0xC2B2AE35)) & mask
-    h ^= h >> np.uint64(16)
-    return h.astype(np.float64) * _SCALE
+    try:
+        joined = "".join(units)  # also the type check, in C
+    except TypeError:
+        for unit in units:
+            if not isinstance(unit, str):
+                _bad_unit(unit)
+        raise
+    if joined.isascii():
+        # One byte per character. Without NUL in the units, NUL separators give every unit's end
+        # in one pass over the bytes (no per-unit Python call at all).
+        if "\x00" not in joined:
+            data = np.frombuffer(("\x00".join(units) + "\x00").encode("ascii"), dtype=np.uint8)
+            ends = np.flatnonzero(data == 0)
+            starts = np.empty(n, dtype=np.intp)
+            starts[0] = 0
+            starts[1:] = ends[:-1] + 1
+            lengths = ends - starts
+        else:
+            lengths = np.fromiter(map(len, units), dtype=np.intp, count=n)
+            data = np.frombuffer(joined.encode("ascii"), dtype=np.uint8)
+            starts = np.cumsum(lengths) - lengths
+        encoded: Sequence[str] | list[bytes] = units
+    else:
+        encoded = [unit.encode("utf-8") for unit in units]
+        lengths = np.fromiter(map(len, encoded), dtype=np.intp, count=n)
+        data = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        starts = np.cumsum(lengths) - lengths
+    prefix = fnv1a_32(_key_prefix(seed, round_index))
+    h = np.full(n, prefix, dtype=np.uint32)
+    # A few very long units would make the column loop as long as the longest of them: they are
+    # hashed one by one instead (their length set to 0 for the loop, which then leaves them alone).
+    cap = max(_LONG_UNIT, 8 * (int(lengths.sum()) // n + 1))
+    long = np.flatnonzero(lengths > cap) if int(lengths.max()) > cap else None
+    if long is not None:
+        lengths = lengths.copy()
+        lengths[long] = 0
+    _fnv1a_columns(h, data, starts, lengths)
+    if long is not None:
+        for i in long.tolist():
+            unit = encoded[i]
+            h[i] = fnv1a_32(unit.encode("utf-8") if isinstance(unit, str) else unit, prefix)
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h * _SCALE
+
+
+# Units longer than this (and than 8 times the batch's mean length) are hashed outside the column loop.
+_LONG_UNIT = 256
+
+
+def _fnv1a_columns(h: np.ndarray, data: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+    """Continue FNV-1a in ``h`` (N,) over the bytes of N units, unit ``i`` being
+    ``data[starts[i]:starts[i] + lengths[i]]``: one gather per byte position, in uint32 (whose
+    multiplication wraps modulo 2**32 as FNV's does); only the positions past the shortest unit
+    need the mask of the units still going."""
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    if longest == 0:
+        return
+    # Positions past a unit's end read the next unit's bytes (or this padding), then are masked out.
+    padded = np.concatenate([data, np.zeros(longest, dtype=np.uint8)])
+    prime = np.uint32(FNV_PRIME)
+    stepped = np.empty_like(h)
+    for column in range(longest):
+        byte = padded[starts + column]
+        if column < shortest:
+            np.bitwise_xor(h, byte, out=h)
+            np.multiply(h, prime, out=h)
+        else:
+            np.bitwise_xor(h, byte, out=stepped)
+            np.multiply(stepped, prime, out=stepped)
+            np.copyto(h, stepped, where=lengths > column)
 
 
 def _bad_unit(unit: object) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -16,14 +17,162 @@ from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any
 
-from pasto.hashing import PrefixHasher, buckets, choose_arms, cumulative_probabilities
+import numpy as np
+
+from pasto.hashing import PrefixHasher, buckets, cumulative_probabilities
 from pasto_client.client import Assignment, Client
 from pasto_client.errors import PastoError
-from pasto_client.exposure import ExposureContext, ExposureLog, ExposureSink, exposure_contexts
+from pasto_client.exposure import ExposureContext, ExposureLog, ExposureSink, exposure_context
 
 logger = logging.getLogger(__name__)
 _monotonic = time.monotonic
 _time_ns = time.time_ns
+
+
+class _Arms:
+    """The experiment's arms as a :class:`LocalAssigner` keeps them: names, and parameters stored by
+    column when every arm has the same parameter names (a tuple of values per arm, not a dict)."""
+
+    __slots__ = ("names", "_keys", "_values")
+
+    def __init__(self, arms: Sequence[Mapping[str, Any]]) -> None:
+        self.names: tuple[str, ...] = tuple(arm["name"] for arm in arms)
+        params = [arm.get("params") or {} for arm in arms]
+        keys = tuple(params[0]) if params else ()
+        if all(tuple(p) == keys for p in params):
+            self._keys: tuple[str, ...] | None = keys
+            self._values: tuple = tuple(tuple(p.values()) for p in params)
+        else:
+            self._keys = None
+            self._values = tuple(dict(p) for p in params)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def params(self, k: int) -> Mapping[str, Any]:
+        """Arm ``k``'s parameters: a new read-only mapping (each arm's is built once per snapshot)."""
+        values = self._values[k]
+        return MappingProxyType(dict(values) if self._keys is None else dict(zip(self._keys, values)))
+
+
+class _ServedMixture:
+    """One served mixture (the experiment's, or one segment's) over the arms, for one round.
+
+    Per arm it holds the probability and the cumulative probability (float64 arrays) and one slot
+    for the arm's :class:`Assignment`, built the first time the arm is drawn and then returned to
+    every unit drawing it in the round (and one for its :class:`ExposureContext` with a sink).
+    """
+
+    __slots__ = ("mixture", "cumulative", "assignments", "exposures", "arms", "round_index", "segment",
+                 "_built", "_logged", "_built_objects", "_logged_objects", "_experiment", "_mixture_version",
+                 "_lock", "_guide")
+    # (K,) object arrays mirroring assignments / exposures, which batches index in C (``take``), and
+    # (K,) bools saying which of their slots are filled.
+
+    def __init__(self, arms: _Arms, mixture: Sequence[float], round_index: int, segment: str | None,
+                 experiment: str, mixture_version: str | None) -> None:
+        n_arms = len(arms)
+        if len(mixture) != n_arms:
+            raise ValueError(
+                f"The experiment has {n_arms} arms but a mixture of {len(mixture)} probabilities."
+                if segment is None else
+                f"Segment {segment!r} has a mixture of {len(mixture)} probabilities for {n_arms} arms."
+            )
+        self.arms = arms
+        self.mixture = array("d", mixture)
+        self.cumulative = array("d", cumulative_probabilities(self.mixture))
+        self.round_index = round_index
+        self.segment = segment
+        #: (K,) each arm's Assignment once drawn, else None: the hot path reads it without a lock.
+        self.assignments: list[Assignment | None] = [None] * n_arms
+        #: (K,) each arm's ExposureContext once logged, else None.
+        self.exposures: list[ExposureContext | None] = [None] * n_arms
+        self._built = np.zeros(n_arms, dtype=bool)
+        self._logged = np.zeros(n_arms, dtype=bool)
+        self._built_objects = np.full(n_arms, None, dtype=object)
+        self._logged_objects = np.full(n_arms, None, dtype=object)
+        self._experiment = experiment
+        self._mixture_version = mixture_version
+        self._lock = threading.Lock()
+        self._guide: np.ndarray | None = None
+
+    def assignment(self, k: int) -> Assignment:
+        """Arm ``k``'s assignment, built on first use; one object per arm whichever thread asks first."""
+        with self._lock:
+            built = self.assignments[k]
+            if built is None:
+                built = Assignment(arm=self.arms.names[k], params=self.arms.params(k), round=self.round_index,
+                                   probability=self.mixture[k], segment=self.segment)
+                self.assignments[k] = self._built_objects[k] = built
+                self._built[k] = True
+            return built
+
+    def exposure(self, k: int) -> ExposureContext:
+        """Arm ``k``'s exposure context, built on first use."""
+        with self._lock:
+            context = self.exposures[k]
+            if context is None:
+                context = exposure_context(self._experiment, self.round_index, self.arms.names[k], k,
+                                           self.mixture[k], self._mixture_version, segment=self.segment)
+                self.exposures[k] = self._logged_objects[k] = context
+                self._logged[k] = True
+            return context
+
+    def draw(self, u: np.ndarray) -> np.ndarray:
+        """The arm positions of buckets ``u`` (N,): the smallest k with u < cumulative[k]
+        (``np.searchsorted(cumulative, u, side="right")``, which it equals for every u)."""
+        cumulative = np.frombuffer(self.cumulative, dtype=np.float64)
+        n_arms = cumulative.size
+        if n_arms < _GUIDE_FROM_ARMS or u.size < 64:
+            return np.searchsorted(cumulative, u, side="right")
+        # A binary search over 100,000 arms misses the cache at every step. A guide table (built on the
+        # first batch: 4 bytes per arm) gives, for each of K equal slices of [0, 1), the answer at its
+        # left end; from there an answer is a step or two away for any mixture whose mass is not
+        # piled on a few slices. Units still moving after a few steps are searched the plain way.
+        guide = self._guide
+        if guide is None:
+            guide = self._guide = np.searchsorted(cumulative, np.arange(n_arms + 1) / n_arms, side="right"
+                                                  ).astype(np.int32)
+        k = guide.take(np.minimum((u * n_arms).astype(np.int64), n_arms - 1)).astype(np.int64)
+        np.minimum(k, n_arms - 1, out=k)
+        for _ in range(_GUIDE_STEPS):  # the slice's left end can round above u: step back
+            back = (k > 0) & (cumulative.take(np.maximum(k - 1, 0)) > u)
+            if not back.any():
+                break
+            k[back] -= 1
+        else:
+            return np.searchsorted(cumulative, u, side="right")
+        for _ in range(_GUIDE_STEPS):
+            ahead = (k < n_arms - 1) & (cumulative.take(k) <= u)
+            if not ahead.any():
+                return k
+            k[ahead] += 1
+        moving = (k < n_arms - 1) & (cumulative.take(k) <= u)
+        k[moving] = np.searchsorted(cumulative, u[moving], side="right")
+        return k
+
+    def assignments_of(self, arms: np.ndarray) -> list[Assignment]:
+        """The assignments of arm positions ``arms`` (N,), in order."""
+        return _pick(self._built_objects, self._built, arms, self.assignment)
+
+    def exposures_of(self, arms: np.ndarray) -> list[ExposureContext]:
+        """The exposure contexts of arm positions ``arms`` (N,), in order."""
+        return _pick(self._logged_objects, self._logged, arms, self.exposure)
+
+
+# Batches over at least this many arms draw through a guide table (``_ServedMixture.draw``), which
+# tries this many steps from the table's answer before a plain search.
+_GUIDE_FROM_ARMS = 1024
+_GUIDE_STEPS = 4
+
+
+def _pick(slots: np.ndarray, filled: np.ndarray, positions: np.ndarray, build: Callable[[int], Any]) -> list:
+    """``[slots[k] for k in positions]`` at C speed, building (``build(k)``) the slots not yet ``filled``."""
+    missing = ~filled.take(positions)
+    if missing.any():
+        for k in np.unique(positions[missing]).tolist():
+            build(k)
+    return slots.take(positions).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,29 +182,18 @@ class _Snapshot:
     round_index: int
     status: str
     seed: int
-    mixture: tuple[float, ...]          # (K,) the mixture served: probabilities, or deployed if stopped
-    cumulative: list[float]             # (K,) from cumulative_probabilities(mixture)
+    served: _ServedMixture              # the mixture served: probabilities, or deployed if stopped
+    cumulative: array                   # (K,) served.cumulative, here for the hot path
+    assignments: list                   # (K,) served.assignments, here for the hot path
     hasher: PrefixHasher
     hash_unit: Callable[[str], float]    # hasher.__call__ bound once: cheaper to call than hasher
-    assignments: tuple[Assignment, ...]  # (K,) one immutable answer per arm for this round
-    exposures: tuple[ExposureContext, ...]  # (K,) what each arm's exposure records share
     refresh_at: float                   # time.monotonic() after which the snapshot is refreshed
     overdue_poll: float = 0.0           # current poll delay while the round is past its ends_at
-    # Segmented experiments: per segment name, what the four fields above the hasher are for it.
-    segments: Mapping[str, _SegmentMixture] | None = None
+    # Segmented experiments: per segment name, the mixture served to it.
+    segments: Mapping[str, _ServedMixture] | None = None
     # Open sets: the long tail's mixture, served to values without one of their own (and to no value).
-    tail: _SegmentMixture | None = None
+    tail: _ServedMixture | None = None
     mixture_version: str | None = None  # the experiment's updated_at when it was fetched
-
-
-@dataclass(frozen=True, slots=True)
-class _SegmentMixture:
-    """One segment's served mixture in a :class:`_Snapshot` of a segmented experiment."""
-
-    mixture: tuple[float, ...]
-    cumulative: list[float]
-    assignments: tuple[Assignment, ...]
-    exposures: tuple[ExposureContext, ...]
 
 
 def _parse_timestamp(value: str | None) -> datetime | None:
@@ -163,10 +301,12 @@ class LocalAssigner:
             raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
         if segment is not None or snapshot.segments is not None:
             served = _segment_mixture(snapshot, self.experiment_name, segment)
-            return served.assignments[bisect_right(served.cumulative, u)]
+            k = bisect_right(served.cumulative, u)
+            return served.assignments[k] or served.assignment(k)
         # u < 1.0 == cumulative[-1], so the index is always a valid arm: this is choose_arm without
         # its (here moot) clamp, inlined because it is the hot path.
-        return snapshot.assignments[bisect_right(snapshot.cumulative, u)]
+        k = bisect_right(snapshot.cumulative, u)
+        return snapshot.assignments[k] or snapshot.served.assignment(k)
 
     def assign_many(self, units: Sequence[str], segments: Sequence[str] | str | None = None) -> list[Assignment]:
         """Vectorised :meth:`assign` (numpy hashing): the assignments of ``units``, in order, all from
@@ -174,9 +314,10 @@ class LocalAssigner:
         snapshot = self._snapshot
         u = buckets(snapshot.seed, units, snapshot.round_index)
         if segments is not None or snapshot.segments is not None:
-            return [served.assignments[k] for served, k in self._segment_arms(snapshot, units, segments, u)]
-        assignments = snapshot.assignments
-        return [assignments[k] for k in choose_arms(snapshot.mixture, u).tolist()]
+            return [served.assignments[k] or served.assignment(k)
+                    for served, k in self._segment_arms(snapshot, units, segments, u)]
+        served = snapshot.served
+        return served.assignments_of(served.draw(u))
 
     def _assign_logged(self, unit: str, segment: str | None = None) -> Assignment:
         """:meth:`assign` with an exposure sink: also queues the exposure (no I/O, no wait)."""
@@ -187,10 +328,11 @@ class LocalAssigner:
             raise TypeError(f"The unit must be a string, got {type(unit).__name__}.") from None
         served = snapshot if segment is None and snapshot.segments is None else _segment_mixture(
             snapshot, self.experiment_name, segment)
+        served = served.served if served is snapshot else served
         k = bisect_right(served.cumulative, u)
-        if not self._put_exposure((unit, served.exposures[k], _time_ns())):
+        if not self._put_exposure((unit, served.exposures[k] or served.exposure(k), _time_ns())):
             self.exposures.refused(1)
-        return served.assignments[k]
+        return served.assignments[k] or served.assignment(k)
 
     def _assign_many_logged(self, units: Sequence[str], segments: Sequence[str] | str | None = None
                             ) -> list[Assignment]:
@@ -200,16 +342,15 @@ class LocalAssigner:
         u = buckets(snapshot.seed, units, snapshot.round_index)
         if segments is not None or snapshot.segments is not None:
             drawn = self._segment_arms(snapshot, units, segments, u)
-            self.exposures.record_many(units, [served.exposures[k] for served, k in drawn])
-            return [served.assignments[k] for served, k in drawn]
-        arms = choose_arms(snapshot.mixture, u).tolist()
-        contexts = snapshot.exposures
-        self.exposures.record_many(units, [contexts[k] for k in arms])
-        assignments = snapshot.assignments
-        return [assignments[k] for k in arms]
+            self.exposures.record_many(units, [served.exposures[k] or served.exposure(k) for served, k in drawn])
+            return [served.assignments[k] or served.assignment(k) for served, k in drawn]
+        served = snapshot.served
+        arms = served.draw(u)
+        self.exposures.record_many(units, served.exposures_of(arms))
+        return served.assignments_of(arms)
 
     def _segment_arms(self, snapshot: _Snapshot, units: Sequence[str], segments: Sequence[str] | str | None,
-                      u) -> list[tuple[_SegmentMixture, int]]:
+                      u) -> list[tuple[_ServedMixture, int]]:
         """(segment mixture, arm position) of each unit; ``u`` their buckets, shape (N,)."""
         if segments is None or isinstance(segments, str):
             segments = [segments] * len(units)
@@ -233,7 +374,7 @@ class LocalAssigner:
     @property
     def mixture(self) -> tuple[float, ...]:
         """The mixture being served, aligned with :attr:`arms`."""
-        return self._snapshot.mixture
+        return tuple(self._snapshot.served.mixture)
 
     @property
     def mixture_version(self) -> str | None:
@@ -244,7 +385,7 @@ class LocalAssigner:
     @property
     def arms(self) -> tuple[str, ...]:
         """Arm names, in the server's order."""
-        return tuple(a.arm for a in self._snapshot.assignments)
+        return self._snapshot.served.arms.names
 
     def refresh(self) -> None:
         """Fetch the experiment now (blocking) and serve it; raises if the server cannot be reached
@@ -314,26 +455,11 @@ class LocalAssigner:
         status = experiment["status"]
         round_info = experiment["round"]
         round_index = int(round_info["index"])
-        served = experiment["deployed"] if status == "stopped" else experiment["probabilities"]
-        mixture = tuple(float(x) for x in served)
-        arms = experiment["arms"]
-        if len(arms) != len(mixture):
-            raise ValueError(
-                f"The experiment has {len(arms)} arms but a mixture of {len(mixture)} probabilities."
-            )
-        cumulative = cumulative_probabilities(mixture)
-        assignments = tuple(
-            Assignment(
-                arm=arm["name"],
-                params=MappingProxyType(dict(arm.get("params") or {})),
-                round=round_index,
-                probability=p,
-            )
-            for arm, p in zip(arms, mixture)
-        )
-        exposures = exposure_contexts(
-            self.experiment_name, round_index, [a.arm for a in assignments], mixture,
-            experiment.get("updated_at"),
+        arms = _Arms(experiment["arms"])
+        mixture_version = experiment.get("updated_at")
+        served = _ServedMixture(
+            arms, [float(x) for x in (experiment["deployed"] if status == "stopped" else experiment["probabilities"])],
+            round_index, None, self.experiment_name, mixture_version,
         )
         seed = int(experiment["seed"])
         same_round = previous is not None and previous.seed == seed and previous.round_index == round_index
@@ -357,8 +483,8 @@ class LocalAssigner:
             view = experiment["segments"]
             per_segment = view["deployed"] if status == "stopped" else view["probabilities"]
             segments = MappingProxyType({
-                name: self._segment_mixture(name, tuple(float(x) for x in per_segment[name]), arms, round_index,
-                                            experiment.get("updated_at"))
+                name: _ServedMixture(arms, [float(x) for x in per_segment[name]], round_index, name,
+                                     self.experiment_name, mixture_version)
                 for name in view["names"]
             })
             if view.get("by") is not None:
@@ -367,12 +493,11 @@ class LocalAssigner:
             round_index=round_index,
             status=status,
             seed=seed,
-            mixture=mixture,
-            cumulative=cumulative,
+            served=served,
+            cumulative=served.cumulative,
+            assignments=served.assignments,
             hasher=hasher,
             hash_unit=hasher.__call__,
-            assignments=assignments,
-            exposures=exposures,
             refresh_at=fetched_at + delay,
             overdue_poll=overdue_poll,
             segments=segments,
@@ -380,22 +505,8 @@ class LocalAssigner:
             mixture_version=experiment.get("updated_at"),
         )
 
-    def _segment_mixture(self, name: str, mixture: tuple[float, ...], arms: Sequence[Mapping[str, Any]],
-                         round_index: int, mixture_version: str | None) -> _SegmentMixture:
-        if len(arms) != len(mixture):
-            raise ValueError(f"Segment {name!r} has a mixture of {len(mixture)} probabilities for {len(arms)} arms.")
-        assignments = tuple(
-            Assignment(arm=arm["name"], params=MappingProxyType(dict(arm.get("params") or {})), round=round_index,
-                       probability=p, segment=name)
-            for arm, p in zip(arms, mixture)
-        )
-        exposures = exposure_contexts(self.experiment_name, round_index, [a.arm for a in assignments], mixture,
-                                      mixture_version, segment=name)
-        return _SegmentMixture(mixture=mixture, cumulative=cumulative_probabilities(mixture), assignments=assignments,
-                               exposures=exposures)
 
-
-def _segment_mixture(snapshot: _Snapshot, experiment: str, segment: str | None) -> _SegmentMixture:
+def _segment_mixture(snapshot: _Snapshot, experiment: str, segment: str | None) -> _ServedMixture:
     """The mixture ``segment`` is served in ``snapshot``; ``ValueError`` with the server's words otherwise."""
     if snapshot.segments is None:
         raise ValueError(f"Experiment {experiment!r} has no segments; send no segment.")

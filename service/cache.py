@@ -72,6 +72,8 @@ class Snapshot:
     serving: np.ndarray  # (K,)
     serving_cumulative: list[float]
     hasher: PrefixHasher
+    #: (K,) ``serving_cumulative`` as float64, for batches (``np.searchsorted``).
+    serving_cumulative_array: np.ndarray
     # Segmented experiments only (``config["segments"]``): the segment names, their positions, and per
     # segment (S, K) the current round's p_t, the deployed mixtures and what assignment samples from.
     segment_names: tuple[str, ...] = ()
@@ -82,6 +84,9 @@ class Snapshot:
     segment_serving_cumulative: tuple[list[float], ...] = ()
     segment_open: bool = False  # an open set: unknown values (and no value) are served segment 0, "(other)"
     archived_at: datetime | None = None
+    #: What the assign endpoint answers for each (segment position or -1, arm) drawn so far in this
+    #: version: the JSON members after the unit (``service.responses.assignment_members``), built on first use.
+    answer_members: dict[tuple[int, int], str] = field(default_factory=dict, repr=False)
 
     @property
     def n_arms(self) -> int:
@@ -196,6 +201,7 @@ class ExperimentCache:
         probabilities = np.asarray(current.probabilities, dtype=np.float64)
         deployed = np.asarray(experiment.state["deployed"], dtype=np.float64)
         serving = deployed if experiment.status == "stopped" else probabilities
+        serving_cumulative = cumulative_probabilities(serving)
         metrics = tuple(experiment.config["metrics"])
         segmented: dict[str, Any] = {}
         if experiment.config.get("segments") is not None:
@@ -236,7 +242,8 @@ class ExperimentCache:
             probabilities=probabilities,
             deployed=deployed,
             serving=serving,
-            serving_cumulative=cumulative_probabilities(serving),
+            serving_cumulative=serving_cumulative,
+            serving_cumulative_array=np.asarray(serving_cumulative, dtype=np.float64),
             hasher=PrefixHasher(experiment.seed, experiment.round_index),
             archived_at=experiment.archived_at,
             **segmented,

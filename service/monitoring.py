@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
-from flask import Flask, Response, current_app, g, has_app_context, request
+from flask import Flask, Response, current_app, has_app_context, request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -139,15 +139,28 @@ _top_by_snapshot: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _top_arm_mask(snapshot) -> np.ndarray:
     """(K,) bool: which arms of ``snapshot`` have their own event series (top by serving probability)."""
+    return _assignment_counters(snapshot)[1]
+
+
+def _assignment_counters(snapshot) -> tuple[int, np.ndarray, dict[int, Any]]:
+    """(limit, top-arm mask (K,), top arm position -> its assignments counter, filled as arms are
+    counted) of ``snapshot``, computed once per snapshot version and limit."""
     limit = current_app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS) if has_app_context() \
         else DEFAULT_METRICS_TOP_ARMS
     cached = _top_by_snapshot.get(snapshot)
     if cached is not None and cached[0] == limit:
-        return cached[1]
+        return cached
     mask = np.zeros(len(snapshot.arm_names), dtype=bool)
     mask[top_arms(snapshot.serving, limit)] = True
-    _top_by_snapshot[snapshot] = (limit, mask)
-    return mask
+    cached = _top_by_snapshot[snapshot] = (limit, mask, {})
+    return cached
+
+
+def _arm_counter(snapshot, counters: dict[int, Any], position: int):
+    counter = counters.get(position)
+    if counter is None:
+        counter = counters[position] = _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[position])
+    return counter
 
 
 def start_event_series(experiment: str, arm_names: Sequence[str], probabilities: Sequence[float],
@@ -176,21 +189,21 @@ def record_created(snapshot, **_) -> None:
 def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
     """``assigned``: count one assign response; ``arms`` holds each unit's arm position. Arms outside
     the top ``PASTO_METRICS_TOP_ARMS`` add to ``pasto_other_arms_assignments`` (bounded cardinality)."""
-    top = _top_arm_mask(snapshot)
+    _, top, counters = _assignment_counters(snapshot)
     if len(arms) == 1:  # a single-unit assignment: no need to group
         arm = int(arms[0])
         if top[arm]:
-            _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[arm]).inc()
+            _arm_counter(snapshot, counters, arm).inc()
         else:
             _child(OTHER_ARMS_ASSIGNMENTS, snapshot.name).inc()
         return
-    positions, counts = np.unique(np.asarray(arms, dtype=np.int64), return_counts=True)
-    others = 0
-    for position, count in zip(positions.tolist(), counts.tolist()):
-        if top[position]:
-            _child(ASSIGNMENTS, snapshot.name, snapshot.arm_names[position]).inc(count)
-        else:
-            others += count
+    arms = np.asarray(arms, dtype=np.int64)
+    chosen = top[arms]
+    others = len(arms) - int(np.count_nonzero(chosen))
+    if others < len(arms):
+        positions, counts = np.unique(arms[chosen], return_counts=True)
+        for position, count in zip(positions.tolist(), counts.tolist()):
+            _arm_counter(snapshot, counters, position).inc(count)
     if others:
         _child(OTHER_ARMS_ASSIGNMENTS, snapshot.name).inc(others)
 
@@ -530,17 +543,30 @@ def scrape_registry(app: Flask) -> CollectorRegistry:
 
 
 def _start_timer() -> None:
-    g.pasto_request_started = time.perf_counter()
+    request.environ[_STARTED] = time.perf_counter()
 
 
 def _count_request(response: Response) -> Response:
+    current = request._get_current_object()  # one context lookup instead of one per attribute
+    started = current.environ.pop(_STARTED, None)
     # The route template, not the path, keeps the label set bounded; unmatched paths share one label.
-    route = request.url_rule.rule if request.url_rule is not None else "<unmatched>"
-    _child(HTTP_REQUESTS, route, request.method, str(response.status_code)).inc()
-    started = g.pop("pasto_request_started", None)
+    rule = current.url_rule
+    key = (None if rule is None else rule.rule, current.method, response.status_code)
+    children = _request_children.get(key)
+    if children is None:
+        route = "<unmatched>" if rule is None else rule.rule
+        children = _request_children.setdefault(key, (
+            _child(HTTP_REQUESTS, route, current.method, str(response.status_code)),
+            _child(HTTP_REQUEST_DURATION, route, current.method)))
+    children[0].inc()
     if started is not None:
-        _child(HTTP_REQUEST_DURATION, route, request.method).observe(time.perf_counter() - started)
+        children[1].observe(time.perf_counter() - started)
     return response
+
+
+_STARTED = "pasto.request_started"
+#: (route template, method, status) -> (request counter, duration histogram) children.
+_request_children: dict[tuple, tuple] = {}
 
 
 def init_app(app: Flask) -> None:

@@ -896,27 +896,38 @@ def write_segment_state(session: Session, experiment_id: int, segment_state: dic
 
 
 # ------------------------------------------------------------------------------ reports
-def round_history(session: Session, experiment_id: int, since: int, last: int) -> tuple[list[Round], list, list]:
+def round_history(session: Session, experiment_id: int, since: int, last: int
+                  ) -> tuple[list[Round], np.ndarray, np.ndarray]:
     """Rounds ``since..last`` (ORM objects), their statistics rows ``(round_index, metric_index,
-    arm_index, count, sum)`` and their count rows ``(round_index, arm_index, observations, units,
-    late_observations)``."""
+    arm_index, count, sum)`` as float64, shape (N, 5), and their count rows ``(round_index, arm_index,
+    observations, units, late_observations)`` as int64, shape (N', 5).
+
+    The rows are read on the DBAPI cursor straight into numpy: a page of rounds at K = 100,000 has
+    500,000 statistics rows per round, and SQLAlchemy row objects cost more than the query."""
     round_rows = session.execute(
         sa.select(Round).where(Round.experiment_id == experiment_id, Round.index >= since, Round.index <= last)
         .order_by(Round.index)
     ).scalars().all()
-    statistics = session.execute(
-        sa.select(RoundStatistic.round_index, RoundStatistic.metric_index, RoundStatistic.arm_index,
-                  RoundStatistic.count, RoundStatistic.sum)
-        .where(RoundStatistic.experiment_id == experiment_id, RoundStatistic.round_index >= since,
-               RoundStatistic.round_index <= last)
-    ).all()
-    counts = session.execute(
-        sa.select(ArmRoundCount.round_index, ArmRoundCount.arm_index, ArmRoundCount.observations,
-                  ArmRoundCount.units, ArmRoundCount.late_observations)
-        .where(ArmRoundCount.experiment_id == experiment_id, ArmRoundCount.round_index >= since,
-               ArmRoundCount.round_index <= last)
-    ).all()
+    statistics = _rows_array(
+        session, "SELECT round_index, metric_index, arm_index, count, sum FROM round_statistics "
+                 "WHERE experiment_id = {p} AND round_index >= {p} AND round_index <= {p}",
+        (experiment_id, since, last), np.float64)
+    counts = _rows_array(
+        session, "SELECT round_index, arm_index, observations, units, late_observations FROM arm_round_counts "
+                 "WHERE experiment_id = {p} AND round_index >= {p} AND round_index <= {p}",
+        (experiment_id, since, last), np.int64)
     return round_rows, statistics, counts
+
+
+def _rows_array(session: Session, sql: str, parameters: tuple, dtype) -> np.ndarray:
+    """The rows of ``sql`` (``{p}`` marks the parameters; five columns) as one array, shape (N, 5)."""
+    connection = session.connection()
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(sql.format(p=_placeholder(connection)), parameters)
+        return np.array(cursor.fetchall(), dtype=dtype).reshape(-1, 5)
+    finally:
+        cursor.close()
 
 
 def summarized_rounds(session: Session, experiment_id: int) -> list[int]:

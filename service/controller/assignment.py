@@ -55,7 +55,9 @@ def assign_many(name: str, units: list[str], segments: list[str] | None = None
     u = buckets(snapshot.seed, units, snapshot.round_index)
     served = None
     if not snapshot.segmented and segments is None:
-        arms = choose_arms(snapshot.serving, u)
+        # choose_arms over the cumulative mixture computed once per snapshot version
+        arms = np.searchsorted(snapshot.serving_cumulative_array, u, side="right")
+        np.minimum(arms, snapshot.n_arms - 1, out=arms)
         probabilities = snapshot.serving[arms]
     else:
         given = segments if segments is not None else [None] * len(units)

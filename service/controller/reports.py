@@ -426,20 +426,19 @@ def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
     n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)
     metric_counts = np.zeros((n_rounds, n_metrics, n_arms))
     metric_sums = np.zeros((n_rounds, n_metrics, n_arms))
-    if statistics:
-        round_index, metric, arm, count, total = (list(column) for column in zip(*statistics))
-        offset = np.asarray(round_index) - since
-        metric_counts[offset, metric, arm] = count
-        metric_sums[offset, metric, arm] = total
+    if len(statistics):
+        offset, metric, arm = (statistics[:, column].astype(np.int64) for column in range(3))
+        offset -= since
+        metric_counts[offset, metric, arm] = statistics[:, 3]
+        metric_sums[offset, metric, arm] = statistics[:, 4]
     observation_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
     unit_counts = np.zeros((n_rounds, n_arms), dtype=np.int64)
     late_counts = np.zeros(n_rounds, dtype=np.int64)
-    if counts:
-        round_index, arm, observations, units, late = (list(column) for column in zip(*counts))
-        offset = np.asarray(round_index) - since
-        observation_counts[offset, arm] = observations
-        unit_counts[offset, arm] = units
-        np.add.at(late_counts, offset, late)
+    if len(counts):
+        offset, arm = counts[:, 0] - since, counts[:, 1]
+        observation_counts[offset, arm] = counts[:, 2]
+        unit_counts[offset, arm] = counts[:, 3]
+        np.add.at(late_counts, offset, counts[:, 4])
     with np.errstate(invalid="ignore", divide="ignore"):
         means = np.where(metric_counts > 0, metric_sums / metric_counts, np.nan)
     segment_counts = None

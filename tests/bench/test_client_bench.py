@@ -21,6 +21,9 @@ def test_measure_reports_every_row(bench):
         "hash only (PrefixHasher)",
         "pasto LocalAssigner.assign",
         "pasto LocalAssigner.assign_many (batches of 100)",
+        # assign_many's baselines: a plain numpy batch hash, and pasto's own batch hash alone
+        "numpy batch hash (bare baseline of assign_many)",
+        "pasto.hashing.buckets (assign_many's hash alone)",
         "growthbook hash+choose (gbhash v1 + chooseVariation)",
         "growthbook GrowthBook.run()",
         # the exposure log's overhead: wall-clock and CPU time, with and without a sink
@@ -31,6 +34,12 @@ def test_measure_reports_every_row(bench):
         "pasto LocalAssigner.assign + Parquet sink [cpu]",
     }
     assert all(value > 0 for value in results.values())
+
+
+def test_memory_per_arm_is_measured_against_the_bare_minimum(bench):
+    figures = bench.measure_memory(1000)
+    assert figures["bare"] > 0 and figures["held"] >= figures["bare"]
+    assert figures["after"] >= figures["held"] and 0 < figures["drawn"] <= 1000
 
 
 def test_write_section_replaces_only_the_client_section(bench, tmp_path):

@@ -82,3 +82,36 @@ def test_segmented_close_quick_run_measures_both_closes(tmp_path):
     text = docs.read_text()
     assert text.startswith(OTHER_SECTIONS.rstrip("\n"))
     assert "## Segmented round close" in text and "| SQLite |" in text
+
+
+@pytest.mark.timeout(300)
+def test_close_subcommand_measures_the_close_its_bare_sql_and_the_poll():
+    with bench_script("serve") as module:
+        results = module.main(["close", "--backends", "sqlite", "--arms", "200", "--rounds", "2"])
+    (key, row), = results.items()
+    assert key == "sqlite/200" and row["error"] is None
+    assert len(row["close_ms"]) == 1 and row["close_ms"][0] > 0 and row["bare_ms"][0] > 0
+    assert row["peak_mb"] > 0 and row["update_ms"] > 0
+    assert row["poll_experiment"][0] == 200 and row["poll_rounds"][0] == 200
+
+
+@pytest.mark.timeout(300)
+def test_assign_subcommand_measures_both_endpoints():
+    with bench_script("serve") as module:
+        results = module.main(["assign", "--backends", "sqlite", "--seconds", "0.3", "--repeats", "1",
+                               "--requests", "50", "--clients", "1"])
+    for kind in ("assign", "assign_batch"):
+        for side in ("bare", "pasto"):
+            assert _measured(results[f"sqlite/{kind}"][side]) and results[f"sqlite/{kind}"][side]["errors"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_assign_subcommand_with_wrk_reports_server_cpu_per_request():
+    """The ``--wrk`` load (Debian's wrk, installed by .ci/run) and the server's CPU per request."""
+    with bench_script("serve") as module:
+        results = module.main(["assign", "--backends", "sqlite", "--wrk", "--seconds", "1", "--repeats", "1",
+                               "--connections", "2", "--batch-size", "20"])
+    for kind in ("assign", "assign_batch"):
+        for side in ("bare", "pasto"):
+            row = results[f"sqlite/{kind}"][side]
+            assert row["count"] > 0 and row["errors"] == 0 and row["cpu_min"] > 0, (kind, side, row)

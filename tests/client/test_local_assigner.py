@@ -338,3 +338,84 @@ def test_segmented_local_assignment_is_exactly_the_servers(admin, create_experim
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(records) == 4 * (10_000 + 2000)
     assert [record["segment"] for record in records[:10_000]] == segments
+
+
+def _offline_document(n_arms: int, params=lambda k, n: {"w_watch": 1.0, "w_like": k / n}) -> dict:
+    weights = np.random.default_rng(n_arms).dirichlet(np.ones(n_arms)).tolist()
+    return {
+        "status": "running", "seed": 20260101, "round": {"index": 3, "started_at": None, "ends_at": None},
+        "arms": [{"name": f"setting-{k}", "params": params(k, n_arms)} for k in range(n_arms)],
+        "probabilities": weights, "deployed": weights, "updated_at": "2026-01-01T00:00:00+00:00",
+    }
+
+
+def test_assigner_holds_little_more_per_arm_than_the_cumulative_mixture_and_the_names():
+    """At K = 10,000 a fresh assigner holds its mixture and cumulative mixture (float64), the arm
+    names and the parameters by column; an arm's Assignment is built when the arm is first drawn."""
+    import sys
+    import tracemalloc
+
+    n_arms = 10_000
+    document = _offline_document(n_arms)
+    names = sum(sys.getsizeof(arm["name"]) + 8 for arm in document["arms"])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        assigner = LocalAssigner(None, "ranking", experiment=document)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    bare = 8 * n_arms + names  # the cumulative mixture as float64 and the names
+    assert held < bare + 48 * n_arms, (held / n_arms, bare / n_arms)
+    units = [f"user-{i}" for i in range(20_000)]
+    expected = [choose_arm(cumulative_probabilities(document["probabilities"]), bucket(20260101, unit, 3))
+                for unit in units]
+    assert [a.arm for a in assigner.assign_many(units)] == [f"setting-{k}" for k in expected]
+    first = assigner.assign(units[0])
+    assert first.params == {"w_watch": 1.0, "w_like": expected[0] / n_arms}
+    assert first.probability == document["probabilities"][expected[0]]
+
+
+def test_arms_first_drawn_from_many_threads_get_one_assignment_object_each():
+    document = _offline_document(50, params=lambda k, n: {"k": k} if k % 2 else {"k": k, "odd": False})
+    units = [f"user-{i}" for i in range(3000)]
+    for _ in range(5):
+        assigner = LocalAssigner(None, "ranking", experiment=document)
+        results: list[list[Assignment]] = [None] * 8  # type: ignore[list-item]
+        barrier = threading.Barrier(8)
+
+        def work(slot: int) -> None:
+            barrier.wait()
+            results[slot] = (assigner.assign_many(units) if slot % 2 else [assigner.assign(u) for u in units])
+
+        threads = [threading.Thread(target=work, args=(slot,)) for slot in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        by_arm: dict[str, Assignment] = {}
+        for answers in results:
+            for answer in answers:
+                assert by_arm.setdefault(answer.arm, answer) is answer
+        k = int(next(iter(by_arm.values())).arm.split("-")[1])
+        assert dict(by_arm[f"setting-{k}"].params) == ({"k": k} if k % 2 else {"k": k, "odd": False})
+
+
+@pytest.mark.parametrize("shape", ["dirichlet", "uneven", "three arms", "uniform"])
+def test_batch_draw_over_many_arms_is_the_inverse_cdf_for_every_bucket(shape):
+    """Over 1,024 arms and more, batches draw through a guide table: the same arm as a binary search
+    over the cumulative mixture for every bucket, at and around every cumulative value too."""
+    from pasto_client.assigner import _Arms, _ServedMixture
+
+    rng = np.random.default_rng(len(shape))
+    for n_arms in (1024, 5000, 100_000):
+        weights = {"dirichlet": lambda: rng.dirichlet(np.ones(n_arms)),
+                   "uneven": lambda: rng.dirichlet(np.full(n_arms, 0.01)),
+                   "three arms": lambda: np.bincount(rng.integers(0, n_arms, 3), minlength=n_arms).astype(float),
+                   "uniform": lambda: np.ones(n_arms)}[shape]()
+        served = _ServedMixture(_Arms([{"name": f"a{k}"} for k in range(n_arms)]), weights.tolist(), 0, None, "x", None)
+        cumulative = np.frombuffer(served.cumulative, dtype=np.float64)
+        u = np.concatenate([rng.random(5000), cumulative[:-1], np.nextafter(cumulative[:-1], 0.0),
+                            np.nextafter(cumulative[:-1], 1.0)])
+        u = u[(u >= 0.0) & (u < 1.0)]
+        np.testing.assert_array_equal(served.draw(u), np.searchsorted(cumulative, u, side="right"))

@@ -105,3 +105,45 @@ def test_units_must_be_strings():
         bucket(0, 12, 0)
     with pytest.raises(TypeError, match="string"):
         buckets(0, ["a", 3], 0)
+
+
+# Units as the batch hash meets them: ASCII ids, any unicode (no lone surrogates: they have no UTF-8),
+# trailing and embedded NUL characters, and a few units far longer than the rest (hashed outside the
+# padded byte matrix).
+_encodable_text = st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=60)
+_unit = st.one_of(
+    st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=40),
+    _encodable_text,
+    _encodable_text.map(lambda text: text + "\x00" * 3),
+    st.builds(lambda text, repeat: text * repeat, _encodable_text, st.integers(min_value=1, max_value=400)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(min_value=0, max_value=2**63),
+    round_index=st.integers(min_value=0, max_value=10**9),
+    units=st.lists(_unit, min_size=1, max_size=60),
+)
+def test_batch_hash_equals_the_scalar_hash_for_unicode_nul_and_long_units(seed, round_index, units):
+    batch = buckets(seed, units, round_index)
+    assert batch.dtype == np.float64 and batch.shape == (len(units),)
+    assert batch.tolist() == [bucket(seed, unit, round_index) for unit in units]
+    # As a tuple and as a generator: the same values.
+    assert buckets(seed, tuple(units), round_index).tolist() == batch.tolist()
+    assert buckets(seed, iter(units), round_index).tolist() == batch.tolist()
+
+
+def test_batch_hash_of_one_very_long_unit_among_short_ones():
+    units = [f"user-{i}" for i in range(1000)] + ["é" * 100_000, "x" * 50_000, ""]
+    assert buckets(5, units, 9).tolist() == [bucket(5, unit, 9) for unit in units]
+
+
+def test_batch_hash_rejects_what_the_scalar_hash_rejects():
+    with pytest.raises(TypeError, match="Every unit must be a string, got bytes"):
+        buckets(0, ["a", b"b"], 0)
+    with pytest.raises(UnicodeEncodeError):
+        bucket(0, "a\ud800", 0)
+    with pytest.raises(UnicodeEncodeError):
+        buckets(0, ["é", "a\ud800"], 0)
+    assert buckets(0, [], 0).shape == (0,)

@@ -96,3 +96,69 @@ def test_ingestion_refreshes_a_stale_worker_before_rejecting_a_round(app, api, s
     assert response.status_code == 202
     assert stale.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 1
     get_db(stale.application).engine.dispose()
+
+
+WIRE_UNITS = ["user-1", 'quote"and\\backslash', "ünïcødé-🙂", "tab\tand\nnewline", "\u2028", "x' OR 1=1; --", "user-1"]
+
+
+def jsonify_bytes(app, body) -> bytes:
+    """What ``flask.jsonify`` writes for ``body`` with ``app``'s settings (the reference encoding)."""
+    from service.responses import respond_json
+
+    with app.test_request_context():
+        return respond_json(body).get_data()
+
+
+def wire_dicts(app, name: str, units: list[str], segments: list[str] | None = None) -> list[dict]:
+    """The answers for ``units`` computed from the cached snapshot with the shared hash, as dicts."""
+    from service.cache import get_cache
+    from service.responses import assignments
+
+    with app.app_context():
+        snapshot = get_cache(app).get(name, fresh=True)
+    if segments is None:
+        arms = [choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit)) for unit in units]
+        probabilities = [float(snapshot.serving[arm]) for arm in arms]
+    else:
+        rows = [snapshot.segment_positions[segment] for segment in segments]
+        arms = [choose_arm(snapshot.segment_serving_cumulative[row], snapshot.hasher(unit))
+                for row, unit in zip(rows, units)]
+        probabilities = [float(snapshot.segment_serving[row, arm]) for row, arm in zip(rows, arms)]
+    return assignments(units, arms, probabilities, snapshot.arm_names, snapshot.arm_params, snapshot.round_index,
+                       segments)
+
+
+def test_assign_answers_are_byte_for_byte_what_jsonify_writes(app, api, setup_a):
+    """The assign route writes its answers from per-arm JSON members; the bytes are jsonify's, single
+    and batch, for units that need escaping, on a mixture that is not uniform, in debug mode too."""
+    body = setup_a(seed=5, arms=[{"name": f"arm-{k}", "params": {"w": k / 7, "label": f"é{k}", "nested": [k, None]}}
+                                 for k in range(7)])
+    assert api("POST", "/api/v1/experiments", json=body).status_code == 201
+    expected = wire_dicts(app, "setup-a", WIRE_UNITS)
+    assert len({item["arm"] for item in expected}) > 1
+    for unit, item in zip(WIRE_UNITS, expected):
+        response = api("POST", ASSIGN, role="ingest", json={"unit": unit})
+        assert response.status_code == 200 and response.mimetype == "application/json"
+        assert response.get_data() == jsonify_bytes(app, item)
+    batch = api("POST", ASSIGN, role="ingest", json={"units": WIRE_UNITS})
+    assert batch.get_data() == jsonify_bytes(app, {"assignments": expected})
+    app.debug = True  # jsonify indents in debug mode: the route then answers through it
+    try:
+        assert api("POST", ASSIGN, role="ingest", json={"units": WIRE_UNITS}).get_data() == jsonify_bytes(
+            app, {"assignments": expected})
+        assert b"\n  " in jsonify_bytes(app, {"assignments": expected})
+    finally:
+        app.debug = False
+
+
+def test_segmented_assign_answers_are_byte_for_byte_what_jsonify_writes(app, api):
+    from tests.service.test_segments import segmented_body
+
+    assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
+    segments = ["mobile", "new", "returning", "mobile", "returning", "new", "mobile"]
+    expected = wire_dicts(app, "seg", WIRE_UNITS, segments)
+    batch = api("POST", "/api/v1/experiments/seg/assign", role="ingest", json={"units": WIRE_UNITS, "segments": segments})
+    assert batch.get_data() == jsonify_bytes(app, {"assignments": expected})
+    for unit, segment, item in zip(WIRE_UNITS, segments, expected):
+        response = api("POST", "/api/v1/experiments/seg/assign", role="ingest", json={"unit": unit, "segment": segment})
+        assert response.get_data() == jsonify_bytes(app, item)

@@ -143,3 +143,47 @@ def test_plain_insert_waits_for_a_concurrent_writer_of_the_same_id(postgres_url,
         assert stored_ids(database) == ["other", "shared"]
     finally:
         engine.dispose()
+
+
+def test_controller_state_arrays_are_stored_packed_and_read_back_bit_for_bit(app, api, setup_a):
+    """The controller state's large arrays are stored as bytes inside the JSON document and read back
+    as the same lists of the same floats (bit for bit), ints and bools; small lists, strings and
+    documents written as plain JSON read as they are."""
+    import json
+
+    import numpy as np
+    import sqlalchemy as sa
+
+    from pasto.algorithm import AlgorithmConfig, initial_state
+    from service.models import PACKED_MIN, Experiment, pack_arrays, unpack_arrays
+
+    rng = np.random.default_rng(3)
+    state = initial_state(AlgorithmConfig.from_preset("default"), 1000, 5).to_dict()
+    state["log_weights"] = (rng.standard_normal(1000) * 1e-300).tolist()  # subnormals and signs
+    state["extra"] = {"ints": list(range(PACKED_MIN)), "flags": [True, False] * PACKED_MIN,
+                      "nested": rng.random((5, 1000)).tolist(), "short": [0.1, 0.2], "names": ["a"] * 300,
+                      "mixed": [1, 2.5] * 200}
+    packed = pack_arrays(state)
+    assert packed["probabilities"]["$packed"] == "<f8" and packed["extra"]["short"] == [0.1, 0.2]
+    assert packed["extra"]["names"] == ["a"] * 300
+    restored = unpack_arrays(json.loads(json.dumps(packed)))
+    expected = dict(state, extra=dict(state["extra"], mixed=[1.0, 2.5] * 200))  # one kind per list: floats
+    assert restored == expected
+    assert [type(x) for x in restored["extra"]["ints"][:2]] == [int, int]
+    assert [type(x) for x in restored["extra"]["flags"][:2]] == [bool, bool]
+    assert np.array_equal(np.asarray(restored["log_weights"]).view(np.int64),
+                          np.asarray(state["log_weights"]).view(np.int64))
+    plain = {"round_index": 1, "probabilities": [0.5] * 400}
+    assert unpack_arrays(plain) == plain
+    # Through the database: the column reads back the document that was written, packed in the row.
+    from service.db import get_db
+
+    assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
+    with get_db(app).write() as session:
+        experiment = session.execute(sa.select(Experiment).where(Experiment.name == "setup-a")).scalar_one()
+        experiment.state = state
+        experiment_id = experiment.id
+    with get_db(app).read() as session:
+        assert session.execute(sa.select(Experiment.state).where(Experiment.id == experiment_id)).scalar_one() == expected
+        raw = session.execute(sa.text("SELECT state FROM experiments WHERE id = :i"), {"i": experiment_id}).scalar_one()
+    assert '"$packed"' in (raw if isinstance(raw, str) else json.dumps(raw))
