@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from pasto.algorithm import AlgorithmConfig, initial_state, update
+from pasto.algorithm import AlgorithmConfig, initial_state, round_generator, update
 from pasto.estimators import Statistics
 from pasto.simulate import round_statistics, sample_arms
 from service.demo.groundtruth import experiment_objective, load_demo_scenario, true_means
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         values = np.moveaxis(means[:, arms], 0, -1) + scenario.noise.sample(rng, (runs, queries, n_metrics))
         statistics = round_statistics(arms, values, n_arms)
         pooled = pooled + statistics
-        state = update(config, objective, state, statistics, pooled, served)
+        state = update(config, objective, state, statistics, pooled, served,
+                       rng=round_generator(args.seed, round_index + 1))
     print(f"runs breaking a guardrail in some round from {args.after} on: {broken_after.mean():.1%} "
           f"({broken_after.sum()} of {runs}); worst shortfall {worst.max():.3%} of the threshold; "
           f"beyond 0.1%: {(worst > 0.001).mean():.1%}; {time.perf_counter() - started:.0f} s")

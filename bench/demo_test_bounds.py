@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from pasto.algorithm import AlgorithmConfig, estimate, initial_state, update
+from pasto.algorithm import AlgorithmConfig, estimate, initial_state, round_generator, update
 from pasto.estimators import Statistics
 from pasto.optimum import best_mixture, best_single
 from pasto.simulate import round_statistics, sample_arms
@@ -70,7 +70,8 @@ def main() -> None:
         values = np.moveaxis(means[:, arms], 0, -1) + scenario.noise.sample(rng, (runs, queries, n_metrics))
         statistics = round_statistics(arms, values, n_arms)
         pooled = pooled + statistics
-        state = update(config, objective, state, statistics, pooled, served)
+        state = update(config, objective, state, statistics, pooled, served,
+                       rng=round_generator(args.seed, round_number))
         if round_number < first:
             continue
         deployed = state.deployed  # (runs, K)

@@ -612,7 +612,7 @@ def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,
                          overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """Milliseconds per ``pasto.algorithm.update`` call, rounds 1..``rounds`` on synthetic data
     (``overrides``: options of the preset, e.g. ``{"serving_posterior_draws": 0}``)."""
-    from pasto.algorithm import AlgorithmConfig, initial_state, update
+    from pasto.algorithm import AlgorithmConfig, initial_state, round_generator, update
     from pasto.estimators import Statistics
     from pasto.objectives import Objective
 
@@ -621,7 +621,7 @@ def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,
     objective = Objective.from_spec(list(METRICS), OBJECTIVE)
     warm = initial_state(config, 3, len(METRICS), objective=objective)  # first calls import and set up
     warm_statistics = synthetic_statistics(np.random.default_rng(1), np.zeros((len(METRICS), 3)), 3)
-    update(config, objective, warm, warm_statistics, warm_statistics)
+    update(config, objective, warm, warm_statistics, warm_statistics, rng=round_generator(seed, 0))
     state = initial_state(config, n_arms, len(METRICS), objective=objective)
     means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
     pooled = Statistics.zeros(len(METRICS), n_arms)
@@ -630,7 +630,7 @@ def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,
         round_statistics = synthetic_statistics(rng, means, 3)
         pooled = pooled + round_statistics
         started = time.perf_counter()
-        state = update(config, objective, state, round_statistics, pooled)
+        state = update(config, objective, state, round_statistics, pooled, rng=round_generator(seed, t))
         times[t] = (time.perf_counter() - started) * 1000
     return _split_rounds(times, preset)
 
