@@ -224,7 +224,7 @@ SERVING_ROWS: tuple[tuple[str, str, float | None, int | None, tuple[str, ...]], 
     ("A drift", "setup-a-drift", None, 2000, ("default", "thompson")),
 )
 # Relative cost per run-round (the order jobs start in: the longest first).
-SERVING_COST = {"safe": 6, "default": 6, "exploration": 3, "thompson": 1}
+SERVING_COST = {"default": 6, "exploration": 3, "thompson": 1}
 
 
 # The noise rows decide medians and shares that sit near their targets, so they can run on more
@@ -382,8 +382,8 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
         "(`pasto.algorithm` with `serving='safe'`, the path the service runs: per-arm empirical-Bayes "
         "bounds, optimistic objective, pessimistic hard guardrails, no exploration floor, soft-guardrail "
         "traffic moved from the starting mixture only as far as the evidence defends, with posterior "
-        "exploration outside the plug-in support (`serving_posterior_draws` draws, their mass scaled by "
-        "`serving_posterior_scale`) and, while no mixture is defended, half of the run's own path after "
+        "exploration outside the plug-in support (`serving_posterior_draws` draws, each solved exactly) "
+        "and, while no mixture is defended, half of the run's own path after "
         "each arm's posterior probability of being the best single arm (`serving_undecided = \"best_arm\"`), "
         "deploy-what-you-can-defend, change detection); `thompson` the Thompson "
         "best-arm bandit, on the same runs (same seed, same true means). Served regret = mean over runs "
@@ -414,7 +414,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
     for label, row in results.items():
         scenario, references = row["scenario"], row["references"]
         regime_at = [0 if scenario.drift is None or c < scenario.drift.at_round else 1 for c in scenario.checkpoints]
-        for algorithm in [a for a in ("default", "safe", "exploration", "thompson") if a in row]:
+        for algorithm in [a for a in ("default", "exploration", "thompson") if a in row]:
             summary, f, r, _ = row[algorithm]
             hard = summary.get("hard_guardrails")
             for index, checkpoint in enumerate(summary["checkpoints"]):
