@@ -945,27 +945,34 @@ def _exploiting_safely(objective, means, errors, z, served, exploiting, target):
 
     ``served`` (R, K) holds ``exploiting`` (R,) of ``target`` (R, K), the plug-in optimum; the rest
     (exploration, the conservative anchor, the best-arm share) is kept as it is, as per-arm minimum
-    shares, and the whole mixture is solved exactly (:func:`pasto.optimum.solve`) with every soft
-    guardrail on its pessimistic bounds: each arm's lower bound (``z`` standard errors) against a
-    threshold resolved on the upper bounds (a relative threshold's reference arm). So the traffic
+    shares, and the whole mixture is solved exactly (:func:`pasto.optimum.solve`) with each soft
+    guardrail that the target keeps (on the estimated means: a guardrail the optimum holds rather
+    than trades) on its pessimistic bounds: each arm's lower bound (``z`` standard errors) against
+    a threshold resolved on the upper bounds (a relative threshold's reference arm). So the traffic
     sent to explore is paid for by the exploiting traffic moving towards the arms with slack, and a
-    guardrail that the plug-in optimum keeps stays kept by what is served (with a steep penalty the
-    solve keeps the bounds; holding only the guardrails the target keeps on those bounds kept the
-    demo-soft optimum's guardrails in 73% of rounds instead of 99%). Runs with nothing exploited,
-    or no soft guardrail, are returned as they are.
+    guardrail that the optimum keeps stays kept by what is served (with a steep penalty the solve
+    keeps the bounds). A guardrail the target trades against the primary metric (a shortfall worth
+    its penalty) is left to the objective as it is. Runs with nothing exploited, or no such
+    guardrail, are returned as they are.
     """
     soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
     if soft.size == 0:
         return served
     rows = objective.guardrail_rows[soft]
-    cautious = means.copy()
-    cautious[:, rows, :] -= z * errors[:, rows, :]
-    thresholds = objective.thresholds(means + z * errors)
+    plain_thresholds = objective.thresholds(means)
+    kept_by_target = np.einsum("rjk,rk->rj", means[:, rows, :], target) >= plain_thresholds[:, soft]  # (R, J)
+    lower = means[:, rows, :] - z * errors[:, rows, :]  # (R, J, K)
+    cautious_thresholds = objective.thresholds(means + z * errors)
     result = served.copy()
-    for run in np.flatnonzero(exploiting > 1e-12):
+    for run in np.flatnonzero((exploiting > 1e-12) & kept_by_target.any(axis=-1)):
+        held = kept_by_target[run]
+        cautious = means[run].copy()
+        cautious[rows[held]] = lower[run][held]
+        thresholds = plain_thresholds[run].copy()
+        thresholds[soft[held]] = cautious_thresholds[run, soft[held]]
         kept = np.maximum(served[run] - exploiting[run] * target[run], 0.0)
         kept *= min(1.0, (1.0 - exploiting[run]) / max(kept.sum(), 1e-300))
-        result[run] = solve(objective, cautious[run], thresholds[run], min_shares=kept).probabilities
+        result[run] = solve(objective, cautious, thresholds, min_shares=kept).probabilities
     return result
 
 
