@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import sqlalchemy as sa
 
-from pasto.algorithm import AlgorithmConfig, ControllerState, initial_state, update
+from pasto.algorithm import AlgorithmConfig, ControllerState, initial_state, round_generator, update
 from pasto_client import Client, PastoConnectionError
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
@@ -375,7 +375,9 @@ def replay(engine: sa.Engine, name: str = NAME, apply_twice: int | None = None) 
                             sums_of_squares=sums_of_squares[:index + 1].sum(axis=0))
         propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
         for _ in range(2 if index == apply_twice else 1):
-            state = update(algorithm, objective, state, this_round, pooled, propensities=propensities)
+            # The server's close draws from round_generator(experiment seed, round): the replay too.
+            state = update(algorithm, objective, state, this_round, pooled, propensities=propensities,
+                           rng=round_generator(experiment.seed, index + 1))
         differences += state_differences(state.deployed.tolist(), rounds[index].deployed, f"round {index} deployed")
         differences += state_differences(state.probabilities.tolist(), rounds[index + 1].probabilities,
                                          f"round {index + 1} probabilities")

@@ -371,6 +371,10 @@ def test_kills_during_closes_leave_every_applied_round_summarized(killed, migrat
     with Client(api.url, ADMIN_TOKEN, timeout=60) as client:
         client.create_experiment(name=NAME, arms=arms, metrics=["x"], objective={"primary": "x"}, round_seconds=1,
                                  seed=SEED)
+        # Data in round 0 (no scheduler runs yet), so that every round's estimate and regret are
+        # defined: a round with no observation at all has a null regret.
+        client.observe(NAME, [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": float(i % 7)}}
+                              for i in range(1000)])
     rng = random.Random(SEED)  # how long a kill waits for a close's summary window at most
     lost_at_kills = []
     for _ in range(CLOSE_KILLS):
