@@ -80,18 +80,17 @@ from pasto.optimum import linear_program, mirror_ascent, solve
 
 __all__ = [
     "ServingConfig",
-    "ServingState",
     "HardConstraints",
     "has_hard_guardrails",
     "arm_posterior",
     "best_arm_probabilities",
     "drawn_mixture",
     "change_detected",
+    "change_threshold",
+    "CHANGE_WINDOWS",
     "check_objective",
     "choose",
     "hard_constraints",
-    "initial_state",
-    "update",
     "served_lp",
     "starting_probabilities",
 ]
