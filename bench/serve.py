@@ -1081,6 +1081,18 @@ READING = [
 
 
 # ---------------------------------------------------------------------------------- main
+def _backend(name: str, args, workdir) -> tuple[Backend | None, Any]:
+    """The backend ``name`` ("sqlite" or "postgres") in ``workdir`` and the cluster started for it (to
+    stop), or (None, None) when there is no PostgreSQL server to use."""
+    if name == "sqlite":
+        return Backend("sqlite", Path(workdir)), None
+    server_url, cluster = _postgres_server(args)
+    if server_url is None:
+        print("No PostgreSQL server; skipping it.", file=sys.stderr)
+        return None, None
+    return Backend("postgres", Path(workdir), server_url), cluster
+
+
 def _postgres_server(args):
     """(URL of a PostgreSQL server, cluster to stop or None), or (None, None) when there is none."""
     configured = os.environ.get("PASTO_BENCH_POSTGRES_URL")
@@ -1562,14 +1574,10 @@ def assign_main(argv: list[str]) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="pasto-bench-assign-") as workdir:
             for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
-                if name == "sqlite":
-                    backend = Backend("sqlite", Path(workdir))
-                else:
-                    server_url, cluster = _postgres_server(args)
-                    if server_url is None:
-                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
-                        continue
-                    backend = Backend("postgres", Path(workdir), server_url)
+                backend, started = _backend(name, args, workdir)
+                cluster = started or cluster
+                if backend is None:
+                    continue
                 try:
                     url = backend.new_database("assign")
                     app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
@@ -1712,14 +1720,10 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="pasto-bench-close-") as workdir:
             for name in [b.strip() for b in args.backends.split(",") if b.strip()]:
-                if name == "sqlite":
-                    backend = Backend("sqlite", Path(workdir))
-                else:
-                    server_url, cluster = _postgres_server(args)
-                    if server_url is None:
-                        print("No PostgreSQL server; skipping it.", file=sys.stderr)
-                        continue
-                    backend = Backend("postgres", Path(workdir), server_url)
+                backend, started = _backend(name, args, workdir)
+                cluster = started or cluster
+                if backend is None:
+                    continue
                 try:
                     for n_arms in args.arms:
                         experiment = close_experiment(n_arms, args.preset)
