@@ -63,16 +63,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
 SIGMAS = (0.1, 0.3, 1.0)
 MAIN_ALGORITHMS = ("paper", "default", "scgd", "thompson")
-# Ablations of the default preset: one knob changed at a time.
+# The exploration controller: the default preset with serving "exploration" (pasto.algorithm.ExplorationConfig).
+EXPLORATION = {"serving": "exploration"}
+# Ablations, one knob changed at a time: of the default preset (the estimator), and of the
+# exploration row (its own options; safe serving has none). Rows: (label, overrides of default).
 ABLATIONS: tuple[tuple[str, dict], ...] = (
-    ("estimator=ips", {"estimator": "ips"}),
-    ("estimator=control_variate", {"estimator": "control_variate"}),
-    ("step_schedule=constant", {"step_schedule": "constant", "step_size": 0.1}),
-    ("step_schedule=doubling", {"step_schedule": "doubling"}),
-    ("solve_every=0 (plain EG)", {"solve_every": 0}),
-    ("exploration=paper", {"exploration": "paper", "exploration_scale": 0.1}),
+    ("default estimator=ips", {"estimator": "ips"}),
+    ("default estimator=control_variate", {"estimator": "control_variate"}),
+    ("exploration step_schedule=constant", {**EXPLORATION, "step_schedule": "constant", "step_size": 0.1}),
+    ("exploration step_schedule=doubling", {**EXPLORATION, "step_schedule": "doubling"}),
+    ("exploration solve_every=0 (plain EG)", {**EXPLORATION, "solve_every": 0}),
+    ("exploration exploration=paper", {**EXPLORATION, "exploration": "paper", "exploration_scale": 0.1}),
 )
-# Deploy-rule ablations, scored on the default row's runs (the deploy rule does not feed back).
+# Deploy-rule ablations, scored on the exploration row's runs (the deploy rule does not feed back).
 DEPLOY_ABLATIONS = ("average", "stage")
 # ALGORITHM.md's measured reference for the paper preset on setup A (1000 runs).
 PAPER_REFERENCE_A = {100: 0.59, 500: 0.83, 1000: 0.89, 2000: 0.94}
@@ -102,13 +105,14 @@ def _jobs(setups: dict[str, Scenario], paper_seeds: int = 0) -> list[tuple[str, 
     for label in setups:
         for algorithm in MAIN_ALGORITHMS:
             jobs.append((label, algorithm, algorithm, {}, None))
+        jobs.append((label, "exploration", "default", EXPLORATION, None))
         if label in ABLATION_SETUPS:
             for name, overrides in ABLATIONS:
-                jobs.append((label, f"default {name}", "default", overrides, None))
+                jobs.append((label, name, "default", overrides, None))
     base_seed = setups["A"].seed
     for offset in range(1, paper_seeds + 1):
         jobs.append(("A", f"paper seed={base_seed + offset}", "paper", {}, base_seed + offset))
-    cost = {"default": 10, "thompson": 8}
+    cost = {"default": 10, "thompson": 8}  # by algorithm; the exploration rows are "default" too
     jobs.sort(key=lambda job: -(cost.get(job[2], 1) * (10 if job[0].startswith("B") else 1)))
     return jobs
 
@@ -120,7 +124,7 @@ def _run_job(job) -> tuple[str, str, dict, float]:
     scenario = scenario_from_dict(scenario_document)
     if seed is not None:
         scenario = scenario.with_overrides(seed=seed)
-    deploy_rules = DEPLOY_ABLATIONS if (row == "default" and label in ABLATION_SETUPS) else ()
+    deploy_rules = DEPLOY_ABLATIONS if (row == "exploration" and label in ABLATION_SETUPS) else ()
     started = time.perf_counter()
     result = simulate(scenario, make_policy(algorithm, overrides), references=references, deploy_rules=deploy_rules)
     summary = result.summary
@@ -631,29 +635,29 @@ def _acceptance(results: dict, runs: int, paper_checks: dict) -> list[str]:
             add(f"paper, A, mean f at {round_number} within Monte-Carlo noise of {reference}: "
                 "abs(z) <= 2 (see below)", f"z = {z:.2f}", abs(z) <= 2.0)
     a = results.get("A", {})
-    if "default" in a:
+    if "exploration" in a:
         try:
-            checkpoint = _at(a["default"], 500)
+            checkpoint = _at(a["exploration"], 500)
             value = checkpoint["objective"]["mean"]
             error = _standard_error(checkpoint, runs)
-            add("default, A, mean f at 500 >= 0.97", f"{value:.3f}" + ("" if error is None else f" +- {error:.3f}"),
+            add("exploration, A, mean f at 500 >= 0.97", f"{value:.3f}" + ("" if error is None else f" +- {error:.3f}"),
                 value >= 0.97)
         except StopIteration:
             pass
     for index, sigma in enumerate(SIGMAS):
         b = results.get(f"B sigma={sigma}", {})
-        if "default" not in b:
+        if "exploration" not in b:
             continue
         for round_number, statistic, bound in ((300, "median", 0.95), (1000, "mean", 0.90)):
             try:
-                value = _at(b["default"], round_number)["relative_gain"][statistic]
+                value = _at(b["exploration"], round_number)["relative_gain"][statistic]
             except StopIteration:
                 continue
             if index == 0:
-                add(f"default, B sigma {sigma}, {statistic} r at {round_number} >= {bound}", _number(value),
+                add(f"exploration, B sigma {sigma}, {statistic} r at {round_number} >= {bound}", _number(value),
                     value is not None and value >= bound)
             else:
-                add(f"default, B sigma {sigma}, {statistic} r at {round_number}", _number(value), None)
+                add(f"exploration, B sigma {sigma}, {statistic} r at {round_number}", _number(value), None)
     if runs != 1000:
         lines.append("")
         lines.append(f"(Measured with {runs} runs; the targets are stated for 1000.)")
@@ -694,14 +698,15 @@ def render(results: dict, timings: dict, speed: list[dict], command: str, args, 
         "under the true means. r = (f - f_single*) / (f_mix* - f_single*) per run: 0 is the best single "
         "arm, 1 the best mixture (runs where f_mix* - f_single* < 1e-9 are excluded; the count is "
         "shown). Cumulative regret = sum over rounds of f_mix* - f(mu p_t) for the mixtures actually "
-        "served (exploration included). All rows of a setup see the same true means. `default x=y` rows "
-        "are ablations: the default preset with one setting changed (see `pasto.algorithm.AlgorithmConfig`). "
+        "served (exploration included). All rows of a setup see the same true means. `exploration` is the "
+        "default preset with serving `exploration` (`pasto.algorithm.ExplorationConfig`); `default x=y` and "
+        "`exploration x=y` rows are ablations: that row with one setting changed. "
         "Baselines: `scgd` is S-SCGD (paper Fig. 3) with the paper's step and exploration, `thompson` "
         "a Thompson-sampling best-arm bandit on the scalarised objective (what an A/B-testing platform "
         "would run; it deploys one arm, so its r is at most 0). The deploy-rule ablations "
-        "(`default deploy=...`) are scored on the default row's own runs: the deploy rule does not change "
-        "what is served, so this is the same as running them separately (and their cumulative regret is "
-        "the default's).",
+        "(`exploration deploy=...`) are scored on the exploration row's own runs: the deploy rule does not "
+        "change what is served, so this is the same as running them separately (and their cumulative "
+        "regret is the exploration row's).",
         "",
         "### Targets with exploration serving",
         "",
@@ -852,12 +857,12 @@ def main(argv: list[str] | None = None) -> int:
         order = [name for name in MAIN_ALGORITHMS if name in rows] + [r for r in rows if r not in MAIN_ALGORITHMS]
         results[label] = {row: collected[(label, row)][0] for row in order}
         timings[label] = {row: collected[(label, row)][1] for row in order}
-        default = results[label].get("default", {})
-        for rule, checkpoints in default.get("deploy_rules", {}).items():
-            row = f"default deploy={rule}"
-            results[label][row] = {**default, "config": {**default["config"], "deploy": rule},
+        exploration = results[label].get("exploration", {})
+        for rule, checkpoints in exploration.get("deploy_rules", {}).items():
+            row = f"exploration deploy={rule}"
+            results[label][row] = {**exploration, "config": {**exploration["config"], "deploy": rule},
                                    "checkpoints": checkpoints}
-            timings[label][row] = "scored on the default row's runs"
+            timings[label][row] = "scored on the exploration row's runs"
     paper_seeds = {row: collected[("A", row)][0] for _, row, _, _, seed in job_list if seed is not None}
 
     section = render(results, timings, speed, command.strip(), args, time.perf_counter() - started, paper_seeds, commit)

@@ -605,7 +605,10 @@ def _is_solve_round(preset: str, round_number: int) -> bool:
     from pasto.algorithm import AlgorithmConfig
 
     config = AlgorithmConfig.from_preset(preset)
-    return bool(config.solve_every and round_number % config.solve_every == 0 and config.solve_steps > 0)
+    if config.safe:
+        return False  # safe serving has no solve rounds: every round solves exactly
+    rule = config.exploration
+    return bool(rule.solve_every and round_number % rule.solve_every == 0 and rule.solve_steps > 0)
 
 
 def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,

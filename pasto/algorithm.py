@@ -3,7 +3,7 @@
 One call of :func:`update` closes round t (1-based; ``state.round_index = t - 1``) in named steps:
 
 1. estimate (``_estimate_step``): the estimator object (:func:`pasto.estimators.make_estimator`,
-   chosen once from ``config.estimator``) takes in the round's observations (Eq. 5-6 for ``ips``);
+   chosen once from ``config.estimation``) takes in the round's observations (Eq. 5-6 for ``ips``);
    V = its current M x K estimate, c = thresholds resolved on V;
 2. gradient step (``_gradient_step``): g_t = V^T grad f(V p_t) (Eq. 7) at the probabilities p_t
    served in round t, then log w_t = log w_{t-1} + gamma_t g_t (Algorithm 1 line 7, in log space),
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,10 @@ from pasto.serving import ServingConfig
 
 __all__ = [
     "AlgorithmConfig",
+    "EstimationConfig",
+    "ExplorationConfig",
     "ControllerState",
+    "OPTIONS",
     "PRESETS",
     "initial_state",
     "round_generator",
@@ -73,31 +76,53 @@ _LARGEST = np.finfo(float).max
 _MAX_LOG_STEP = 1e6
 
 
-# AlgorithmConfig's safe-serving options and their names in ServingConfig.
-_SERVING_OPTIONS = (
-    ("serving_level", "level"),
-    ("serving_undecided", "undecided"),
-    ("serving_posterior_draws", "posterior_draws"),
-    ("serving_min_share", "min_share"),
-    ("serving_holdout", "holdout"),
-    ("change_level", "change_level"),
-    ("change_every", "change_every"),
-)
+# AlgorithmConfig's flat (API and stored) option names of safe serving, and their ServingConfig fields.
+_SERVING_OPTIONS = {
+    "serving_level": "level",
+    "serving_undecided": "undecided",
+    "serving_posterior_draws": "posterior_draws",
+    "serving_min_share": "min_share",
+    "serving_holdout": "holdout",
+    "change_level": "change_level",
+    "change_every": "change_every",
+}
+
+
+def _finite(part: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{part} option {name!r} must be a finite number, got {value!r}.")
+    return float(value)
 
 
 @dataclass(frozen=True)
-class AlgorithmConfig:
-    """Configuration of the controller (no learned state).
-
-    The field defaults are the ``default`` preset; every other preset in :data:`PRESETS` is a set of
-    overrides of them.
+class EstimationConfig:
+    """How the M x K mean matrix is estimated (either serving rule).
 
     Attributes
     ----------
     estimator : {"ips", "pooled", "control_variate"}
-        How the M x K mean matrix is estimated (see :mod:`pasto.estimators`).
+        The estimator (see :mod:`pasto.estimators`).
     discount : float
         Discount delta in (0, 1] applied per round to the estimator's history (1 = none).
+    """
+
+    estimator: str = "pooled"
+    discount: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"Algorithm option 'estimator' must be one of {list(ESTIMATORS)}, got {self.estimator!r}.")
+        object.__setattr__(self, "discount", _finite("Algorithm", "discount", self.discount))
+        if not 0.0 < self.discount <= 1.0:
+            raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
+
+
+@dataclass(frozen=True)
+class ExplorationConfig:
+    """The exploration controller: paper Algorithm 1 (``serving = "exploration"``).
+
+    Attributes
+    ----------
     step_schedule : {"constant", "per_arm", "horizon", "doubling", "adagrad"}
         gamma_t = step_size; step_size / K (the paper's 0.1 / K with step_size 0.1);
         step_size / sqrt(horizon); step_size / sqrt(last round of the current doubling stage);
@@ -135,43 +160,8 @@ class AlgorithmConfig:
         Fixed penalties lambda, or lambda_{t+1} = max(0, lambda_t + dual_step (c - y_t)) with y_t the
         estimated guardrail metrics of the exploitation mixture.
     dual_step : float
-    serving : {"safe", "exploration"}
-        What is served and deployed. ``safe`` (the default): :func:`pasto.serving.choose`
-        on per-arm pooled statistics since the last detected change, whatever the estimator: every
-        hard guardrail's lower confidence bound kept by the served mixture, optimistic exploration
-        without a floor, the deployed mixture only when it confidently beats the best single arm.
-        The EG step and the solve are skipped (the plug-in optimum replaces the weights); the
-        estimator (``estimator``, ``discount``) still takes in every round, and a discount < 1 makes
-        the bounds use the discounted statistics. ``exploration``: the exploration mixture of steps
-        1-6 and the ``deploy`` rule (the ``paper`` preset).
-    serving_level : float
-        One-sided confidence level of the hard guardrails' lower bounds with ``serving = "safe"``.
-    serving_undecided : {"conservative", "best_arm"}
-        With ``serving = "safe"`` and soft guardrails: where the traffic of a run whose mixture
-        cannot yet be defended against the best single arm goes
-        (:class:`pasto.serving.ServingConfig`'s ``undecided``; ``best_arm`` by default).
-    serving_posterior_draws : int
-        With ``serving = "safe"`` and soft guardrails: posterior draws per round, each solved
-        exactly, whose optima's mass outside the plug-in support is served as exploration (0 to 64,
-        0 turns it off; :class:`pasto.serving.ServingConfig`'s ``posterior_draws``; 1 by default).
-    serving_min_share : float
-        With ``serving = "safe"``: the share every arm is served in every round, in [0, 1 / K)
-        (0 by default: no floor; :class:`pasto.serving.ServingConfig`'s ``min_share``).
-    serving_holdout : float
-        With ``serving = "safe"``: a fixed share of every round served the baseline arm, in
-        [0, 1) (0 by default; needs an objective with a baseline arm; the lift of the served and
-        deployed mixtures is then over this holdout; :class:`pasto.serving.ServingConfig`'s
-        ``holdout``).
-    change_level : float
-        With ``serving = "safe"``: the probability that the change detector ever raises a false
-        alarm in a run whose means never change (:func:`pasto.serving.change_detected`), in
-        [0, 1); 0 disables change detection.
-    change_every : int
-        Rounds between two looks of the change detector.
     """
 
-    estimator: str = "pooled"
-    discount: float = 1.0
     step_schedule: str = "adagrad"
     step_size: float = 1.0
     horizon: int | None = None
@@ -187,44 +177,20 @@ class AlgorithmConfig:
     solve_objective: str = "expected"
     guardrail_weights: str = "fixed"
     dual_step: float = 1.0
-    serving: str = "safe"
-    # The safe-serving options' defaults are ServingConfig's (one source).
-    serving_level: float = ServingConfig.level
-    serving_undecided: str = ServingConfig.undecided
-    serving_posterior_draws: int = ServingConfig.posterior_draws
-    serving_min_share: float = ServingConfig.min_share
-    serving_holdout: float = ServingConfig.holdout
-    change_level: float = ServingConfig.change_level
-    change_every: int = ServingConfig.change_every
 
     def __post_init__(self) -> None:
         for name, allowed in (
-            ("estimator", ESTIMATORS),
             ("step_schedule", STEP_SCHEDULES),
             ("exploration", EXPLORATION_SCHEDULES),
             ("deploy", DEPLOY_RULES),
             ("solve_objective", SOLVE_OBJECTIVES),
             ("guardrail_weights", GUARDRAIL_WEIGHT_RULES),
-            ("serving", SERVING_RULES),
         ):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"Algorithm option {name!r} must be one of {list(allowed)}, got {value!r}.")
-        for name in (
-            "discount",
-            "step_size",
-            "exploration_scale",
-            "exploration_floor",
-            "directed_share",
-            "directed_z",
-            "dual_step",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"Algorithm option {name!r} must be a finite number, got {value!r}.")
-            object.__setattr__(self, name, float(value))
-        if not 0.0 < self.discount <= 1.0:
-            raise ValueError(f"Algorithm option 'discount' must be in (0, 1], got {self.discount}.")
+        for name in ("step_size", "exploration_scale", "exploration_floor", "directed_share", "directed_z", "dual_step"):
+            object.__setattr__(self, name, _finite("Algorithm", name, getattr(self, name)))
         for name in ("step_size", "exploration_scale", "dual_step", "directed_z"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Algorithm option {name!r} must be >= 0, got {getattr(self, name)}.")
@@ -235,16 +201,6 @@ class AlgorithmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"Algorithm option {name!r} must be an integer >= {minimum}, got {value!r}.")
-        # The safe-serving options are validated once, by ServingConfig, in this class's names.
-        try:
-            rule = self.serving_config()
-        except ValueError as error:
-            message = str(error).replace("Serving option", "Algorithm option")
-            for name, serving_name in _SERVING_OPTIONS:
-                message = message.replace(f"'{serving_name}'", f"'{name}'")
-            raise ValueError(message) from None
-        for name, serving_name in _SERVING_OPTIONS:
-            object.__setattr__(self, name, getattr(rule, serving_name))
         if self.horizon is not None and (
             isinstance(self.horizon, bool) or not isinstance(self.horizon, int) or self.horizon < 1
         ):
@@ -252,57 +208,135 @@ class AlgorithmConfig:
         if self.step_schedule == "horizon" and self.horizon is None:
             raise ValueError("The 'horizon' step schedule needs the option 'horizon' (the number of rounds T).")
 
-    def serving_config(self) -> ServingConfig:
-        """The :class:`pasto.serving.ServingConfig` of the ``serving_*`` and ``change_*`` options."""
-        return ServingConfig(**{serving_name: getattr(self, name) for name, serving_name in _SERVING_OPTIONS})
+
+_ESTIMATION_OPTIONS = tuple(f.name for f in dataclasses.fields(EstimationConfig))
+_EXPLORATION_OPTIONS = tuple(f.name for f in dataclasses.fields(ExplorationConfig))
+# Every option's flat name, as the API, the presets and stored experiments spell it.
+OPTIONS = _ESTIMATION_OPTIONS + ("serving",) + tuple(_SERVING_OPTIONS) + _EXPLORATION_OPTIONS
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Configuration of the controller (no learned state): an estimation part and a serving rule.
+
+    ``serving`` is the rule, and its type says which: :class:`pasto.serving.ServingConfig` (safe
+    serving, the default: per-arm pooled statistics since the last detected change, every hard
+    guardrail's lower confidence bound kept by the served mixture, optimistic exploration without a
+    floor, the deployed mixture only when it confidently beats the best single arm) or
+    :class:`ExplorationConfig` (Algorithm 1 with the ``deploy`` rule; the ``paper`` preset). The
+    estimation part takes in every round under either rule; with safe serving a discount < 1 makes
+    the bounds use the discounted statistics.
+
+    The API, the presets and stored experiments use one flat dict of options (:data:`OPTIONS`):
+    ``estimator``, ``discount``, ``serving`` (``"safe"`` or ``"exploration"``) and the chosen rule's
+    options: ``serving_level``, ``serving_undecided``, ``serving_posterior_draws``,
+    ``serving_min_share``, ``serving_holdout``, ``change_level``, ``change_every`` (the
+    ServingConfig fields without the prefix) for safe serving, the :class:`ExplorationConfig`
+    fields for exploration. :meth:`from_preset` refuses an option of the rule not chosen (it would
+    do nothing); :meth:`from_dict` loads it (stored experiments carried every option) and drops it.
+
+    Attributes
+    ----------
+    estimation : EstimationConfig
+    serving : ServingConfig or ExplorationConfig
+    """
+
+    estimation: EstimationConfig = field(default_factory=EstimationConfig)
+    serving: ServingConfig | ExplorationConfig = field(default_factory=ServingConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.estimation, EstimationConfig):
+            raise ValueError(f"estimation must be an EstimationConfig, got {type(self.estimation).__name__}.")
+        if not isinstance(self.serving, (ServingConfig, ExplorationConfig)):
+            raise ValueError("serving must be a ServingConfig (safe serving) or an ExplorationConfig, "
+                             f"got {type(self.serving).__name__}.")
+
+    @property
+    def safe(self) -> bool:
+        """True with safe serving (:class:`pasto.serving.ServingConfig`)."""
+        return isinstance(self.serving, ServingConfig)
+
+    @property
+    def serving_rule(self) -> str:
+        """``"safe"`` or ``"exploration"`` (the flat option ``serving``)."""
+        return "safe" if self.safe else "exploration"
+
+    @property
+    def exploration(self) -> ExplorationConfig:
+        """The exploration controller's options; raises with safe serving, which has none."""
+        if self.safe:
+            raise ValueError("Safe serving has no exploration options (serving is 'safe').")
+        return self.serving
 
     @classmethod
     def from_preset(cls, preset: str = "default", **overrides: Any) -> AlgorithmConfig:
-        """A preset (``"paper"`` or ``"default"``) with any option overridden by keyword."""
+        """A preset (``"paper"`` or ``"default"``) with any flat option overridden by keyword."""
         if preset not in PRESETS:
             raise ValueError(f"Unknown algorithm preset {preset!r}; the presets are {sorted(PRESETS)}.")
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(overrides) - set(valid))
-        if unknown:
+        _check_names(overrides)
+        options = {**PRESETS[preset], **overrides}
+        rule = options.get("serving", "safe")
+        ignored = _SERVING_OPTIONS if rule == "exploration" else _EXPLORATION_OPTIONS if rule == "safe" else ()
+        given = [name for name in overrides if name in ignored]
+        if given:
+            other = "safe" if rule == "exploration" else "exploration"
             raise ValueError(
-                f"Unknown algorithm option(s) {unknown}; the valid options are {valid}."
+                f"Algorithm option(s) {sorted(given)} belong to serving {other!r}, and serving {rule!r} "
+                f"would ignore them: give serving {other!r} or leave them out."
             )
-        config = cls(**{**PRESETS[preset], **overrides})
-        # Checked where a configuration is asked for, not in __post_init__: a stored one must load.
-        if config.serving != "safe":
-            for name in ("serving_min_share", "serving_holdout"):
-                if getattr(config, name) > 0:
-                    raise ValueError(f"Algorithm option {name!r} shapes safe serving's traffic, and serving "
-                                     f"{config.serving!r} would ignore it: give serving 'safe' or leave it out.")
-        return config
+        return cls.from_dict(options)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The flat options: estimation, ``serving`` and the chosen rule's options."""
+        data: dict[str, Any] = dataclasses.asdict(self.estimation)
+        data["serving"] = self.serving_rule
+        if self.safe:
+            data.update({flat: getattr(self.serving, name) for flat, name in _SERVING_OPTIONS.items()})
+        else:
+            data.update(dataclasses.asdict(self.serving))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AlgorithmConfig:
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise ValueError(f"Unknown algorithm option(s) {unknown}; the valid options are {valid}.")
-        return cls(**data)
+        """Inverse of :meth:`to_dict`; the other rule's options (stored before the split) are dropped."""
+        _check_names(data)
+        rule = data.get("serving", "safe")
+        if rule not in SERVING_RULES:
+            raise ValueError(f"Algorithm option 'serving' must be one of {list(SERVING_RULES)}, got {rule!r}.")
+        estimation = EstimationConfig(**{name: data[name] for name in _ESTIMATION_OPTIONS if name in data})
+        if rule == "exploration":
+            return cls(estimation, ExplorationConfig(**{name: data[name] for name in _EXPLORATION_OPTIONS
+                                                        if name in data}))
+        try:
+            serving = ServingConfig(**{name: data[flat] for flat, name in _SERVING_OPTIONS.items() if flat in data})
+        except ValueError as error:
+            # ServingConfig names its own fields; the caller wrote the flat names.
+            message = str(error).replace("Serving option", "Algorithm option")
+            for flat, name in _SERVING_OPTIONS.items():
+                message = message.replace(f"'{name}'", f"'{flat}'")
+            raise ValueError(message) from None
+        return cls(estimation, serving)
 
 
-# Every preset is a set of overrides of the field defaults above, which are the ``default`` preset
-# (one source of truth: ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
+def _check_names(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"Unknown algorithm option(s) {unknown}; the valid options are {list(OPTIONS)}.")
+
+
+# Every preset is a set of flat options over the parts' defaults (one source of truth:
+# ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
 PRESETS: dict[str, dict[str, Any]] = {
     # Safe serving (pasto.serving): per-arm pooled statistics since the last detected
     # change, hard guardrails kept on their 95% lower bounds by the served traffic, optimistic
     # exploration without a floor, deploy what beats the best single arm with confidence.
-    # (The exploration options below it describe ``serving="exploration"``: estimate-then-solve
-    # with the expected objective re-solved every few rounds, exploration max(0.05, 1/sqrt(t)) plus
-    # a 20% share directed at plausible arms, deploy the exploitation mixture.)
     "default": {},
     # Algorithm 1 with the paper's simulation settings (section 6): IPS history average with
     # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), no directed exploration, no solve,
     # deploy the average of p_1..p_t.
     "paper": dict(
         estimator="ips",
+        serving="exploration",
         step_schedule="per_arm",
         step_size=0.1,
         exploration="paper",
@@ -313,7 +347,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         solve_every=0,
         solve_steps=0,
         solve_objective="plug_in",
-        serving="exploration",
     ),
 }
 
@@ -480,7 +513,7 @@ def round_generator(seed: int, round_number: int) -> np.random.Generator:
 
 
 # ---------------------------------------------------------------------------- schedules
-def exploration_rate(config: AlgorithmConfig, round_number: int) -> float:
+def exploration_rate(config: ExplorationConfig, round_number: int) -> float:
     """eps_t for the 1-based round t (clipped to [0, 1])."""
     t = float(round_number)
     if config.exploration == "paper":
@@ -492,17 +525,17 @@ def exploration_rate(config: AlgorithmConfig, round_number: int) -> float:
     return min(1.0, max(0.0, eps))
 
 
-def stage_of(config: AlgorithmConfig, round_number: int) -> int:
+def stage_of(config: ExplorationConfig, round_number: int) -> int:
     """Stage k of the 1-based round t: T_0 (2^k - 1) < t <= T_0 (2^(k+1) - 1)."""
     return int(math.floor(math.log2((round_number - 1) / config.stage_length + 1.0)))
 
 
-def _stage_end(config: AlgorithmConfig, stage: int) -> int:
+def _stage_end(config: ExplorationConfig, stage: int) -> int:
     return config.stage_length * (2 ** (stage + 1) - 1)
 
 
 def step_size(
-    config: AlgorithmConfig, round_number: int, n_arms: int, gradient_square_sum: np.ndarray
+    config: ExplorationConfig, round_number: int, n_arms: int, gradient_square_sum: np.ndarray
 ) -> np.ndarray:
     """gamma_t for the 1-based round t; shape (...) like ``gradient_square_sum``."""
     g2 = np.asarray(gradient_square_sum, dtype=float)
@@ -550,10 +583,10 @@ def initial_state(
     vector_shape = batch_shape + (int(n_arms),)
     uniform = np.full(vector_shape, 1.0 / n_arms)
     served = uniform
-    if config.serving == "safe":
+    if config.safe:
         from pasto import serving
 
-        served = np.broadcast_to(serving.starting_probabilities(config.serving_config(), objective, int(n_arms)),
+        served = np.broadcast_to(serving.starting_probabilities(config.serving, objective, int(n_arms)),
                                  vector_shape).copy()
     penalties = np.zeros(0) if objective is None else objective.penalties
     accumulators = _estimator(config).start(n_metrics, n_arms, batch_shape)
@@ -569,7 +602,7 @@ def initial_state(
         history=accumulators.history,
         baseline=accumulators.baseline,
         discounted=accumulators.discounted,
-        changes=np.zeros(batch_shape, dtype=int) if config.serving == "safe" else None,
+        changes=np.zeros(batch_shape, dtype=int) if config.safe else None,
     )
 
 
@@ -600,7 +633,7 @@ def estimate(config: AlgorithmConfig, state: ControllerState, pooled_statistics:
 
 def _estimator(config: AlgorithmConfig) -> Estimator:
     """The estimator object of ``config`` (its name and discount)."""
-    return make_estimator(config.estimator, config.discount)
+    return make_estimator(config.estimation.estimator, config.estimation.discount)
 
 
 def _exploitation(log_weights: np.ndarray) -> np.ndarray:
@@ -725,11 +758,11 @@ def update(
     # Only the inverse-propensity estimators divide by p: the pooled estimator takes an unserved arm's
     # data as what it is (pushed statistics and warehouse sources can carry such cells, and under safe
     # serving most arms have p = 0).
-    if config.serving == "safe" and choose_mixtures and rng is None:
+    if config.safe and choose_mixtures and rng is None:
         raise ValueError("Safe serving draws from the posterior: pass rng, e.g. round_generator(seed, round).")
-    if config.estimator != "pooled" and np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
+    if config.estimation.estimator != "pooled" and np.any((propensities <= 0) & (round_statistics.counts > 0).any(axis=-2)):
         raise ValueError("An arm has observations in the round but a served probability of 0, which the "
-                         f"{config.estimator!r} estimator cannot weight (it divides by the probability).")
+                         f"{config.estimation.estimator!r} estimator cannot weight (it divides by the probability).")
 
     # Metrics of absurd scale may overflow intermediate values (f, its gradient, variances);
     # every such value is sanitised below, so the warnings carry no information.
@@ -752,14 +785,15 @@ def _advance(
     The steps, in order: estimate, gradient step, solve, guardrail weights, exploration, deploy.
     """
     t = state.round_index + 1
-    if config.serving == "safe":
+    if config.safe:
         return _safe_advance(
             config, objective, state, round_statistics, pooled_statistics, propensities, rng, choose_mixtures
         )
-    dual = config.guardrail_weights == "dual_ascent"
     accumulators, current = _estimate_step(
         config, state, round_statistics, pooled_statistics, propensities
     )
+    config = config.exploration  # the steps below read only the exploration options
+    dual = config.guardrail_weights == "dual_ascent"
     thresholds = objective.thresholds(current.means)
     guardrail_weights = _starting_guardrail_weights(objective, state)
     penalties = guardrail_weights if dual else None
@@ -843,12 +877,14 @@ def _safe_advance(
 
     t = state.round_index + 1
     accumulators = _estimator(config).absorb(state.accumulators, round_statistics, pooled_statistics, propensities)
-    probability_sum, stage_probability_sum, _ = _deploy_step(config, state, _exploitation(state.log_weights), t)
+    rule = config.serving
+    # Safe serving deploys by its own test; the served mixtures' sum is kept for the report.
+    probability_sum = state.probability_sum + state.probabilities
     change_origin, window_origins = state.change_origin, state.window_origins
     changes = state.changes if state.changes is not None else np.zeros(state.batch_shape, dtype=int)
     evidence = _statistics_difference(pooled_statistics, change_origin)
-    if config.change_level > 0 and t % config.change_every == 0:
-        look = t // config.change_every
+    if rule.change_level > 0 and t % rule.change_every == 0:
+        look = t // rule.change_every
         lengths = serving.CHANGE_WINDOWS
         if window_origins is None:
             starts = [change_origin] * len(lengths)
@@ -856,7 +892,7 @@ def _safe_advance(
             starts = [Statistics(window_origins.counts[i], window_origins.sums[i], window_origins.sums_of_squares[i])
                       for i in range(len(lengths))]
         windows = [_statistics_difference(pooled_statistics, start) for start in starts]
-        changed = serving.change_detected(evidence, windows, config.change_level, look)
+        changed = serving.change_detected(evidence, windows, rule.change_level, look)
         if changed.any():
             change_origin = _statistics_where(changed, pooled_statistics, change_origin)
             evidence = _statistics_difference(pooled_statistics, change_origin)
@@ -873,7 +909,6 @@ def _safe_advance(
         statistics = evidence if accumulators.discounted is None else accumulators.discounted
         batch = max(1, int(np.prod(state.batch_shape)))
         observations = float(round_statistics.counts[..., 0, :].sum()) / batch
-        rule = config.serving_config()
         probabilities, deployed, log_weights = serving.choose(
             rule, objective, statistics, t, state.log_weights, observations, state.deployed, rng
         )
@@ -886,7 +921,7 @@ def _safe_advance(
         deployed=deployed,
         log_weights=log_weights,
         probability_sum=probability_sum,
-        stage_probability_sum=stage_probability_sum,
+        stage_probability_sum=state.stage_probability_sum,
         gradient_square_sum=state.gradient_square_sum,
         guardrail_weights=_starting_guardrail_weights(objective, state),
         history=accumulators.history,
@@ -923,7 +958,7 @@ def _starting_guardrail_weights(objective: Objective, state: ControllerState) ->
 
 
 def _gradient_step(
-    config: AlgorithmConfig,
+    config: ExplorationConfig,
     objective: Objective,
     state: ControllerState,
     means: np.ndarray,
@@ -956,7 +991,7 @@ def _gradient_step(
 
 
 def _solve_step(
-    config: AlgorithmConfig,
+    config: ExplorationConfig,
     objective: Objective,
     current: Estimate,
     thresholds: np.ndarray,
@@ -980,7 +1015,7 @@ def _solve_step(
 
 
 def _dual_ascent_step(
-    config: AlgorithmConfig,
+    config: ExplorationConfig,
     objective: Objective,
     means: np.ndarray,
     thresholds: np.ndarray,
@@ -996,7 +1031,7 @@ def _dual_ascent_step(
 
 
 def _exploration_step(
-    config: AlgorithmConfig,
+    config: ExplorationConfig,
     objective: Objective,
     current: Estimate,
     thresholds: np.ndarray,
@@ -1015,7 +1050,7 @@ def _exploration_step(
 
 
 def _deploy_step(
-    config: AlgorithmConfig, state: ControllerState, exploitation: np.ndarray, t: int
+    config: ExplorationConfig, state: ControllerState, exploitation: np.ndarray, t: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Step 7: add the served p_t to the running sums; returns them and the deployed mixture (..., K)."""
     served = state.probabilities

@@ -74,6 +74,7 @@ __all__ = [
     "SegmentedState",
     "initial_segmented_state",
     "segmented_update",
+    "joint_exploration",
     "add_segments",
     "check_scopes",
     "aggregate_state",
@@ -718,6 +719,15 @@ def measured_shares(counts: np.ndarray, expected: np.ndarray | None = None) -> n
     return np.full(counts.shape, 1.0 / counts.size)
 
 
+def joint_exploration(config: SegmentedConfig) -> algorithm.ExplorationConfig:
+    """The options of the joint step (several segments): its re-solve period and exploration rate.
+
+    They are the exploration controller's; a safe per-segment controller has none, so the joint
+    step then takes the exploration controller's defaults.
+    """
+    return algorithm.ExplorationConfig() if config.algorithm.safe else config.algorithm.exploration
+
+
 def segmented_update(
     config: SegmentedConfig,
     objective: Objective,
@@ -763,11 +773,12 @@ def segmented_update(
         return SegmentedState(controller=controller, joint=controller.deployed)
     scopes = _check_scopes(objective, config.scopes)
     t = controller.round_index
-    solve_every = max(config.algorithm.solve_every, 1)
+    rule = joint_exploration(config)
+    solve_every = max(rule.solve_every, 1)
     joint = state.joint
     if t == 1 or t % solve_every == 0:
         joint = _joint_step(config, objective, scopes, pooled_statistics, shares, state.joint)
-    eps = algorithm.exploration_rate(config.algorithm, t + 1)
+    eps = algorithm.exploration_rate(rule, t + 1)
     n_arms = joint.shape[-1]
     probabilities = (1.0 - eps) * joint + eps / n_arms
     log_weights = np.log(np.maximum(joint, np.exp(-700.0)))

@@ -113,7 +113,7 @@ def make_policy(name: str, overrides: dict[str, Any] | None = None) -> Policy:
     if name in ("paper", "default"):
         from pasto import algorithm
 
-        names = {f.name for f in dataclasses.fields(algorithm.AlgorithmConfig)}
+        names = set(algorithm.OPTIONS)
         for key in overrides:
             if key not in names:
                 raise ValueError(

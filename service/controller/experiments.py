@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pasto.algorithm import AlgorithmConfig, initial_state
+from pasto.algorithm import OPTIONS, AlgorithmConfig, initial_state
 from pasto.serving import check_objective
 from pasto.objectives import Objective
 from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
@@ -75,7 +75,7 @@ def build_algorithm(spec: dict[str, Any]) -> AlgorithmConfig:
     except (TypeError, ValueError) as error:
         message = str(error)
         if isinstance(error, TypeError):
-            known = ", ".join(field for field in AlgorithmConfig.__dataclass_fields__)
+            known = ", ".join(OPTIONS)
             message = f"Unknown algorithm option in {sorted(overrides)}; the options are preset, {known}."
         raise invalid("algorithm", message) from None
 
@@ -190,7 +190,7 @@ def create(body: ExperimentCreate) -> Snapshot:
         config["source"] = check_source(body.source, body.metrics)
     segment_state = segment_probabilities = None
     if segments is None:
-        if algorithm.serving == "safe":
+        if algorithm.safe:
             try:
                 check_objective(objective)
             except ValueError as error:

@@ -21,7 +21,7 @@ import numpy as np
 import sqlalchemy as sa
 from flask import current_app
 
-from pasto.algorithm import AlgorithmConfig, ControllerState
+from pasto.algorithm import AlgorithmConfig, ControllerState, EstimationConfig
 from pasto.diagnostics import sample_ratio_mismatch
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
@@ -221,7 +221,7 @@ def diagnostics(name: str) -> Diagnostics:
     segments = None
     if segmented is not None:
         # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
-        algorithm = dataclasses.replace(algorithm, estimator="pooled", discount=1.0)
+        algorithm = dataclasses.replace(algorithm, estimation=EstimationConfig())
         shares = measured_shares(segment_observations(segment_pooled), expected_shares(snapshot.config,
                                                                                         loaded.n_segments))
         segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)

@@ -48,7 +48,7 @@ from datetime import datetime, timedelta
 import numpy as np
 from flask import Flask, current_app
 
-from pasto.algorithm import AlgorithmConfig, ControllerState, round_generator, update
+from pasto.algorithm import AlgorithmConfig, ControllerState, EstimationConfig, round_generator, update
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
@@ -423,7 +423,7 @@ def _summary(pending: _PendingSummary) -> dict:
     if pending.segmented is None:
         return round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled, pending.propensities)
     # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
-    summary = round_summary(dataclasses.replace(pending.algorithm, estimator="pooled", discount=1.0),
+    summary = round_summary(dataclasses.replace(pending.algorithm, estimation=EstimationConfig()),
                             pending.objective, pending.state, pending.pooled, pending.propensities)
     summary["segments"] = segment_summary(pending.segmented, pending.objective, pending.segment_state,
                                           pending.segment_pooled, pending.shares, pending.segment_names)

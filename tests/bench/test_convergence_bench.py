@@ -42,9 +42,9 @@ def test_a_tiny_pass_reports_every_row_and_the_paper_reference(bench, tmp_path, 
     assert code == 0
     text = docs.read_text()
     assert text.startswith("# Benchmarks\n\n## Serving\n\nkeep me\n\n## Convergence\n")
-    rows = [f"| {name} |" for name in bench.MAIN_ALGORITHMS]
-    rows += [f"| default {name} |" for name, _ in bench.ABLATIONS]
-    rows += [f"| default deploy={rule} |" for rule in bench.DEPLOY_ABLATIONS]
+    rows = [f"| {name} |" for name in bench.MAIN_ALGORITHMS + ("exploration",)]
+    rows += [f"| {name} |" for name, _ in bench.ABLATIONS]
+    rows += [f"| exploration deploy={rule} |" for rule in bench.DEPLOY_ABLATIONS]
     section = text.split("## Convergence", 1)[1]
     setup_a = section.split("### Setup A", 1)[1].split("### Setup B", 1)[0]
     setup_b = section.split("### Setup B", 1)[1].split("### ", 1)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from pasto.algorithm import (
     round_generator,
     PRESETS,
     AlgorithmConfig,
+    ExplorationConfig,
     ControllerState,
     estimate,
     exploration_rate,
@@ -66,27 +68,30 @@ def test_paper_preset_is_algorithm_1_by_hand():
 
 
 def test_exploration_schedules():
-    paper = AlgorithmConfig.from_preset("paper")
+    paper = AlgorithmConfig.from_preset("paper").exploration
     assert exploration_rate(paper, 1) == pytest.approx(0.1 / math.sqrt(11))
-    default = AlgorithmConfig.from_preset("default")
+    default = AlgorithmConfig.from_preset("default", serving="exploration").exploration
+    assert default == ExplorationConfig()
     assert exploration_rate(default, 1) == 1.0
     assert exploration_rate(default, 100) == pytest.approx(0.1)
     assert exploration_rate(default, 10_000) == pytest.approx(0.05)
-    constant = AlgorithmConfig.from_preset("default", exploration="constant", exploration_scale=0.2)
+    constant = AlgorithmConfig.from_preset("default", serving="exploration", exploration="constant",
+                                           exploration_scale=0.2).exploration
     assert exploration_rate(constant, 7) == 0.2
 
 
 def test_step_schedules():
     g2 = np.array([4.0, 0.0])
-    base = AlgorithmConfig.from_preset("paper")
+    base = AlgorithmConfig.from_preset("paper").exploration
     np.testing.assert_allclose(step_size(base, 3, 10, g2), 0.01)
-    horizon = AlgorithmConfig.from_preset("paper", step_schedule="horizon", step_size=1.0, horizon=100)
+    horizon = AlgorithmConfig.from_preset("paper", step_schedule="horizon", step_size=1.0, horizon=100).exploration
     np.testing.assert_allclose(step_size(horizon, 3, 10, g2), 0.1)
-    doubling = AlgorithmConfig.from_preset("paper", step_schedule="doubling", step_size=1.0, stage_length=10)
+    doubling = AlgorithmConfig.from_preset("paper", step_schedule="doubling", step_size=1.0,
+                                           stage_length=10).exploration
     # Stages: rounds 1-10, 11-30, 31-70, ...
     assert [stage_of(doubling, t) for t in (1, 10, 11, 30, 31, 70, 71)] == [0, 0, 1, 1, 2, 2, 3]
     np.testing.assert_allclose(step_size(doubling, 31, 10, g2), 1 / math.sqrt(70))
-    adagrad = AlgorithmConfig.from_preset("paper", step_schedule="adagrad", step_size=1.0)
+    adagrad = AlgorithmConfig.from_preset("paper", step_schedule="adagrad", step_size=1.0).exploration
     np.testing.assert_allclose(step_size(adagrad, 3, 10, g2), [math.sqrt(math.log(10)) / 2, 0.0])
 
 
@@ -104,9 +109,24 @@ def test_unknown_preset_and_bad_values():
     with pytest.raises(ValueError, match="'discount'"):
         AlgorithmConfig.from_preset("default", discount=0.0)
     with pytest.raises(ValueError, match="'horizon'"):
-        AlgorithmConfig.from_preset("default", step_schedule="horizon")
+        AlgorithmConfig.from_preset("paper", step_schedule="horizon")
     with pytest.raises(ValueError, match="'solve_every'"):
-        AlgorithmConfig.from_preset("default", solve_every=-1)
+        AlgorithmConfig.from_preset("default", serving="exploration", solve_every=-1)
+
+
+def test_an_option_of_the_serving_rule_not_chosen_is_refused_where_asked_for_and_dropped_when_stored():
+    # Safe serving has no step size, the exploration controller no change detector: asking for one
+    # of them would do nothing, so it is an error that says which rule it belongs to.
+    with pytest.raises(ValueError, match=r"\['step_size'\] belong to serving 'exploration'"):
+        AlgorithmConfig.from_preset("default", step_size=0.5)
+    with pytest.raises(ValueError, match=r"\['change_level'\] belong to serving 'safe'"):
+        AlgorithmConfig.from_preset("paper", change_level=0.05)
+    # Experiments stored before the split carry every option; they load, and the ignored ones go.
+    stored = {**AlgorithmConfig().to_dict(), **dataclasses.asdict(ExplorationConfig()), "step_size": 0.5}
+    assert AlgorithmConfig.from_dict(stored) == AlgorithmConfig()
+    assert AlgorithmConfig().safe and not AlgorithmConfig.from_preset("paper").safe
+    with pytest.raises(ValueError, match="no exploration options"):
+        AlgorithmConfig().exploration
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -124,10 +144,7 @@ def test_field_defaults_are_the_default_preset():
     assert AlgorithmConfig.from_preset() == AlgorithmConfig()
     assert AlgorithmConfig.from_dict({"estimator": "ips"}) == AlgorithmConfig.from_preset("default", estimator="ips")
     assert AlgorithmConfig().to_dict() == {
-        "estimator": "pooled", "discount": 1.0, "step_schedule": "adagrad", "step_size": 1.0, "horizon": None,
-        "stage_length": 10, "exploration": "sqrt", "exploration_scale": 1.0, "exploration_floor": 0.05,
-        "directed_share": 0.2, "directed_z": 2.0, "deploy": "last", "solve_every": 5, "solve_steps": 100,
-        "solve_objective": "expected", "guardrail_weights": "fixed", "dual_step": 1.0,
+        "estimator": "pooled", "discount": 1.0,
         "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 1,
         "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 0.01,
         "change_every": 25,
@@ -137,23 +154,21 @@ def test_field_defaults_are_the_default_preset():
 def test_paper_preset_overrides_only_what_algorithm_1_changes():
     # Every override differs from the default (no restated defaults), and the result is Algorithm 1
     # with the paper's section 6 settings.
-    defaults = AlgorithmConfig().to_dict()
+    defaults = {**AlgorithmConfig().to_dict(), **dataclasses.asdict(ExplorationConfig())}
     assert all(defaults[name] != value for name, value in PRESETS["paper"].items())
     assert AlgorithmConfig.from_preset("paper").to_dict() == {
         "estimator": "ips", "discount": 1.0, "step_schedule": "per_arm", "step_size": 0.1, "horizon": None,
         "stage_length": 10, "exploration": "paper", "exploration_scale": 0.1, "exploration_floor": 0.0,
         "directed_share": 0.0, "directed_z": 2.0, "deploy": "average", "solve_every": 0, "solve_steps": 0,
         "solve_objective": "plug_in", "guardrail_weights": "fixed", "dual_step": 1.0,
-        "serving": "exploration", "serving_level": 0.95, "serving_undecided": "best_arm",
-        "serving_posterior_draws": 1, "serving_min_share": 0.0, "serving_holdout": 0.0,
-        "change_level": 0.01, "change_every": 25,
+        "serving": "exploration",
     }
 
 
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"estimator": "ips"}, {"estimator": "control_variate"}, {"discount": 0.9},
-     {"guardrail_weights": "dual_ascent"}],
+     {"serving": "exploration", "guardrail_weights": "dual_ascent"}],
 )
 def test_state_json_round_trip_and_continuation(overrides):
     config = AlgorithmConfig.from_preset("default", **overrides)
@@ -283,8 +298,8 @@ def test_stage_deploy_averages_the_current_stage():
 
 @pytest.mark.parametrize("estimator", ["ips", "control_variate", "pooled"])
 def test_estimators_inside_the_update_converge_to_the_means(estimator):
-    # The estimator is what is under test; plain EG steps (no solves) keep the test fast.
-    config = AlgorithmConfig.from_preset("default", estimator=estimator, solve_every=0)
+    # The estimator is what is under test: it takes in every round under safe serving too.
+    config = AlgorithmConfig.from_preset("default", estimator=estimator)
     rng = np.random.default_rng(1)
     state = initial_state(config, 2, 2)
     pooled = Statistics.zeros(2, 2)

@@ -46,11 +46,15 @@ def test_same_seed_identical_json(tmp_path, capsys):
 def test_settings_and_noise_override_reach_the_simulation(tmp_path, capsys):
     out = tmp_path / "ablation.json"
     argv = ["simulate", "setup-a", "--runs", "10", "--rounds", "50", "--noise-std", "0.5",
-            "--set", "deploy=average", "--set", "solve_every=10", "--out", str(out)]
+            "--set", "serving=exploration", "--set", "deploy=average", "--set", "solve_every=10",
+            "--out", str(out)]
     assert main(argv) == 0
     capsys.readouterr()
     document = json.loads(out.read_text())
     assert document["config"]["deploy"] == "average" and document["config"]["solve_every"] == 10
+    # An option of the rule not chosen (safe serving has no deploy rule) is an error, not a no-op.
+    assert main(argv[:8] + argv[10:]) == 2
+    assert "belong to serving 'exploration'" in capsys.readouterr().err
     assert document["noise"]["std"] == [0.5, 0.5]
 
 

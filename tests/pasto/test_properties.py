@@ -28,6 +28,9 @@ configs = st.one_of(
     st.just(AlgorithmConfig.from_preset("default")),
     st.builds(
         lambda estimator, schedule, exploration, deploy, solve_every, discount, directed, dual, hedge, serving: (
+            # Safe serving has no exploration options (from_preset refuses them): it varies the estimator.
+            AlgorithmConfig.from_preset("default", serving="safe", estimator=estimator, discount=discount)
+            if serving == "safe" else
             AlgorithmConfig.from_preset(
                 "default",
                 serving=serving,
@@ -88,12 +91,12 @@ def _run(config, objective, n_arms, rounds, seed, scale=1.0, batch=(), queries=3
 
 def _assert_valid(config, n_arms):
     def check(state):
-        eps = exploration_rate(config, state.round_index + 1)
         for p in (state.probabilities, state.deployed):
             assert np.all(np.isfinite(p))
             assert np.all(np.abs(p.sum(axis=-1) - 1.0) <= 1e-12)
             assert np.all(p >= 0)
-        if config.serving == "exploration":  # safe serving has no exploration floor
+        if not config.safe:  # safe serving has no exploration floor
+            eps = exploration_rate(config.exploration, state.round_index + 1)
             assert np.all(state.probabilities >= eps / n_arms * (1 - 1e-12))
         assert np.all(np.isfinite(state.log_weights))
 

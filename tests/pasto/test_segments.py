@@ -17,6 +17,7 @@ from pasto.scenario import scenario_from_dict
 from pasto.segmented_simulate import simulate_segmented
 from pasto.segments import (
     SegmentedConfig,
+    joint_exploration,
     initial_segmented_state,
     segment_statistics,
     segmented_update,
@@ -225,7 +226,7 @@ def test_segmented_controller_serves_a_mixture_per_segment(seed, n_segments):
         round_stats = segment_statistics(segments, arms, values, n_segments, 3)
         pooled = pooled + round_stats
         state = segmented_update(config, objective, state, round_stats, pooled, shares, propensities=state.probabilities)
-        eps = algorithm.exploration_rate(config.algorithm, t + 1)
+        eps = algorithm.exploration_rate(joint_exploration(config), t + 1)
         assert np.all(state.probabilities >= eps / 3 - 1e-12)
         np.testing.assert_allclose(state.probabilities.sum(axis=-1), 1.0, atol=1e-12)
         np.testing.assert_allclose(state.deployed.sum(axis=-1), 1.0, atol=1e-12)

@@ -205,10 +205,11 @@ def test_fixed_shares_with_exploration_serving_are_refused_where_asked_for_and_l
     from pasto import algorithm
 
     for option in ("serving_min_share", "serving_holdout"):
-        with pytest.raises(ValueError, match="would ignore it"):
+        with pytest.raises(ValueError, match="would ignore them"):
             algorithm.AlgorithmConfig.from_preset("paper", **{option: 0.1})
+        # An experiment stored with it still loads and runs (the option never did anything there).
         stored = algorithm.AlgorithmConfig.from_dict({"serving": "exploration", option: 0.1})
-        assert getattr(stored, option) == 0.1  # an experiment stored with it still loads and runs
+        assert stored == algorithm.AlgorithmConfig.from_preset("default", serving="exploration")
 
 
 def test_holdout_and_min_share_are_kept_in_every_round():
@@ -228,8 +229,8 @@ def test_holdout_and_min_share_are_kept_in_every_round():
 def test_the_default_serves_safely_with_any_estimator_and_the_paper_preset_never_does(estimator):
     from pasto import algorithm
 
-    assert algorithm.AlgorithmConfig.from_preset("paper").serving == "exploration"
-    assert algorithm.AlgorithmConfig().serving == "safe"
+    assert algorithm.AlgorithmConfig.from_preset("paper").serving_rule == "exploration"
+    assert algorithm.AlgorithmConfig().serving_rule == "safe"
     # Safe serving's bounds come from its own pooled statistics, so a configuration that overrides
     # the estimator keeps working (the estimator still takes in every round, for its reports).
     config = algorithm.AlgorithmConfig.from_preset("default", estimator=estimator)
@@ -319,7 +320,7 @@ def test_the_change_detector_state_round_trips_through_to_dict(n_arms, n_metrics
     names = [f"m{i}" for i in range(n_metrics)]
     objective = Objective.from_spec(names, {"primary": names[0], "guardrails": [
         {"metric": name, "threshold": 0.0, "penalty": 5.0} for name in names[1:]]})
-    config = algorithm.AlgorithmConfig(change_every=3)
+    config = algorithm.AlgorithmConfig.from_preset("default", change_every=3)
     rng = np.random.default_rng(seed)
     batch = (2,)
     state = algorithm.initial_state(config, n_arms, n_metrics, batch, objective)
@@ -525,9 +526,9 @@ def test_the_undecided_rule_is_validated_with_a_sentence():
     from pasto import algorithm
 
     with pytest.raises(ValueError, match="'serving_undecided' must be one of"):
-        algorithm.AlgorithmConfig(serving_undecided="sometimes")
+        algorithm.AlgorithmConfig.from_preset("default", serving_undecided="sometimes")
     assert serving.ServingConfig().undecided == "best_arm"
-    assert algorithm.AlgorithmConfig().serving_undecided == "best_arm"
+    assert algorithm.AlgorithmConfig().serving.undecided == "best_arm"
 
 
 @settings(max_examples=40, deadline=None)
@@ -647,9 +648,9 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_1_and_zero_is_
         with pytest.raises(ValueError, match="'posterior_draws' must be an integer from 0 to 64"):
             serving.ServingConfig(posterior_draws=bad)
         with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
-            algorithm.AlgorithmConfig(serving_posterior_draws=bad)
+            algorithm.AlgorithmConfig.from_preset("default", serving_posterior_draws=bad)
     assert serving.ServingConfig().posterior_draws == 1
-    assert algorithm.AlgorithmConfig().serving_posterior_draws == 1
+    assert algorithm.AlgorithmConfig().serving.posterior_draws == 1
     # With no draws (and the conservative undecided rule: the default best_arm rule would also send
     # arm 2, a plausible best single arm, its best-arm half), what is served is the support's path
     # plus the directed share, nothing else: the case above gives arm 2 only that share.

@@ -233,8 +233,8 @@ def test_unknown_algorithm_and_setting():
         make_policy("ucb")
     with pytest.raises(ValueError, match="Unknown algorithm setting 'gamma'"):
         make_policy("paper", {"gamma": 0.1})
-    policy = make_policy("default", {"deploy": "average"})
-    assert policy.config.deploy == "average"
+    policy = make_policy("default", {"serving": "exploration", "deploy": "average"})
+    assert policy.config.exploration.deploy == "average"
 
 
 def test_a_drift_beyond_the_horizon_is_not_reported():

@@ -206,7 +206,7 @@ def test_an_earlier_demos_experiment_is_paused_and_replaced():
         **client.experiments[f"{EXPERIMENT}-2"], "status": "paused",
         "objective": experiment_objective(scenario).to_spec(),
         "algorithm": {"preset": "default",
-                      **AlgorithmConfig.from_preset("default", solve_every=1, serving="safe").to_dict()},
+                      **AlgorithmConfig.from_preset("default").to_dict()},
     }
     assert ensure_experiment(client, scenario, 5.0) == f"{EXPERIMENT}-2"
     assert client.experiments[f"{EXPERIMENT}-2"]["status"] == "running"

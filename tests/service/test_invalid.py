@@ -208,6 +208,9 @@ def test_body_must_be_an_object(api, created, body):
     ({"algorithm": {"preset": "fastest"}}, "algorithm.preset"),
     ({"algorithm": {"preset": "default", "no_such_option": 1}}, "algorithm"),
     ({"algorithm": {"preset": "default", "estimator": "magic"}}, "algorithm"),
+    # an option of the serving rule not chosen would do nothing: safe serving has no step size
+    ({"algorithm": {"preset": "default", "step_size": 0.5}}, "algorithm"),
+    ({"algorithm": {"preset": "paper", "change_level": 0.05}}, "algorithm"),
     ({"seed": -1}, "seed"),
     ({"seed": 1.5}, "seed"),
     ({"unexpected": 1}, "unexpected"),

@@ -215,7 +215,7 @@ def test_get_rounds_reports_every_round(api, setup_a):
     assert set(diagnostics["srm"]) >= {"statistic", "p_value", "ok"}
 
 
-@pytest.mark.parametrize("algorithm", [{"preset": "paper"}, {"preset": "default", "solve_every": 1},
+@pytest.mark.parametrize("algorithm", [{"preset": "paper"}, {"preset": "default", "serving": "exploration", "solve_every": 1},
                                        {"preset": "default", "estimator": "control_variate"}])
 def test_presets_and_overrides_run_through_the_service(api, setup_a, algorithm):
     created = api("POST", "/api/v1/experiments", json=setup_a(algorithm=algorithm))
