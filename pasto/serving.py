@@ -603,6 +603,7 @@ def choose(
     flat_means = means.reshape((flat,) + means.shape[-2:])
     flat_errors = errors.reshape(flat_means.shape)
     flat_thresholds = thresholds.reshape((flat,) + thresholds.shape[-1:])
+    flat_counts = statistics.counts.reshape(flat_means.shape)
     served = np.empty((flat, n_arms))
     plug_in = np.empty((flat, n_arms))
     previous_log_weights = np.asarray(log_weights, dtype=float)
@@ -617,6 +618,14 @@ def choose(
         check_objective(objective)
         optimistic = optimistic_gains.reshape((flat, n_arms))
         plain = plain_gains.reshape((flat, n_arms))
+        # The reference arms of relative hard guardrails, and the rows with them known exactly
+        # (their error 0): what the deployed mixture could do if their uncertainty were gone.
+        references = _references(objective, hard=True)
+        if references:
+            known = np.empty((flat, n_arms))
+            known_errors = _known_references(errors, references)
+            known_rows = _unbatched(hard_constraints(objective, means - z_safe * known_errors,
+                                                     means + z_safe * known_errors), flat)
         # Every arm at its upper bound (the reference arm of a relative guardrail too).
         hopeful = hard_constraints(objective, means + z_optimism * errors, means + z_optimism * errors)
         hopeful_rows = _unbatched(hopeful, flat)
@@ -633,6 +642,11 @@ def choose(
             else:
                 served[run] = _pad(hopeful_mixture, largest_slack(rows[run], fixed), rows[run])
             plug_in[run], _ = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
+            if references:
+                known[run], _ = served_lp(plain[run], known_rows[run], np.zeros(n_arms))
+        if references:
+            served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
+                                         known, references, observations_per_round, t, rows)
         log_weights = np.log(np.maximum(plug_in, 1e-300))
     else:
         lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 30.0)
@@ -641,10 +655,12 @@ def choose(
         log_weights = mirror_ascent(
             objective, flat_means, flat_thresholds, lifted, config.mirror_steps, standard_errors=flat_errors
         )
-        plug_in = np.exp(log_weights)
-        # Mirror ascent never reaches an exact zero; traffic below this share is noise, not a choice.
-        plug_in = np.where(plug_in < _NEGLIGIBLE * plug_in.max(axis=-1, keepdims=True), 0.0, plug_in)
-        plug_in /= plug_in.sum(axis=-1, keepdims=True)
+        plug_in = _support(np.exp(log_weights))
+        references = _references(objective, hard=False)
+        if references:
+            known = _support(np.exp(mirror_ascent(
+                objective, flat_means, flat_thresholds, lifted, config.mirror_steps,
+                standard_errors=_known_references(flat_errors, references))))
         plausible = _plausible_arms(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_optimism)
         plausible &= plug_in < _SUPPORT
         per_round = max(observations_per_round, 1.0)
@@ -712,6 +728,9 @@ def choose(
             own_weight = np.where(undecided, 0.5 * own_weight, own_weight)
         served = (1.0 - outside.sum(axis=-1, keepdims=True)) * own + outside
         served = _exploiting_safely(objective, flat_means, flat_errors, z_safe, served, own_weight * step, plug_in)
+        if references:
+            served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
+                                         known, references, observations_per_round, t)
         served = fixed + (1.0 - fixed.sum()) * served
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
@@ -858,6 +877,70 @@ def drawn_mixture(
         if selected[index[1:]]:
             mixtures[index] = solve(objective, drawn[index], thresholds[index]).probabilities
     return mixtures
+
+
+def _references(objective: Objective, hard: bool) -> list[tuple[int, int]]:
+    """(metric row, reference arm) of every relative guardrail, hard ones or soft ones."""
+    return [(objective.metrics.index(g.metric), _arm_index(objective, g.relative_to))
+            for g in objective.guardrails if _is_hard(g) == hard and g.relative_to is not None]
+
+
+def _known_references(errors: np.ndarray, references: list[tuple[int, int]]) -> np.ndarray:
+    """``errors`` with the reference arms' entries 0: as if their means were known exactly."""
+    known = errors.copy()
+    for row, reference in references:
+        known[..., row, reference] = 0.0
+    return known
+
+
+def _support(mixture: np.ndarray) -> np.ndarray:
+    """A mirror-ascent mixture (R, K) with the shares below its precision set to 0, renormalised."""
+    # Mirror ascent never reaches an exact zero; traffic below this share is noise, not a choice.
+    mixture = np.where(mixture < _NEGLIGIBLE * mixture.max(axis=-1, keepdims=True), 0.0, mixture)
+    return mixture / mixture.sum(axis=-1, keepdims=True)
+
+
+def _observe_references(objective, means, thresholds, counts, served, plug_in, known, references,
+                        observations_per_round, t, rows=None):
+    """``served`` (R, K) with a share moved to the reference arms of relative guardrails.
+
+    A relative guardrail's threshold rests on its reference arm's estimate, which the chosen
+    mixture must hedge against (an upper bound for a hard guardrail, the slack's variance in the
+    expected objective for a soft one). That uncertainty costs C = f(mu p_known) - f(mu p) per
+    served observation, with p_known the mixture chosen were the reference known exactly (both
+    valued on the estimates). C shrinks like 1 / sqrt(n) in the reference's observations n, so one
+    more observation saves C / (2 n) on each observation still to come, and observing the
+    reference instead of the chosen mixture costs D = grad f(mu p) . (mu p - mu_ref). With as many
+    observations still to come as have been made (Q t: the doubling horizon), the reference is
+    worth observing until n = Q t C / (2 D). The deficit is spread over that horizon: the
+    reference's share of the round is (n_wanted - n) / (Q t), at most the whole round, and at most
+    what keeps every guardrail the served mixture keeps on the estimates; a share that would break
+    a hard guardrail's bound (``rows``, one per run) is not served.
+    """
+    x, x_known = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (plug_in, known))
+    cost = objective.value(x_known, thresholds) - objective.value(x, thresholds)
+    gradient = objective.gradient(x, thresholds)
+    per_round = max(observations_per_round, 1.0)
+    served = served.copy()
+    for row, reference in references:
+        price = np.einsum("rm,rm->r", gradient, x - means[..., reference])
+        wanted = per_round * t * cost / (2.0 * np.where(price > 0, price, 1.0))
+        share = np.clip((wanted - counts[:, row, reference]) / (per_round * t), 0.0, 1.0)
+        # A reference no worse than the chosen mixture (D <= 0) is in its support already.
+        share = np.where((cost > 0) & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)
+        # No guardrail that the served mixture keeps on the estimates is broken by the move.
+        y = np.einsum("rmk,rk->rm", means, served)[:, objective.guardrail_rows]
+        y_reference = means[:, objective.guardrail_rows, reference]
+        breaking = (y >= thresholds) & (y_reference < thresholds)
+        room = np.divide(y - thresholds, y - y_reference, out=np.ones_like(y), where=breaking)
+        share = np.minimum(share, room.min(axis=-1, initial=1.0))
+        moved = (1.0 - share[:, None]) * served
+        moved[:, reference] += share
+        if rows is not None:
+            keeps = np.array([_meets(moved[run], rows[run]) for run in range(len(rows))])
+            moved = np.where(keeps[:, None], moved, served)
+        served = moved
+    return served
 
 
 def _meets(mixture: np.ndarray, constraints: HardConstraints) -> bool:

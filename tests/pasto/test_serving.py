@@ -721,3 +721,33 @@ def test_the_change_threshold_spends_the_level_over_the_looks():
     level, tests = 0.01, 60
     spent = sum(tests * 2.0 * np.exp(-serving.change_threshold(level, j, tests) ** 2 / 2.0) for j in range(1, 10_000))
     assert spent == pytest.approx(level * (1.0 - 1.0 / 10_000), rel=1e-9)
+
+
+# --------------------------------------------------------------------------- the reference arm
+
+
+def _evidence(means, counts, std=0.1):
+    """Statistics (M, K) of ``counts`` observations per arm at ``means`` with noise ``std``."""
+    counts = np.broadcast_to(np.asarray(counts, dtype=float), means.shape).copy()
+    return Statistics(counts, counts * means, counts * (std**2 + means**2))
+
+
+@pytest.mark.parametrize("hard", [True, False])
+def test_a_relative_guardrails_reference_is_observed_while_its_uncertainty_costs_the_chosen_mixture(hard):
+    # Arm 2 is the reference, outside the optimum (arms 0 and 1 mixed to y = 0.99 y_2): its own
+    # estimate moves the threshold that the chosen mixture hedges, so while it rests on 100
+    # observations (against 4000 for the others) it is worth observing; with 10^6 it is known and
+    # gets no traffic of its own. (Before, it got none in either case.)
+    guardrail = {"metric": "y", "threshold": -0.01, "relative_to": "2"}
+    guardrail.update({"hard": True} if hard else {"penalty": 5000.0})
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [guardrail]}, ["0", "1", "2"])
+    means = np.array([[1.0, 0.0, 0.2], [0.9, 1.1, 1.0]])
+    config = serving.ServingConfig(posterior_draws=0)
+    shares = []
+    for reference_count in (100, 1_000_000):
+        evidence = _evidence(means, [[4000, 4000, reference_count]] * 2)
+        served, _, _ = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0, np.full(3, 1 / 3),
+                                      round_generator(0, 200))
+        shares.append(served[2])
+    assert shares[0] > 0.01
+    assert shares[1] < 1e-6
