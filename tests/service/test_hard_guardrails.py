@@ -75,8 +75,8 @@ def test_unknown_baseline_is_422(api, setup_a):
     ({"serving_holdout": 1.0}, "serving_holdout"),
     ({"serving_min_share": 0.5}, "leave no traffic"),  # K = 2: two halves leave nothing to learn with
     ({"serving_min_share": 0.45, "serving_holdout": 0.6}, "leave no traffic"),
-    ({"serving": "exploration", "serving_holdout": 0.1}, "would ignore it"),
-    ({"preset": "paper", "serving_min_share": 0.1}, "would ignore it"),
+    ({"serving": "exploration", "serving_holdout": 0.1}, "would ignore them"),
+    ({"preset": "paper", "serving_min_share": 0.1}, "would ignore them"),
 ])
 def test_invalid_serving_options_are_422(api, setup_a, algorithm, fragment):
     response = api("POST", "/api/v1/experiments", json=hard_body(setup_a, **algorithm))
