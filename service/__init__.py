@@ -1,9 +1,10 @@
 """The pasto controller service: a Flask JSON API over SQLAlchemy that calls ``pasto`` for the math.
 
 Layers: ``service.routes`` (one blueprint per resource: parse, call, serialise) -> ``service.controller``
-(the use cases and their transactions; calls ``pasto``) -> ``service.store`` (every SQL statement) over
-``service.db`` (engine and sessions) and ``service.models`` (tables). ``service.cache`` holds the
-per-process experiment snapshots, ``service.scheduler`` the scheduled round closes.
+(the use cases and their transactions; calls ``pasto``; given a ``service.store.Store``) ->
+``service.store`` (every SQL statement) over ``service.db`` (engine and sessions) and ``service.models``
+(tables). ``service.cache`` holds the per-process experiment snapshots, ``service.bootstrap`` makes the
+application's store, ``service.scheduler`` runs the scheduled round closes.
 
 ``create_app(config=None)`` builds an application; ``service.wsgi:app`` is the WSGI object for
 waitress or gunicorn. The scheduler that closes rounds is started by ``pasto serve`` / ``pasto worker``
@@ -55,7 +56,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     """
     # Imported here, not with the package: a command that needs only the database (`pasto tokens`,
     # create_command_app) then skips the routes, Prometheus and the numerical core behind them.
-    from . import auth, cache, exposures, monitoring, params, routes, security
+    from . import auth, bootstrap, exposures, monitoring, params, routes, security
     from .errors import register_error_handlers
 
     app = Flask(__name__, instance_relative_config=True)
@@ -70,7 +71,7 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
         db.check_connection(database.engine)
         check_schema(database.engine)
     auth.init_app(app)
-    cache.init_app(app)
+    bootstrap.init_app(app)
     exposures.init_app(app)
     monitoring.init_app(app)
     routes.register(app)
@@ -87,6 +88,9 @@ def create_command_app(config: Mapping[str, Any] | None = None) -> Flask:
     if app.config["PASTO_CHECK_SCHEMA"]:
         db.check_connection(database.engine)
         check_schema(database.engine)
+    from . import bootstrap
+
+    bootstrap.init_app(app)
     return app
 
 

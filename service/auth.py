@@ -26,24 +26,22 @@ says how to make a strong one.
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import ipaddress
 import logging
 import math
-import secrets
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 
-import sqlalchemy as sa
 from flask import Flask, current_app, g, request
-from sqlalchemy.orm import Session
 
-from .db import get_db
+from .bootstrap import get_store
 from .errors import ApiError
-from .models import ROLES, AuthFailure, Token, utcnow
+from .models import ROLES, utcnow
+# The token rows are the store's; these names stay importable from here, where they always were.
+from .store import Store, create_token, find_tokens, hash_token, revoke_tokens, rotate_token  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -55,69 +53,6 @@ AUTH_FAILURE_WINDOW_SECONDS = 60.0
 #: An admin token with fewer bits (estimated from its length and character classes) is weak.
 STRONG_TOKEN_BITS = 128
 _EXTENSION = "pasto.auth"
-
-
-def hash_token(token: str) -> str:
-    """SHA-256 hex digest of ``token``: what the database stores."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
-
-
-def create_token(session: Session, role: str, name: str, expires_in: float | None = None) -> str:
-    """Store a new token for ``role`` and return it; this is the only time it is ever visible.
-
-    ``expires_in``: seconds from now after which the token is refused (None: it does not expire).
-    """
-    if role not in ROLE_RANK:
-        raise ValueError(f"The role must be one of {', '.join(ROLES)}, got {role!r}.")
-    if expires_in is not None and not (math.isfinite(expires_in) and expires_in > 0):
-        raise ValueError(f"A token's lifetime must be a positive number of seconds, got {expires_in!r}.")
-    token = secrets.token_urlsafe(32)
-    now = utcnow()
-    session.add(Token(name=name, role=role, token_hash=hash_token(token), created_at=now,
-                      expires_at=None if expires_in is None else now + timedelta(seconds=expires_in)))
-    return token
-
-
-def find_tokens(session: Session, which: str) -> list[Token]:
-    """The tokens that are still usable (not revoked, not expired) named by ``which``: a token id
-    (digits) or a name. Raises ``LookupError`` with a sentence when none is."""
-    now = utcnow()
-    query = sa.select(Token).where(Token.revoked_at.is_(None)).order_by(Token.id)
-    query = query.where(Token.id == int(which)) if which.isascii() and which.isdigit() and len(which) < 19 \
-        else query.where(Token.name == which)
-    tokens = [token for token in session.scalars(query) if token.expires_at is None or token.expires_at > now]
-    if not tokens:
-        raise LookupError(f"No usable token has the id or name {which!r}; `pasto tokens list` shows them.")
-    return tokens
-
-
-def revoke_tokens(session: Session, which: str) -> list[Token]:
-    """Revoke every usable token with the id or name ``which``; returns them."""
-    tokens = find_tokens(session, which)
-    now = utcnow()
-    for token in tokens:
-        token.revoked_at = now
-    return tokens
-
-
-def rotate_token(session: Session, which: str, grace_seconds: float = 0.0) -> tuple[str, Token]:
-    """A new token with the name, role and lifetime of the one token ``which`` names; the old one is
-    revoked now, or expires in ``grace_seconds`` (time to deploy the new one). Returns the new token
-    and the old row. Raises ``LookupError`` when ``which`` names no usable token or several."""
-    tokens = find_tokens(session, which)
-    if len(tokens) > 1:
-        raise LookupError(f"{len(tokens)} usable tokens are named {which!r} (ids "
-                          f"{', '.join(str(token.id) for token in tokens)}); rotate one by its id.")
-    (old,) = tokens
-    now = utcnow()
-    lifetime = None if old.expires_at is None else (old.expires_at - old.created_at).total_seconds()
-    token = create_token(session, old.role, old.name, lifetime)
-    if grace_seconds > 0:
-        grace_end = now + timedelta(seconds=grace_seconds)
-        old.expires_at = grace_end if old.expires_at is None else min(old.expires_at, grace_end)
-    else:
-        old.revoked_at = now
-    return token, old
 
 
 def admin_token_weakness(token: str) -> str | None:
@@ -149,19 +84,16 @@ class _Authenticator:
         cached = self._cache.get(digest)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
-        database = get_db()
+        store = get_store()
         now = utcnow()
-        with database.read() as session:
-            row = session.execute(
-                sa.select(Token.token_hash, Token.role, Token.expires_at, Token.revoked_at)
-                .where(Token.token_hash == digest)
-            ).first()
+        with store.read() as session:
+            row = store.token_by_hash(session, digest)
             if row is None or not hmac.compare_digest(row.token_hash, digest):
                 # Only unknown tokens are throttled: refusing every token of a throttled address
                 # would let anyone who shares it (loopback, a reverse proxy, a NAT) lock the
                 # valid clients out with 20 bad requests a minute. A revoked or expired token is
                 # a client not updated yet, not a guess, so it does not count either.
-                self._refuse_if_throttled(session, address, now)
+                self._refuse_if_throttled(store, session, address, now)
         if row is None or not hmac.compare_digest(row.token_hash, digest):
             self._record_failure(address, now)
             return None
@@ -176,9 +108,8 @@ class _Authenticator:
             self._cache[digest] = (row.role, time.monotonic() + seconds)
         return row.role
 
-    def _refuse_if_throttled(self, session: Session, address: str, now: datetime) -> None:
-        row = session.execute(sa.select(AuthFailure.failures, AuthFailure.window_started_at)
-                              .where(AuthFailure.address == address)).first()
+    def _refuse_if_throttled(self, store: Store, session, address: str, now: datetime) -> None:
+        row = store.auth_failures(session, address)
         if row is None or row.failures < current_app.config["PASTO_AUTH_FAILURE_LIMIT"]:
             return
         remaining = (row.window_started_at - now).total_seconds() + AUTH_FAILURE_WINDOW_SECONDS
@@ -192,17 +123,7 @@ class _Authenticator:
 
     def _record_failure(self, address: str, now: datetime) -> None:
         """Count one invalid token from ``address``; log the first of its window."""
-        database = get_db()
-        table = AuthFailure.__table__
-        insert = database.insert(table).values(address=address, window_started_at=now, failures=1)
-        stale = table.c.window_started_at <= now - timedelta(seconds=AUTH_FAILURE_WINDOW_SECONDS)
-        statement = insert.on_conflict_do_update(index_elements=["address"], set_={
-            "failures": sa.case((stale, 1), else_=table.c.failures + 1),
-            "window_started_at": sa.case((stale, insert.excluded.window_started_at),
-                                         else_=table.c.window_started_at),
-        }).returning(table.c.failures)
-        with database.write() as session:
-            failures = session.execute(statement).scalar_one()
+        failures = get_store().count_auth_failure(address, now, timedelta(seconds=AUTH_FAILURE_WINDOW_SECONDS))
         if failures == 1:
             log.warning("Invalid bearer token from %s (%s %s). Further failures from this address are "
                         "counted, not logged, for %g s; after %d of them it is refused 429 until then.",

@@ -25,15 +25,13 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from flask import Flask, current_app
 
 from pasto.hashing import PrefixHasher, cumulative_probabilities
 
 from . import store
-from .db import Database, get_db, is_unavailable_error
+from .db import Database, is_unavailable_error
 from .errors import ApiError
 
-_EXTENSION = "pasto.cache"
 _ROUND_CACHE_SIZE = 4096
 
 #: While the database is unavailable, a process retries an experiment's version check at most this
@@ -249,10 +247,3 @@ class ExperimentCache:
             **segmented,
         )
 
-
-def init_app(app: Flask) -> None:
-    app.extensions[_EXTENSION] = ExperimentCache(get_db(app), float(app.config["PASTO_VERSION_CHECK_SECONDS"]))
-
-
-def get_cache(app: Flask | None = None) -> ExperimentCache:
-    return (app or current_app).extensions[_EXTENSION]

@@ -192,28 +192,25 @@ def _db(args: argparse.Namespace, create_app) -> int:
 
 def _tokens(app: Flask, args: argparse.Namespace) -> int:
     """``pasto tokens create|list|revoke|rotate``."""
-    import sqlalchemy as sa
-
-    from .auth import create_token, revoke_tokens, rotate_token
-    from .db import get_db
-    from .models import Token, utcnow
+    from .bootstrap import get_store
+    from .models import utcnow
 
     def shown(moment) -> str:
         return "-" if moment is None else moment.isoformat(timespec="seconds").replace("+00:00", "Z")
 
-    database = get_db(app)
+    store = get_store(app)
     if args.tokens_command == "create":
         if args.expires_in is not None and args.expires_in <= 0:
             print("pasto: error: --expires-in must be longer than 0 s.", file=sys.stderr)
             return 2
-        with database.write() as session:
-            token = create_token(session, args.role, args.name or args.role, args.expires_in)
+        with store.write() as session:
+            token = store.create_token(session, args.role, args.name or args.role, args.expires_in)
         print(token)
         return 0
     if args.tokens_command == "list":
         now = utcnow()
-        with database.read() as session:
-            rows = session.scalars(sa.select(Token).order_by(Token.id)).all()
+        with store.read() as session:
+            rows = store.all_tokens(session)
         print(f"{'id':>5}  {'name':<24} {'role':<7} {'created':<21} {'expires':<21} {'revoked':<21} state")
         for row in rows:
             state = ("revoked" if row.revoked_at is not None else
@@ -222,12 +219,12 @@ def _tokens(app: Flask, args: argparse.Namespace) -> int:
                   f"{shown(row.expires_at):<21} {shown(row.revoked_at):<21} {state}")
         return 0
     try:
-        with database.write() as session:
+        with store.write() as session:
             if args.tokens_command == "revoke":
-                revoked = revoke_tokens(session, args.token)
+                revoked = store.revoke_tokens(session, args.token)
                 message = "\n".join(f"revoked token {t.id} ({t.name}, {t.role})" for t in revoked)
             else:
-                token, old = rotate_token(session, args.token, args.grace)
+                token, old = store.rotate_token(session, args.token, args.grace)
                 message = token
                 note = (f"token {old.id} ({old.name}, {old.role}) "
                         + (f"expires at {shown(old.expires_at)}" if args.grace > 0 else "is revoked"))

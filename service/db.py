@@ -103,6 +103,11 @@ def is_unavailable_error(error: BaseException) -> bool:
     return isinstance(error, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
+
+#: What a failed use of the database raises: any SQLAlchemy error or :class:`DatabaseUnreachable`
+#: (for modules that catch them without importing SQLAlchemy: only the store and this module do).
+DATABASE_ERRORS: tuple[type[Exception], ...] = (sa.exc.SQLAlchemyError, DatabaseUnreachable)
+
 #: A process logs at most one outage (its start and its end) per this many seconds: a database that
 #: flaps (SQLite's write lock contended while reads still succeed) does not fill the log either.
 OUTAGE_LOG_INTERVAL_SECONDS = 60.0
@@ -405,8 +410,16 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
 def init_app(app: Flask) -> Database:
     """Create the application's engine from ``PASTO_DATABASE_URL`` (deadlines from the
     ``PASTO_DATABASE_*`` settings) and register it."""
-    timeouts = DatabaseTimeouts.from_config(app.config)
-    engine = make_engine(app.config["PASTO_DATABASE_URL"], timeouts)
+    database = open_database(app.config["PASTO_DATABASE_URL"], DatabaseTimeouts.from_config(app.config))
+    app.extensions[_EXTENSION] = database
+    return database
+
+
+def open_database(url: str, timeouts: DatabaseTimeouts = DatabaseTimeouts()) -> Database:
+    """The :class:`Database` of ``url`` with the deadlines of ``timeouts`` and its outage tracking
+    (:class:`DatabaseStatus`), without any application: what :func:`init_app` registers, and what a
+    use case test or a script gives ``service.store.Store``."""
+    engine = make_engine(url, timeouts)
     database = Database(
         engine=engine,
         read_sessions=sessionmaker(bind=engine, expire_on_commit=False),
@@ -438,7 +451,6 @@ def init_app(app: Flask) -> Database:
     @sa.event.listens_for(engine, "do_connect", insert=True)  # before make_engine's, which connects
     def before_connecting(*_):
         status.admit(connecting=True)  # returns None: the dialect (or make_engine's handler) connects
-    app.extensions[_EXTENSION] = database
     return database
 
 

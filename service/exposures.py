@@ -164,11 +164,3 @@ def get_exposures(app: Flask | None = None) -> ExposureRecorder | None:
     """The app's exposure recorder, or None when ``PASTO_EXPOSURE_LOG`` is not set."""
     return (app or current_app).extensions.get(_EXTENSION)
 
-
-def record_exposures(snapshot: Snapshot, units: Sequence[str], arms: Sequence[int] | np.ndarray,
-                     segments: Sequence[str] | None = None) -> None:
-    """Queue the exposures of an assign request, if the exposure log is enabled (no I/O); ``segments``
-    (one per unit) for a segmented experiment."""
-    recorder = current_app.extensions.get(_EXTENSION)
-    if recorder is not None:
-        recorder.record(snapshot, units, arms, segments)

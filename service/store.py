@@ -1,9 +1,11 @@
-"""Every SQL statement of the service (the token queries aside, which stay in ``service.auth``).
+"""Every SQL statement of the service, API tokens included, and :class:`Store`, the object that hands
+them to the use cases.
 
-The controller (``service.controller``) owns the transactions: it opens them with
-``Database.read()`` / ``Database.write()`` (``service.db``) and calls the functions here, which each
-run one or a few statements in the transaction they are given. Nothing here imports Flask or knows
-about HTTP; failures the controller must turn into an answer are the exceptions defined below.
+The controller (``service.controller``) owns the transactions: each use case is given a
+:class:`Store`, opens its transactions with ``store.read()`` / ``store.write()`` and calls the
+functions here through it, which each run one or a few statements in the transaction they are given.
+Nothing here imports Flask or knows about HTTP; failures the controller must turn into an answer are
+the exceptions defined below.
 
 Statistics (see ``service.controller.rounds`` for the timeline): ``round_statistics`` holds one row
 per (round, arm, metric); ``pooled_statistics`` the running totals of every applied round;
@@ -19,10 +21,16 @@ parameter processing and row objects.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
+import math
+import secrets
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sqlalchemy as sa
@@ -31,10 +39,13 @@ from sqlalchemy.orm import Session
 from pasto.estimators import Statistics
 
 from .db import Database
-from .models import (Arm, ArmRoundCount, Base, DeletedExperiment, Experiment, ExperimentEvent, LateStatistic,
-                     ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit, SchedulerHeartbeat,
-                     SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic, SegmentValueUnit, SourceCell,
-                     SourceStatus, SourceUnits, StatisticsBatch)
+from .models import (ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
+                     LateStatistic, ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit,
+                     SchedulerHeartbeat, SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic,
+                     SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch, Token, utcnow)
+
+if TYPE_CHECKING:
+    from .cache import ExperimentCache
 
 _INSERT_CHUNK = 500  # rows per multi-row INSERT (SQLite allows 32,766 parameters, PostgreSQL 65,535)
 _experiments = Experiment.__table__
@@ -1172,3 +1183,163 @@ def experiment_events(session: Session, experiment_id: int, since: int, limit: i
                   ExperimentEvent.details)
         .where(ExperimentEvent.experiment_id == experiment_id, ExperimentEvent.id >= since)
         .order_by(ExperimentEvent.id).limit(limit)))
+
+
+# ------------------------------------------------------------------------------ API tokens
+def hash_token(token: str) -> str:
+    """SHA-256 hex digest of ``token``: what the database stores."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def create_token(session: Session, role: str, name: str, expires_in: float | None = None) -> str:
+    """Store a new token for ``role`` and return it; this is the only time it is ever visible (the
+    database keeps its SHA-256, ``service.auth.hash_token``).
+
+    ``expires_in``: seconds from now after which the token is refused (None: it does not expire).
+    """
+    if role not in ROLES:
+        raise ValueError(f"The role must be one of {', '.join(ROLES)}, got {role!r}.")
+    if expires_in is not None and not (math.isfinite(expires_in) and expires_in > 0):
+        raise ValueError(f"A token's lifetime must be a positive number of seconds, got {expires_in!r}.")
+    token = secrets.token_urlsafe(32)
+    now = utcnow()
+    session.add(Token(name=name, role=role, token_hash=hash_token(token), created_at=now,
+                      expires_at=None if expires_in is None else now + timedelta(seconds=expires_in)))
+    return token
+
+
+def all_tokens(session: Session) -> list[Token]:
+    """Every token row (revoked and expired ones too), oldest first."""
+    return list(session.scalars(sa.select(Token).order_by(Token.id)))
+
+
+def token_by_hash(session: Session, digest: str) -> sa.Row | None:
+    """``(token_hash, role, expires_at, revoked_at)`` of the token whose SHA-256 is ``digest`` (None: none)."""
+    return session.execute(sa.select(Token.token_hash, Token.role, Token.expires_at, Token.revoked_at)
+                           .where(Token.token_hash == digest)).first()
+
+
+def find_tokens(session: Session, which: str) -> list[Token]:
+    """The tokens that are still usable (not revoked, not expired) named by ``which``: a token id
+    (digits) or a name. Raises ``LookupError`` with a sentence when none is."""
+    now = utcnow()
+    query = sa.select(Token).where(Token.revoked_at.is_(None)).order_by(Token.id)
+    query = query.where(Token.id == int(which)) if which.isascii() and which.isdigit() and len(which) < 19 \
+        else query.where(Token.name == which)
+    tokens = [token for token in session.scalars(query) if token.expires_at is None or token.expires_at > now]
+    if not tokens:
+        raise LookupError(f"No usable token has the id or name {which!r}; `pasto tokens list` shows them.")
+    return tokens
+
+
+def revoke_tokens(session: Session, which: str) -> list[Token]:
+    """Revoke every usable token with the id or name ``which``; returns them."""
+    tokens = find_tokens(session, which)
+    now = utcnow()
+    for token in tokens:
+        token.revoked_at = now
+    return tokens
+
+
+def rotate_token(session: Session, which: str, grace_seconds: float = 0.0) -> tuple[str, Token]:
+    """A new token with the name, role and lifetime of the one token ``which`` names; the old one is
+    revoked now, or expires in ``grace_seconds`` (time to deploy the new one). Returns the new token
+    and the old row. Raises ``LookupError`` when ``which`` names no usable token or several."""
+    tokens = find_tokens(session, which)
+    if len(tokens) > 1:
+        raise LookupError(f"{len(tokens)} usable tokens are named {which!r} (ids "
+                          f"{', '.join(str(token.id) for token in tokens)}); rotate one by its id.")
+    (old,) = tokens
+    now = utcnow()
+    lifetime = None if old.expires_at is None else (old.expires_at - old.created_at).total_seconds()
+    token = create_token(session, old.role, old.name, lifetime)
+    if grace_seconds > 0:
+        grace_end = now + timedelta(seconds=grace_seconds)
+        old.expires_at = grace_end if old.expires_at is None else min(old.expires_at, grace_end)
+    else:
+        old.revoked_at = now
+    return token, old
+
+
+def auth_failures(session: Session, address: str) -> sa.Row | None:
+    """``(failures, window_started_at)`` of the invalid tokens counted from ``address`` (None: none)."""
+    return session.execute(sa.select(AuthFailure.failures, AuthFailure.window_started_at)
+                           .where(AuthFailure.address == address)).first()
+
+
+def count_auth_failure(database: Database, address: str, now: datetime, window: timedelta) -> int:
+    """Count one invalid token from ``address`` in its own transaction, in a window of length
+    ``window`` (a window older than that starts again at 1); the failures counted in the window."""
+    table = AuthFailure.__table__
+    insert = database.insert(table).values(address=address, window_started_at=now, failures=1)
+    stale = table.c.window_started_at <= now - window
+    statement = insert.on_conflict_do_update(index_elements=["address"], set_={
+        "failures": sa.case((stale, 1), else_=table.c.failures + 1),
+        "window_started_at": sa.case((stale, insert.excluded.window_started_at), else_=table.c.window_started_at),
+    }).returning(table.c.failures)
+    with database.write() as session:
+        return session.execute(statement).scalar_one()
+
+
+# ------------------------------------------------------------------------------ the store object
+class Store:
+    """What every use case (``service.controller``) is given: the repository and its units of work.
+
+    It holds the application's :class:`~service.db.Database` and its per-process experiment
+    snapshots (:class:`~service.cache.ExperimentCache`, read through the statements here). A use case
+    opens its transactions with :meth:`read` / :meth:`write` and runs the statements of this module
+    in them through the same object: ``store.lock_experiment(session, experiment_id)`` is
+    :func:`lock_experiment`. The statements that open their own transaction (their first parameter is
+    ``database``: :func:`update_statistics`, :func:`write_heartbeat`, ...) are handed out bound to this
+    store's database: ``store.update_statistics(experiment_id, ...)``.
+
+    The Flask application makes one in ``create_app`` (``service.bootstrap``); a test or a script
+    makes one from a database with :meth:`open` and no application at all.
+    """
+
+    def __init__(self, database: Database, cache: ExperimentCache) -> None:
+        self.database = database
+        self.cache = cache
+
+    @classmethod
+    def open(cls, database: Database, version_check_seconds: float = 0.05) -> Store:
+        """A store over ``database`` with a new, empty experiment cache."""
+        from .cache import ExperimentCache  # the cache reads through this module
+
+        return cls(database, ExperimentCache(database, version_check_seconds))
+
+    @property
+    def dialect(self) -> str:
+        return self.database.dialect
+
+    def read(self) -> AbstractContextManager[Session]:
+        """A read transaction (:meth:`service.db.Database.read`)."""
+        return self.database.read()
+
+    def write(self) -> AbstractContextManager[Session]:
+        """One write transaction, committed on success (:meth:`service.db.Database.write`)."""
+        return self.database.write()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the instance and its class do not have: this module's statements and
+        # exceptions, looked up when used (so a test that replaces one in the module is obeyed).
+        value = globals().get(name) if name in STATEMENTS else None
+        if value is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if inspect.isfunction(value) and _opens_transactions(value):
+            return functools.partial(value, self.database)
+        return value
+
+
+@functools.lru_cache(maxsize=None)
+def _opens_transactions(function) -> bool:
+    """Whether ``function``'s first parameter is ``database`` (it opens transactions of its own)."""
+    return next(iter(inspect.signature(function).parameters), None) == "database"
+
+
+#: What :class:`Store` hands out: every public function and exception of this module.
+STATEMENTS = frozenset(
+    name for name, value in list(globals().items())
+    if not name.startswith("_") and getattr(value, "__module__", None) == __name__
+    and (inspect.isfunction(value) or (isinstance(value, type) and issubclass(value, Exception)))
+)

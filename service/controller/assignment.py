@@ -12,21 +12,23 @@ import numpy as np
 from pasto.hashing import buckets, choose_arm, choose_arms
 
 from .. import events
-from ..cache import Snapshot, get_cache
+from ..cache import Snapshot
 from ..errors import invalid, problems_error
-from ..exposures import record_exposures
+from ..exposures import ExposureRecorder
+from ..store import Store
 from .ingestion import segment_position, segment_problem
 
 
-def assign_one(name: str, unit: str, segment: str | None = None, segment_optional: bool = False
-               ) -> tuple[Snapshot, bool, int, float, str | None]:
+def assign_one(store: Store, name: str, unit: str, segment: str | None = None, segment_optional: bool = False,
+               exposures: ExposureRecorder | None = None) -> tuple[Snapshot, bool, int, float, str | None]:
     """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``),
     the arm position of ``unit``, its propensity and the segment whose mixture served it (None:
     unsegmented). A segmented experiment serves the mixture of the unit's ``segment`` (422 when it is
     missing or unknown, or given to an unsegmented experiment unless ``segment_optional``, with which
     an unsegmented experiment ignores it; in an open set a value without a mixture of its own, or no
-    value, is served the long tail's, "(other)")."""
-    snapshot, stale = get_cache().serve(name)
+    value, is served the long tail's, "(other)"). ``exposures``: the exposure log the assignment is
+    recorded in (None: ``PASTO_EXPOSURE_LOG`` is not set)."""
+    snapshot, stale = store.cache.serve(name)
     if segment_optional and not snapshot.segmented:
         segment = None
     problem = segment_problem(snapshot, segment)
@@ -41,17 +43,19 @@ def assign_one(name: str, unit: str, segment: str | None = None, segment_optiona
         probability = float(snapshot.segment_serving[position, arm])
     served = snapshot.segment_names[position] if snapshot.segmented else None
     events.assigned.send(snapshot, arms=[arm])
-    record_exposures(snapshot, [unit], [arm], None if served is None else [served])
+    if exposures is not None:
+        exposures.record(snapshot, [unit], [arm], None if served is None else [served])
     return snapshot, stale, arm, probability, served
 
 
-def assign_many(name: str, units: list[str], segments: list[str] | None = None
+def assign_many(store: Store, name: str, units: list[str], segments: list[str] | None = None,
+                exposures: ExposureRecorder | None = None
                 ) -> tuple[Snapshot, bool, np.ndarray, np.ndarray, list[str] | None]:
     """The snapshot served, whether it is stale, the arm position and propensity of each of ``units``,
     shapes (N,), and the segment whose mixture served each (None: unsegmented); a segmented experiment
     serves each unit its segment's mixture (``segments``, one per unit; a 422 naming every missing or
     unknown one, as :func:`assign_one`)."""
-    snapshot, stale = get_cache().serve(name)
+    snapshot, stale = store.cache.serve(name)
     u = buckets(snapshot.seed, units, snapshot.round_index)
     served = None
     if not snapshot.segmented and segments is None:
@@ -77,5 +81,6 @@ def assign_many(name: str, units: list[str], segments: list[str] | None = None
         probabilities = snapshot.segment_serving[positions, arms]
         served = [snapshot.segment_names[position] for position in positions.tolist()]
     events.assigned.send(snapshot, arms=arms)
-    record_exposures(snapshot, units, arms, served)
+    if exposures is not None:
+        exposures.record(snapshot, units, arms, served)
     return snapshot, stale, arms, probabilities, served

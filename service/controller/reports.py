@@ -18,8 +18,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import numpy as np
-import sqlalchemy as sa
-from flask import current_app
 
 from pasto.algorithm import AlgorithmConfig, ControllerState, EstimationConfig
 from pasto.diagnostics import sample_ratio_mismatch
@@ -28,11 +26,11 @@ from pasto.objectives import Objective
 from pasto.report import Optimum, RoundReport, round_report, solve_optimum
 from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
 
-from .. import store
-from ..cache import Snapshot, get_cache
-from ..db import Database, DatabaseUnreachable, get_db, is_unavailable_error
+from ..cache import Snapshot
+from ..db import DATABASE_ERRORS, is_unavailable_error
 from ..errors import ApiError
 from ..models import utcnow
+from ..store import Store
 from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
@@ -199,16 +197,16 @@ class Diagnostics:
     segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
 
 
-def diagnostics(name: str) -> Diagnostics:
+def diagnostics(store: Store, name: str) -> Diagnostics:
     """How experiment ``name`` is doing on the current estimate."""
-    snapshot = get_cache().get(name)
+    snapshot = store.cache.get(name)
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
-    with get_db().read() as session:
-        algorithm, objective = algorithm_and_objective(session, snapshot.id, snapshot.config)
+    with store.read() as session:
+        algorithm, objective = algorithm_and_objective(store, session, snapshot.id, snapshot.config)
         pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
-        forget_gone_experiments(get_db(), session, snapshot.id)
-        regret_per_round = stored_regrets(get_db(), session, snapshot.id, snapshot.name)
-        units, late, srm = running_traffic(get_db(), session, snapshot.id, n_arms,
+        forget_gone_experiments(store, session, snapshot.id)
+        regret_per_round = stored_regrets(store, session, snapshot.id, snapshot.name)
+        units, late, srm = running_traffic(store, session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
         segmented = segmented_config(snapshot.config, algorithm)
@@ -226,7 +224,7 @@ def diagnostics(name: str) -> Diagnostics:
                                                                                         loaded.n_segments))
         segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities,
-                          solve=cached_solver(get_db(), snapshot.id, snapshot.version))
+                          solve=cached_solver(store, snapshot.id, snapshot.version))
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=regret_per_round,
                        units=units, late_observations=late, srm=srm, observed=pooled.counts > 0,
@@ -248,7 +246,7 @@ _regret_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engin
 _REGRET_IN_LIST = 100
 
 
-def stored_regrets(database: Database, session, experiment_id: int, name: str) -> list[Any]:
+def stored_regrets(store: Store, session, experiment_id: int, name: str) -> list[Any]:
     """The regret of every summarised round of experiment ``experiment_id`` (named ``name``), in round
     order (None: a summary without one), as the round summaries hold it.
 
@@ -266,7 +264,7 @@ def stored_regrets(database: Database, session, experiment_id: int, name: str) -
         committed before it, so a delete can land between the two reads.
     """
     with _cache_lock:
-        cache = _regret_caches.setdefault(database.engine, _RegretCache())
+        cache = _regret_caches.setdefault(store.database.engine, _RegretCache())
     indexes = store.summarized_rounds(session, experiment_id)
     with cache.lock:
         known = dict(cache.entries.setdefault(experiment_id, {}))
@@ -284,7 +282,7 @@ def stored_regrets(database: Database, session, experiment_id: int, name: str) -
     return [known[index] for index in indexes]
 
 
-def forget_gone_experiments(database: Database, session, experiment_id: int) -> None:
+def forget_gone_experiments(store: Store, session, experiment_id: int) -> None:
     """Drop this process's cached regrets and optimum of deleted experiments (ids are never reused, so
     theirs would be kept for nothing), as :func:`controller_metrics` does for its own cache.
 
@@ -292,8 +290,8 @@ def forget_gone_experiments(database: Database, session, experiment_id: int) -> 
     caches then hold at most the experiments that exist and the one being added, and a poll of a cached
     experiment reads nothing more."""
     with _cache_lock:
-        regrets = _regret_caches.setdefault(database.engine, _RegretCache())
-        optima = _optimum_caches.setdefault(database.engine, _OptimumCache())
+        regrets = _regret_caches.setdefault(store.database.engine, _RegretCache())
+        optima = _optimum_caches.setdefault(store.database.engine, _OptimumCache())
     with regrets.lock, optima.lock:
         if experiment_id in regrets.entries and experiment_id in optima.entries:
             return
@@ -316,7 +314,7 @@ class _OptimumCache:
 _optimum_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _OptimumCache
 
 
-def cached_solver(database: Database, experiment_id: int, version: int):
+def cached_solver(store: Store, experiment_id: int, version: int):
     """A ``solve`` for :func:`pasto.report.round_report` that reuses this process's last optimum of the
     experiment when its inputs are the same.
 
@@ -332,7 +330,7 @@ def cached_solver(database: Database, experiment_id: int, version: int):
     the optimum is never served older than the estimate beside it.
     """
     with _cache_lock:
-        cache = _optimum_caches.setdefault(database.engine, _OptimumCache())
+        cache = _optimum_caches.setdefault(store.database.engine, _OptimumCache())
 
     def solve(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
         digest = hashlib.sha256()
@@ -358,7 +356,7 @@ def cached_solver(database: Database, experiment_id: int, version: int):
     return solve
 
 
-def traffic_report(session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
+def traffic_report(store: Store, session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
     """Observed units per arm (K,), late observations, and the sample-ratio-mismatch test against the
     split expected from each round's logged probabilities, computed from every round's rows: the
     definition :func:`running_traffic` (what diagnostics and ``/metrics`` use) keeps up to date
@@ -410,16 +408,16 @@ class RoundHistory:
     segment_observations: np.ndarray | None = None  # segmented: (rounds, S) observations per segment
 
 
-def arm_count(name: str) -> int:
+def arm_count(store: Store, name: str) -> int:
     """K of experiment ``name`` (404 when there is none), from the cached snapshot."""
-    return get_cache().get(name).n_arms
+    return store.cache.get(name).n_arms
 
 
-def round_history(name: str, since: int, limit: int | None) -> RoundHistory:
+def round_history(store: Store, name: str, since: int, limit: int | None) -> RoundHistory:
     """Rounds ``since`` .. ``since + limit - 1`` (at most up to the current one) of experiment ``name``."""
-    snapshot = get_cache().get(name)
+    snapshot = store.cache.get(name)
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
-    with get_db().read() as session:
+    with store.read() as session:
         round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
         source_error = source_error_view(store.source_error(session, snapshot.id))
         traffic = store.segment_round_traffic(session, snapshot.id, since, last) if snapshot.segmented else None
@@ -498,7 +496,7 @@ class _Traffic:
         self.units = np.zeros(n_arms)
         self.srm: dict[str, Any] = {"statistic": None, "p_value": None, "ok": True}
 
-    def update(self, session, experiment_id: int, round_units: dict[int, float],
+    def update(self, store: Store, session, experiment_id: int, round_units: dict[int, float],
                current: tuple[int, Any] | None) -> None:
         changes = {round_index: units - self.round_units.get(round_index, 0.0)
                    for round_index, units in round_units.items() if units != self.round_units.get(round_index, 0.0)}
@@ -538,18 +536,18 @@ class _ScrapeCache:
 _scrape_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _ScrapeCache
 
 
-def _scrape_cache(database: Database) -> _ScrapeCache:
+def _scrape_cache(store: Store) -> _ScrapeCache:
     with _cache_lock:
-        return _scrape_caches.setdefault(database.engine, _ScrapeCache())
+        return _scrape_caches.setdefault(store.database.engine, _ScrapeCache())
 
 
-def running_traffic(database: Database, session, experiment_id: int, n_arms: int,
+def running_traffic(store: Store, session, experiment_id: int, n_arms: int,
                     current: tuple[int, Any] | None) -> tuple[np.ndarray, int, dict[str, Any]]:
     """:func:`traffic_report` of one experiment from this process's running sums (:class:`_Traffic`):
     it reads the per-round count totals and only the propensities of rounds whose units changed, not
     every round's (38 s of a diagnostics request after 1,000 rounds at K = 10,000). ``current``:
     ``(index, propensities)`` of the current round, which the caller has at hand."""
-    cache = _scrape_cache(database)
+    cache = _scrape_cache(store)
     round_units: dict[int, float] = {}
     late = 0
     for _, round_index, units, _, round_late in store.round_totals(session, [experiment_id]):
@@ -559,11 +557,11 @@ def running_traffic(database: Database, session, experiment_id: int, n_arms: int
         running = cache.traffic.get(experiment_id)
         if running is None or running.expected.shape != (n_arms,):
             running = cache.traffic[experiment_id] = _Traffic(n_arms)
-        running.update(session, experiment_id, round_units, current)
+        running.update(store, session, experiment_id, round_units, current)
         return running.units.copy(), late, running.srm
 
 
-def controller_metrics(database: Database) -> dict[str, Any]:
+def controller_metrics(store: Store) -> dict[str, Any]:
     """What a ``/metrics`` scrape reports about every experiment not archived: ``experiments``
     (:class:`MonitoredExperiment`), ``rounds`` (the open ones and the latest applied), ``regret_sums``,
     ``stored`` (observations), ``arm_names`` and ``traffic``: ``(units per arm, late observations,
@@ -574,8 +572,8 @@ def controller_metrics(database: Database) -> dict[str, Any]:
     latest summary arrived (cached per process), so a scrape at K = 10,000 does not parse the
     controller state and K names every time (docs/benchmarks.md, ``bench/metrics_scrape.py``).
     """
-    cache = _scrape_cache(database)
-    with cache.lock, database.read() as session:
+    cache = _scrape_cache(store)
+    with cache.lock, store.read() as session:
         rows = store.monitoring_versions(session)
         keys = {row.id: (row.version, bool(row.summarized)) for row in rows}
         changed = [row.id for row in rows if row.id not in cache.versioned or cache.versioned[row.id].key != keys[row.id]]
@@ -625,7 +623,7 @@ def controller_metrics(database: Database) -> dict[str, Any]:
             running = cache.traffic.get(row.id)
             if running is None or running.expected.shape != (n_arms,):
                 running = cache.traffic[row.id] = _Traffic(n_arms)
-            running.update(session, row.id, round_units.get(row.id, {}), current)
+            running.update(store, session, row.id, round_units.get(row.id, {}), current)
             traffic[row.id] = (running.units, late.get(row.id, 0), running.srm)
     return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
             "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat, "sources": sources}
@@ -634,8 +632,8 @@ def controller_metrics(database: Database) -> dict[str, Any]:
 _cache_lock = threading.Lock()
 
 
-def last_heartbeat(database: Database) -> datetime | None:
-    with database.read() as session:
+def last_heartbeat(store: Store) -> datetime | None:
+    with store.read() as session:
         return store.last_heartbeat(session)
 
 
@@ -651,15 +649,15 @@ class HealthReport:
     failing_sources: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
-def _read_health(database: Database, head: str) -> tuple[str | None, datetime | None, tuple]:
+def _read_health(store: Store, head: str) -> tuple[str | None, datetime | None, tuple]:
     """(schema revision, newest scheduler heartbeat or None, failing metric sources)."""
     from .. import migrations_package
 
     migrations = migrations_package()
-    current = migrations.current_revision(database.engine)
+    current = migrations.current_revision(store.database.engine)
     if current != head:
         return current, None, ()
-    with database.read() as session:
+    with store.read() as session:
         beat = store.last_heartbeat(session)
         failing = tuple((row.name, source_error_view(row)) for row in store.source_statuses(session)
                         if row.error is not None and row.status == "running")
@@ -674,18 +672,18 @@ class _HealthCheck:
         self._lock = threading.Lock()
         self._running: Future | None = None
 
-    def check(self, database: Database, head: str, timeout: float):
+    def check(self, store: Store, head: str, timeout: float):
         with self._lock:
             if self._running is None or self._running.done():
-                self._running = self._executor.submit(_read_health, database, head)
+                self._running = self._executor.submit(_read_health, store, head)
             running = self._running
         return running.result(timeout=timeout)
 
 
-_checks_lock = threading.Lock()
+_health_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _HealthCheck
 
 
-def health(alive_within: timedelta, timeout: float) -> HealthReport:
+def health(store: Store, alive_within: timedelta, timeout: float) -> HealthReport:
     """Database reachable, schema at the newest migration, a scheduler heartbeat within ``alive_within``.
 
     Answers within ``timeout`` seconds whatever the database does: the check runs in a thread of its
@@ -697,17 +695,16 @@ def health(alive_within: timedelta, timeout: float) -> HealthReport:
 
     migrations = migrations_package()
     head = migrations.head_revision()
-    database = get_db()
-    with _checks_lock:
-        checks = current_app.extensions.setdefault("pasto.healthz", _HealthCheck())
+    with _cache_lock:
+        checks = _health_checks.setdefault(store.database.engine, _HealthCheck())
     try:
-        current, beat, failing = checks.check(database, head, timeout)
+        current, beat, failing = checks.check(store, head, timeout)
     except FutureTimeout:
         return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
                             current=None, head=head, alive=False, last_heartbeat=None)
-    except (sa.exc.SQLAlchemyError, DatabaseUnreachable) as error:
+    except DATABASE_ERRORS as error:
         if is_unavailable_error(error):
-            database.status.failed(error)
+            store.database.status.failed(error)
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
                             last_heartbeat=None)
     alive = beat is not None and utcnow() - beat <= alive_within

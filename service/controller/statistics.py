@@ -25,13 +25,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from .. import events, store
-from ..cache import Snapshot, get_cache
-from ..db import get_db
+from .. import events
+from ..cache import ExperimentCache, Snapshot
 from ..errors import ApiError, problems_error
 from ..models import utcnow
 from ..schemas import (StatisticsBatch, round_not_started_message, statistics_name_problems, unknown_arm_message,
                        unknown_metric_message)
+from ..store import Store
 from .ingestion import pruned_error, segment_position, segment_problem, stopped_error
 
 
@@ -48,10 +48,10 @@ class StatisticsResult:
     late_cells: int
 
 
-def name_problems(name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
+def name_problems(store: Store, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
     """Unknown names and future rounds of a body that failed validation, for the same 422 as its type
     errors (``schemas.parse_json``'s ``also_check``)."""
-    fresh = get_cache().get(name, fresh=True)
+    fresh = store.cache.get(name, fresh=True)
     return statistics_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
 
 
@@ -63,7 +63,7 @@ def content_hash(cells: list[tuple], units: list[tuple[int, int, int]]) -> str:
     return hashlib.sha256(repr((cells, units)).encode()).hexdigest()
 
 
-def resolve(snapshot: Snapshot, batch: StatisticsBatch,
+def resolve(cache: ExperimentCache, snapshot: Snapshot, batch: StatisticsBatch,
             segment_cells: list[tuple] | None = None) -> tuple[list[tuple], list[tuple[int, int, int]]]:
     """The batch as positions: cells ``(round, arm, metric, count, sum, sum_of_squares)`` sorted by key
     (every transaction upserts rows in one order) and units ``(round, arm, units)`` sorted by key.
@@ -102,8 +102,7 @@ def resolve(snapshot: Snapshot, batch: StatisticsBatch,
             cells.append((cell.round, arm, metric, cell.count, float(cell.sum), float(cell.sum_of_squares)))
             if snapshot.segmented and problem is None and cell.round <= snapshot.round_index:
                 segment = segment_position(snapshot, cell.segment)
-                if snapshot.segment_open and segment >= len(get_cache().round_segment_probabilities(snapshot,
-                                                                                                    cell.round)):
+                if snapshot.segment_open and segment >= len(cache.round_segment_probabilities(snapshot, cell.round)):
                     segment = 0  # the value had no mixture of its own in that round: the long tail's
                 by_segment.append((cell.round, segment, arm, metric, cell.count, float(cell.sum),
                                    float(cell.sum_of_squares)))
@@ -150,21 +149,20 @@ def _conflicting_batch(batch_id: str) -> ApiError:
                     "names one batch: send new statistics under a new id.", {"batch_id": batch_id})
 
 
-def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsResult:
+def ingest_statistics(store: Store, snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsResult:
     """Validate ``batch`` against the experiment of ``snapshot`` (``ingestion.open_experiment``) and
     apply it once (see the module docstring)."""
     last_round = max([cell.round for cell in batch.cells] + [entry.round for entry in batch.units])
     if last_round > snapshot.round_index:
-        snapshot = get_cache().get(snapshot.name, fresh=True)  # another worker may have started a newer round
+        snapshot = store.cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
     segment_cells: list[tuple] = []
-    cells, units = resolve(snapshot, batch, segment_cells)
+    cells, units = resolve(store.cache, snapshot, batch, segment_cells)
     first_round = min([cell[0] for cell in cells] + [entry[0] for entry in units])
     digest = content_hash(segment_cells if snapshot.segmented else cells, units)
-    database = get_db()
-    with database.write() as session:
+    with store.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
         if row is None:  # deleted since this process cached the snapshot
-            get_cache().forget(snapshot.name)
+            store.cache.forget(snapshot.name)
             raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
             raise stopped_error(snapshot.name)
@@ -172,7 +170,7 @@ def ingest_statistics(snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsR
             raise pruned_error(first_round, row.pruned_rounds, "a statistics batch")
         stored = store.statistics_batch_hash(session, snapshot.id, batch.batch_id)
         if stored is None and not store.insert_statistics_batch(
-                database, session, snapshot.id, batch.batch_id, digest, (first_round, last_round), len(cells),
+                session, snapshot.id, batch.batch_id, digest, (first_round, last_round), len(cells),
                 utcnow()):
             stored = store.statistics_batch_hash(session, snapshot.id, batch.batch_id)  # committed meanwhile
         if stored is not None:

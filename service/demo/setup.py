@@ -48,13 +48,10 @@ def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
 def _ensure_tokens(app, path: Path) -> tuple[str, str]:
     """Reuse the tokens saved by a previous run while the database still accepts them (known, with
     the same role, neither revoked nor expired); make new ones otherwise."""
-    import sqlalchemy as sa
+    from ..bootstrap import get_store
+    from ..models import utcnow
 
-    from ..auth import create_token, hash_token
-    from ..db import get_db
-    from ..models import Token, utcnow
-
-    database = get_db(app)
+    store = get_store(app)
     saved: dict[str, str] = {}
     if path.exists():
         try:
@@ -62,15 +59,13 @@ def _ensure_tokens(app, path: Path) -> tuple[str, str]:
         except (OSError, ValueError):
             saved = {}
     tokens: dict[str, str] = {}
-    with database.write() as session:
+    with store.write() as session:
         for role in ("admin", "read"):
             token = saved.get(role)
-            row = None if token is None else session.execute(
-                sa.select(Token).where(Token.token_hash == hash_token(token))
-            ).scalar_one_or_none()
+            row = None if token is None else store.token_by_hash(session, store.hash_token(token))
             usable = (row is not None and row.role == role and row.revoked_at is None
                       and (row.expires_at is None or row.expires_at > utcnow()))
-            tokens[role] = token if usable else create_token(session, role, f"pasto demo ({role})")
+            tokens[role] = token if usable else store.create_token(session, role, f"pasto demo ({role})")
     if tokens != saved:
         path.touch(mode=0o600, exist_ok=True)
         path.chmod(0o600)

@@ -6,9 +6,11 @@ from __future__ import annotations
 from flask import Blueprint, current_app
 
 from ..auth import require_role
+from ..bootstrap import get_store
 from ..cache import Snapshot
 from ..controller import assignment
 from ..errors import invalid
+from ..exposures import get_exposures
 from ..responses import assignment_members, assignments, compact_json, respond_assignments, respond_json
 from ..schemas import AssignMany, AssignOne, json_body, parse
 
@@ -26,7 +28,8 @@ def assign(name: str):
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         batch = parse(AssignMany, body)
         units = batch.units
-        snapshot, stale, arms, probabilities, served = assignment.assign_many(name, units, batch.unit_segments())
+        snapshot, stale, arms, probabilities, served = assignment.assign_many(get_store(), name, units, batch.unit_segments(),
+                                                                               exposures=get_exposures())
         app = current_app._get_current_object()
         if compact_json(app):
             response = respond_assignments(app, units, _members(snapshot, arms.tolist(), served), batch=True)
@@ -39,7 +42,8 @@ def assign(name: str):
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     one = parse(AssignOne, body)
     unit = one.unit
-    snapshot, stale, arm, probability, served = assignment.assign_one(name, unit, one.segment)
+    snapshot, stale, arm, probability, served = assignment.assign_one(get_store(), name, unit, one.segment,
+                                                                       exposures=get_exposures())
     app = current_app._get_current_object()
     if compact_json(app):
         response = respond_assignments(app, [unit], _members(snapshot, [arm], None if served is None else [served]),

@@ -14,8 +14,10 @@ from flask import Blueprint, Response, request
 
 from .. import ofrep
 from ..auth import require_role
+from ..bootstrap import get_store
 from ..controller import assignment, experiments
 from ..errors import ApiError
+from ..exposures import get_exposures
 from ..responses import respond_json
 from .assignment import STALE_HEADER
 
@@ -27,8 +29,8 @@ bp = Blueprint("ofrep", __name__, url_prefix="/ofrep/v1/evaluate")
 def evaluate_flag(key: str):
     try:
         unit, segment = ofrep.read_context(request.get_data(cache=False))
-        snapshot, stale, arm, probability, served = assignment.assign_one(key, unit, segment,
-                                                                          segment_optional=True)
+        snapshot, stale, arm, probability, served = assignment.assign_one(
+            get_store(), key, unit, segment, segment_optional=True, exposures=get_exposures())
     except ofrep.EvaluationProblem as problem:
         return respond_json(ofrep.failure(key, problem.code, problem.details), problem.status)
     except ApiError as error:
@@ -51,10 +53,11 @@ def evaluate_flags():
     except ofrep.EvaluationProblem as problem:
         return respond_json({"errorCode": problem.code, "errorDetails": problem.details}, 400)
     flags = []
-    for listed in experiments.list_all():
+    store, exposures = get_store(), get_exposures()
+    for listed in experiments.list_all(store):
         try:
-            snapshot, _, arm, probability, served = assignment.assign_one(listed.name, unit, segment,
-                                                                          segment_optional=True)
+            snapshot, _, arm, probability, served = assignment.assign_one(store, listed.name, unit, segment,
+                                                                          segment_optional=True, exposures=exposures)
         except ApiError as error:
             if error.status == 404:  # deleted since it was listed
                 continue

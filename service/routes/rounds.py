@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, request
+from flask import Blueprint, current_app, request
 
 from ..auth import require_role
+from ..bootstrap import get_store
 from ..controller import reports, rounds
 from ..controller.reports import segments_kept, select_arms
 from ..errors import invalid
@@ -12,6 +13,7 @@ from ..params import query_integer  # digits and bounds checked before int()
 from ..responses import (ArmRest, BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
                          SourceErrorView, respond)
 from ..schemas import json_body
+from ..sources import SourceLimits
 from .experiments import arm_summary_view, iso, round_times, summary_arms
 
 bp = Blueprint("rounds", __name__, url_prefix="/api/v1/experiments")
@@ -45,7 +47,8 @@ def close_current_round(name: str):
             if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
                 raise invalid("round", "Must be a non-negative integer.")
             expected = requested
-    advance, fresh = rounds.close_current_round(name, expected)
+    advance, fresh = rounds.close_current_round(get_store(), name, expected,
+                                                limits=SourceLimits.from_config(current_app.config))
     return respond(RoundClosed(closed_round=advance.closed_round, applied=list(advance.applied),
                                round=round_times(fresh), probabilities=fresh.probabilities.tolist(),
                                deployed=fresh.deployed.tolist()))
@@ -63,8 +66,8 @@ def list_rounds(name: str):
     limit = query_integer("limit", None, 1, MAX_DEFAULT_PAGE_ROUNDS)  # the OpenAPI document's maximum too
     arms = summary_arms()
     if limit is None:
-        limit = default_page_rounds(reports.arm_count(name))
-    history = reports.round_history(name, since, limit)
+        limit = default_page_rounds(reports.arm_count(get_store(), name))
+    history = reports.round_history(get_store(), name, since, limit)
     snapshot = history.snapshot
     selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from service import auth
+from service import auth, store
 from service.auth import TOKEN_CACHE_SECONDS, admin_token_weakness, create_token, revoke_tokens, rotate_token
 from service.cli import _duration
 from service.db import get_db
@@ -47,6 +47,7 @@ class Clock:
 def test_an_expiring_token_is_refused_from_its_expiry_on(app, monkeypatch):
     clock = Clock()
     monkeypatch.setattr(auth, "utcnow", clock.utcnow)
+    monkeypatch.setattr(store, "utcnow", clock.utcnow)  # the token rows' times (created, expires, revoked)
     monkeypatch.setattr(auth, "time", SimpleNamespace(monotonic=clock.monotonic))
     with get_db(app).write() as session:
         token = create_token(session, "read", "short-lived", expires_in=0.5)
@@ -61,6 +62,7 @@ def test_an_expiring_token_is_refused_from_its_expiry_on(app, monkeypatch):
 def test_revocation_bites_within_the_token_cache_time_and_rotation_keeps_role_and_name(app, monkeypatch):
     clock = Clock()  # the cache's second passes at once, and exactly
     monkeypatch.setattr(auth, "utcnow", clock.utcnow)
+    monkeypatch.setattr(store, "utcnow", clock.utcnow)  # the token rows' times (created, expires, revoked)
     monkeypatch.setattr(auth, "time", SimpleNamespace(monotonic=clock.monotonic))
     with get_db(app).write() as session:
         token = create_token(session, "ingest", "recommender")
