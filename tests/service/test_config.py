@@ -128,14 +128,25 @@ def test_unusable_retention_is_refused(monkeypatch, tmp_path, text):
                                f"got {text!r}.")
 
 
-def test_the_scheduler_prunes_with_the_configured_retention(sqlite_url, setup_a):
-    """run_retention (the scheduler's job) prunes a round applied longer ago than PASTO_RETENTION_SECONDS."""
+def test_the_scheduler_prunes_with_the_configured_retention(sqlite_url, setup_a, caplog):
+    """run_retention (the scheduler's job) prunes a round applied longer ago than PASTO_RETENTION_SECONDS,
+    and says so in the log; start_scheduler runs it every PASTO_RETENTION_CHECK_SECONDS. (What pruning
+    does to a resend: tests/service/usecases/test_retention.py.)"""
+    import logging
+
     import sqlalchemy as sa
 
     from service.models import Experiment
-    from service.scheduler import run_retention
+    from service.scheduler import run_retention, start_scheduler
 
-    app = make_app(sqlite_url, PASTO_RETENTION_SECONDS=0)
+    app = make_app(sqlite_url, PASTO_RETENTION_SECONDS=0, PASTO_RETENTION_CHECK_SECONDS=0.5)
+    scheduler = start_scheduler(app)
+    try:
+        job = scheduler.get_job("pasto-retention")
+        assert job is not None and job.func is run_retention and job.args == (app,)
+        assert job.trigger.interval.total_seconds() == 0.5
+    finally:
+        scheduler.shutdown(wait=True)
     headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     client = app.test_client()
     assert client.post("/api/v1/experiments", json=setup_a(), headers=headers).status_code == 201
@@ -143,8 +154,10 @@ def test_the_scheduler_prunes_with_the_configured_retention(sqlite_url, setup_a)
     assert client.post("/api/v1/experiments/setup-a/observations", json={"observations": [observation]},
                        headers=headers).status_code == 202
     assert client.post("/api/v1/experiments/setup-a/rounds", headers=headers).status_code == 200
-    result = run_retention(app)
+    with caplog.at_level(logging.INFO, logger="service.scheduler"):
+        result = run_retention(app)
     assert list(result.advanced.values()) == [1] and result.deleted["observation_ids"] == 1
+    assert "Retention: pruned rounds below" in caplog.text
     with get_db(app).read() as session:
         assert session.execute(sa.select(Experiment.pruned_rounds)).scalar_one() == 1
     refused = client.post("/api/v1/experiments/setup-a/observations", json={"observations": [observation]},
