@@ -37,6 +37,7 @@ from .config import DEFAULT_METRICS_TOP_ARMS, DEFAULT_METRICS_TOP_SEGMENTS
 from .bootstrap import get_store
 from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
+from .responses import RoundSummary, StoredLift
 
 # Event metrics of this process. A registry of their own rather than the global default, so that
 # several apps in one process (tests) never register anything twice. In multiprocess mode their
@@ -377,30 +378,29 @@ class ControllerCollector:
             _add_top_arms(deployed, other_deployed, name, names, row.state["deployed"], limit)
 
             latest = own_rounds.get(row.applied_rounds - 1)
-            summary = latest.summary if latest is not None and latest.summary else {}
-            best_single = summary.get("best_single") or {}
-            for mixture, value in (("served", summary.get("objective")),
-                                   ("deployed", summary.get("objective_deployed")),
-                                   ("best_single", best_single.get("value")),
-                                   ("best_mixture", summary.get("best_mixture"))):
+            summary = (RoundSummary.load(latest.summary) if latest is not None else None) or RoundSummary()
+            for mixture, value in (("served", summary.objective),
+                                   ("deployed", summary.objective_deployed),
+                                   ("best_single", None if summary.best_single is None else summary.best_single.value),
+                                   ("best_mixture", summary.best_mixture)):
                 if value is not None:
                     objective.add_metric([name, mixture], value)
             if regret_sums.get(row.id) is not None:
                 regret.add_metric([name], regret_sums[row.id])
-            for position, report in enumerate(summary.get("guardrails") or []):
-                labels = [name, report["metric"], str(position)]
-                if report.get("estimate") is not None and report.get("threshold") is not None:
-                    margin.add_metric(labels, report["estimate"] - report["threshold"])
-                holds.add_metric(labels, float(bool(report.get("holds"))))
-            for mixture, key in (("served", "guardrails"), ("deployed", "guardrails_deployed")):
-                for position, report in enumerate(summary.get(key) or []):
-                    labels = [name, report["metric"], str(position), mixture]
-                    holds_by_mixture.add_metric(labels + ["estimate"], float(bool(report.get("holds"))))
-                    holds_by_mixture.add_metric(labels + ["interval"], float(bool(report.get("confidently_holds"))))
+            for position, report in enumerate(summary.guardrails or []):
+                labels = [name, report.metric, str(position)]
+                if report.estimate is not None and report.threshold is not None:
+                    margin.add_metric(labels, report.estimate - report.threshold)
+                holds.add_metric(labels, float(bool(report.holds)))
+            for mixture, guardrails in (("served", summary.guardrails), ("deployed", summary.guardrails_deployed)):
+                for position, report in enumerate(guardrails or []):
+                    labels = [name, report.metric, str(position), mixture]
+                    holds_by_mixture.add_metric(labels + ["estimate"], float(bool(report.holds)))
+                    holds_by_mixture.add_metric(labels + ["interval"], float(bool(report.confidently_holds)))
 
-            if summary.get("segments"):
-                _add_segments(segment_families, name, summary["segments"], segment_limit)
-            _add_lifts(lift, lift_relative, name, summary.get("lift"))
+            if summary.segments:
+                _add_segments(segment_families, name, summary.segments, segment_limit)
+            _add_lifts(lift, lift_relative, name, summary.lift)
 
             _, late_count, srm_report = traffic[row.id]
             if srm_report["p_value"] is not None:
@@ -424,13 +424,13 @@ class ControllerCollector:
 
 
 def _add_lifts(lift: GaugeMetricFamily, relative: GaugeMetricFamily, experiment: str,
-               stored: Mapping[str, Any] | None) -> None:
+               stored: StoredLift | None) -> None:
     """The lift gauges of one experiment from its latest round summary's ``lift`` (nothing when None):
     at most 2 mixtures x 2 measures x 3 bounds series per gauge."""
-    if not stored:
+    if stored is None:
         return
-    for mixture in ("served", "deployed"):
-        for measure, values in stored[mixture].items():
+    for mixture, lifts in (("served", stored.served), ("deployed", stored.deployed)):
+        for measure, values in lifts.items():
             for gauge, estimate, (lower, upper) in (
                 (lift, values["estimate"], values["interval"]),
                 (relative, values["relative"], values["relative_interval"]),

@@ -199,6 +199,77 @@ class Guardrail(_Response):
         description="The whole interval is above the threshold; null before any observation.")
 
 
+# ------------------------------------------------------------------------------ a round's stored summary
+class _Stored(BaseModel):
+    """A part of a round's stored summary: keys written by other versions are kept (``extra``), and a
+    key a row does not have is left out again when it is written back (``exclude_unset``)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class StoredGuardrail(_Stored):
+    """One guardrail's estimate as ``pasto.diagnostics.guardrail_report`` gives it."""
+
+    metric: str
+    threshold: float | None = None
+    relative_to: str | None = None
+    estimate: float | None = None
+    interval: list[float | None] | None = None
+    holds: bool | None = None
+    confidently_holds: bool | None = None
+
+
+class StoredBestSingle(_Stored):
+    arm_index: int
+    value: float | None = None
+
+
+class StoredLift(_Stored):
+    """``service.controller.reports.lift_summary``: per mixture and measure (``primary``, ``objective``),
+    ``estimate``, ``interval``, ``relative``, ``relative_interval``."""
+
+    baseline_index: int
+    served: dict[str, dict[str, Any]]
+    deployed: dict[str, dict[str, Any]]
+
+
+class RoundSummary(_Stored):
+    """What the service knows of a round after its update, stored as JSON in ``rounds.summary``: written
+    by the close (``service.controller.rounds``, from ``controller.reports.round_summary``) and read
+    by the store (the regrets), the rounds API (:class:`RoundView`, whose fields the dashboard draws)
+    and the Prometheus exporter (``service.monitoring``).
+
+    Every key is optional when read: rows written by older versions lack the later ones
+    (``objective_deployed``, ``guardrails_deployed``, ``lift``) and read as None; :meth:`to_json`
+    writes back exactly the keys a summary was made or loaded with, so stored rows keep their shape.
+    """
+
+    objective: float | None = None  # f(V p_t): the traffic served in the round
+    objective_deployed: float | None = None  # the mixture recommended after its update
+    best_mixture: float | None = None
+    best_single: StoredBestSingle | None = None
+    regret: float | None = None
+    guardrails: list[StoredGuardrail] | None = None  # under the traffic served in the round
+    guardrails_deployed: list[StoredGuardrail] | None = None  # under the recommended mixture
+    lift: StoredLift | None = None  # None: the objective has no baseline arm
+    segments: dict[str, Any] | None = None  # segmented experiments: controller.reports.segment_summary
+
+    @classmethod
+    def load(cls, stored: dict[str, Any] | None) -> RoundSummary | None:
+        """The summary of a ``rounds.summary`` value (None: no summary yet)."""
+        return None if stored is None else cls.model_validate(stored)
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``rounds.summary`` stores."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+    def guardrails_json(self, deployed: bool = False) -> list[dict[str, Any]] | None:
+        """The served (``deployed``: the recommended mixture's) guardrails as stored."""
+        guardrails = self.guardrails_deployed if deployed else self.guardrails
+        return None if guardrails is None else [guardrail.model_dump(mode="json", exclude_unset=True)
+                                                for guardrail in guardrails]
+
+
 class RoundSegments(_Response):
     probabilities: dict[str, list[Number]] = Field(description="p_t served in the round, per segment.")
     observations: dict[str, int] = Field(description="Observations in the round, per segment.")
@@ -228,12 +299,12 @@ class Lift(_Response):
     deployed: MixtureLift = Field(description="The deployed mixture.")
 
     @classmethod
-    def from_summary(cls, stored: dict[str, Any] | None, arm_names: Sequence[str]) -> Lift | None:
-        """From ``service.controller.reports.lift_summary``'s JSON (None stays None)."""
+    def from_summary(cls, stored: StoredLift | None, arm_names: Sequence[str]) -> Lift | None:
+        """From a round summary's lift (None stays None)."""
         if stored is None:
             return None
-        return cls(baseline=arm_names[stored["baseline_index"]],
-                   served=MixtureLift(**stored["served"]), deployed=MixtureLift(**stored["deployed"]))
+        return cls(baseline=arm_names[stored.baseline_index],
+                   served=MixtureLift(**stored.served), deployed=MixtureLift(**stored.deployed))
 
 
 class RoundView(_Response):

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from pasto.estimators import Statistics
 
 from .db import Database
+from .responses import RoundSummary
 from .models import (ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
                      LateStatistic, ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit,
                      SchedulerHeartbeat, SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic,
@@ -625,7 +626,7 @@ def close_and_start_round(session: Session, current: Round, *, now: datetime, ne
                       segment_probabilities=segment_probabilities))
 
 
-def store_summaries(database: Database, experiment_id: int, summaries: list[tuple[int, dict[str, Any]]]) -> None:
+def store_summaries(database: Database, experiment_id: int, summaries: list[tuple[int, RoundSummary]]) -> None:
     """Store ``(round_index, summary)`` of rounds that have none yet, in one transaction, and clear their
     summary inputs (a round whose summary another process stored first keeps that one)."""
     with database.write() as session:
@@ -634,7 +635,7 @@ def store_summaries(database: Database, experiment_id: int, summaries: list[tupl
                 sa.update(_rounds)
                 .where(_rounds.c.experiment_id == experiment_id, _rounds.c.index == round_index,
                        _rounds.c.summary.is_(None))
-                .values(summary=summary)
+                .values(summary=summary.to_json())
             )
             session.execute(
                 sa.update(_rounds)
@@ -962,7 +963,7 @@ def round_regrets(session: Session, experiment_id: int, indexes: Sequence[int] |
                                                         Round.summary.is_not(None))
     if indexes is not None:
         query = query.where(Round.index.in_(indexes))
-    return [(index, summary.get("regret")) for index, summary in session.execute(query)]
+    return [(index, RoundSummary.load(summary).regret) for index, summary in session.execute(query)]
 
 
 def traffic_rows(session: Session, experiment_id: int) -> tuple[list, list]:

@@ -30,28 +30,32 @@ from ..cache import Snapshot
 from ..db import DATABASE_ERRORS, is_unavailable_error
 from ..errors import ApiError
 from ..models import utcnow
+from ..responses import RoundSummary, StoredBestSingle, StoredLift
 from ..store import Store
 from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
-                  pooled: Statistics, propensities: np.ndarray) -> dict[str, Any]:
+                  pooled: Statistics, propensities: np.ndarray, segments: dict[str, Any] | None = None
+                  ) -> RoundSummary:
     """Estimated quality of a round's mixture, on the estimate available right after its update
-    (stored with the round): ``pasto.report.round_report`` with the propensities round t was served."""
+    (stored with the round): ``pasto.report.round_report`` with the propensities round t was served;
+    ``segments``: a segmented experiment's :func:`segment_summary`."""
     report = round_report(algorithm, objective, state, pooled, served=propensities)
-    return {
-        "objective": finite(report.served.value),
-        "objective_deployed": finite(report.deployed.value),
-        "best_mixture": finite(report.best_mixture_value),
-        "best_single": None if report.best_single_arm is None else {
-            "arm_index": report.best_single_arm, "value": finite(report.best_single_value)},
-        "regret": finite(report.served.regret),
+    return RoundSummary(
+        objective=finite(report.served.value),
+        objective_deployed=finite(report.deployed.value),
+        best_mixture=finite(report.best_mixture_value),
+        best_single=None if report.best_single_arm is None else StoredBestSingle(
+            arm_index=report.best_single_arm, value=finite(report.best_single_value)),
+        regret=finite(report.served.regret),
         # "guardrails": the traffic served in the round (what users got); "guardrails_deployed": the
         # mixture recommended after its update (rows stored before this key have only the first).
-        "guardrails": json_safe(list(report.served.guardrails)),
-        "guardrails_deployed": json_safe(list(report.deployed.guardrails)),
-        "lift": lift_summary(report),
-    }
+        guardrails=json_safe(list(report.served.guardrails)),
+        guardrails_deployed=json_safe(list(report.deployed.guardrails)),
+        lift=lift_summary(report),
+        **({} if segments is None else {"segments": segments}),
+    )
 
 
 def segment_observations(statistics: Statistics) -> np.ndarray:
@@ -82,7 +86,7 @@ def segment_summary(config: SegmentedConfig, objective: Objective, state: Segmen
     })
 
 
-def lift_summary(report: RoundReport) -> dict[str, Any] | None:
+def lift_summary(report: RoundReport) -> StoredLift | None:
     """The served and deployed mixtures' lifts over the baseline arm as JSON (``baseline_index``, then per
     mixture ``primary`` and ``objective``: ``estimate``, ``interval``, ``relative``,
     ``relative_interval``), or None when the objective has no baseline arm."""
@@ -95,8 +99,7 @@ def lift_summary(report: RoundReport) -> dict[str, Any] | None:
                                     "relative_interval": [lift.relative_lower, lift.relative_upper]})
                 for measure, lift in mixture.lift.items()}
 
-    return {"baseline_index": report.baseline_arm, "served": lifts(report.served),
-            "deployed": lifts(report.deployed)}
+    return StoredLift(baseline_index=report.baseline_arm, served=lifts(report.served), deployed=lifts(report.deployed))
 
 
 def finite(value: float) -> float | None:

@@ -57,6 +57,7 @@ from .. import events
 from ..cache import Snapshot
 from ..errors import ApiError
 from ..models import utcnow
+from ..responses import RoundSummary
 from .experiments import (algorithm_and_objective, dump_segment_state, expected_shares, load_segment_state,
                           segmented_config)
 from .reports import round_summary, segment_observations, segment_summary
@@ -417,13 +418,12 @@ def _store_summaries(store: Store, experiment_id: int, summaries: list[_PendingS
     store.store_summaries(experiment_id, [(pending.round_index, _summary(pending)) for pending in summaries])
 
 
-def _summary(pending: _PendingSummary) -> dict:
+def _summary(pending: _PendingSummary) -> RoundSummary:
     """The stored summary of one applied round (segmented: with its per-segment part under ``segments``)."""
     if pending.segmented is None:
         return round_summary(pending.algorithm, pending.objective, pending.state, pending.pooled, pending.propensities)
     # The aggregate reads pooled statistics: the per-segment estimator accumulators have no aggregate.
-    summary = round_summary(dataclasses.replace(pending.algorithm, estimation=EstimationConfig()),
-                            pending.objective, pending.state, pending.pooled, pending.propensities)
-    summary["segments"] = segment_summary(pending.segmented, pending.objective, pending.segment_state,
-                                          pending.segment_pooled, pending.shares, pending.segment_names)
-    return summary
+    return round_summary(dataclasses.replace(pending.algorithm, estimation=EstimationConfig()),
+                         pending.objective, pending.state, pending.pooled, pending.propensities,
+                         segments=segment_summary(pending.segmented, pending.objective, pending.segment_state,
+                                                  pending.segment_pooled, pending.shares, pending.segment_names))

@@ -10,8 +10,8 @@ from ..controller import reports, rounds
 from ..controller.reports import segments_kept, select_arms
 from ..errors import invalid
 from ..params import query_integer  # digits and bounds checked before int()
-from ..responses import (ArmRest, BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundView,
-                         SourceErrorView, respond)
+from ..responses import (ArmRest, BestSingle, Guardrail, Lift, RoundClosed, RoundList, RoundSegments, RoundSummary,
+                         RoundView, SourceErrorView, respond)
 from ..schemas import json_body
 from ..sources import SourceLimits
 from .experiments import arm_summary_view, iso, round_times, summary_arms
@@ -79,8 +79,8 @@ def list_rounds(name: str):
     entries = []
     for round_row in history.rounds:
         position = round_row.index - since
-        summary = round_row.summary or {}
-        best_single = summary.get("best_single")
+        summary = RoundSummary.load(round_row.summary) or RoundSummary()
+        best_single = summary.best_single
         rest = {} if selection is None else {"rest": ArmRest(
             arms=len(selection.rest), probabilities=selection.rest_sum(round_row.probabilities),
             deployed=None if round_row.deployed is None else selection.rest_sum(round_row.deployed),
@@ -98,24 +98,24 @@ def list_rounds(name: str):
             units=per_arm(history.units[position]),
             late_observations=int(history.late[position]),
             means={metric: per_arm(history.means[position, m]) for m, metric in enumerate(snapshot.metrics)},
-            objective=summary.get("objective"),
-            objective_deployed=summary.get("objective_deployed"),
-            best_mixture=summary.get("best_mixture"),
+            objective=summary.objective,
+            objective_deployed=summary.objective_deployed,
+            best_mixture=summary.best_mixture,
             best_single=None if best_single is None else BestSingle(
-                arm=snapshot.arm_names[best_single["arm_index"]], value=best_single["value"]),
-            regret=summary.get("regret"),
-            guardrails=summary.get("guardrails"),
-            guardrails_served=_guardrails(summary.get("guardrails")),
-            guardrails_deployed=_guardrails(summary.get("guardrails_deployed")),
+                arm=snapshot.arm_names[best_single.arm_index], value=best_single.value),
+            regret=summary.regret,
+            guardrails=summary.guardrails_json(),
+            guardrails_served=_guardrails(summary.guardrails_json()),
+            guardrails_deployed=_guardrails(summary.guardrails_json(deployed=True)),
             **({} if history.segment_observations is None else {"segments": RoundSegments(
                 probabilities={segment: per_arm(row) for segment, row in
                                zip(snapshot.segment_names, round_row.segment_probabilities)},
                 # The segments the round served (an open set's later ones had no mixture of their own yet).
                 observations=dict(zip(snapshot.segment_names[:len(round_row.segment_probabilities)],
                                       history.segment_observations[position].tolist())),
-                summary=segments_kept(summary.get("segments"), selection),
+                summary=segments_kept(summary.segments, selection),
             )}),
-            lift=Lift.from_summary(summary.get("lift"), snapshot.arm_names),
+            lift=Lift.from_summary(summary.lift, snapshot.arm_names),
             **rest,
         ))
     last = since + limit - 1

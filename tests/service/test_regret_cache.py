@@ -12,6 +12,7 @@ from service.controller import reports
 from service.db import get_db
 from service.errors import ApiError
 from service.models import Experiment, Round
+from service.responses import RoundSummary
 from service.store import Store
 from tests.service.test_rounds import EXPERIMENT, experiment_row, observe
 
@@ -50,7 +51,8 @@ def test_regret_per_round_follows_new_and_late_summaries(api, app, setup_a, monk
     observe(api, 3, "r3-")
     assert api("POST", f"{EXPERIMENT}/rounds").status_code == 200
     assert per_round(api) == oracle(app) and len(oracle(app)) == 2  # rounds 0 and 3
-    store.store_summaries(get_db(app), identifier, sorted(kept.items()))  # the late summaries arrive
+    store.store_summaries(get_db(app), identifier, [(index, RoundSummary.load(summary))
+                                                    for index, summary in sorted(kept.items())])  # the late summaries arrive
     expected = oracle(app)
     assert len(expected) == 4 and expected[1:3] == [kept[1]["regret"], kept[2]["regret"]]
     assert per_round(api) == expected
