@@ -657,7 +657,7 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
     summary written after the lock), and a worker's reload of the cached experiment afterwards."""
     import sqlalchemy as sa
 
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.controller.rounds import close_round
     from service.db import get_db
     from service.models import Experiment, RoundStatistic
@@ -670,7 +670,7 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
     means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
     table = RoundStatistic.__table__
     transaction, total, reload = {}, {}, {}
-    cache = get_store(app).cache
+    cache = get_uow(app).cache
     for round_index in range(rounds):
         statistics_ = synthetic_statistics(rng, means, 3)
         rows = [
@@ -682,7 +682,7 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
         with database.write() as session:
             session.execute(sa.insert(table), rows)
         started = time.perf_counter()
-        advance = close_round(get_store(app), experiment_id, round_index)
+        advance = close_round(get_uow(app), experiment_id, round_index)
         total[round_index + 1] = (time.perf_counter() - started) * 1000
         if advance is None or advance.applied != (round_index,):
             raise RuntimeError(f"Closing round {round_index} of {name!r} did not apply its update: {advance}.")
@@ -721,7 +721,7 @@ def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int,
 
     import migrations
     from service import create_app
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.controller.rounds import close_round
     from service.db import get_db
     from service.models import Experiment, RoundStatistic, SegmentRoundStatistic
@@ -768,7 +768,7 @@ def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int,
                         if per_segment.counts[s, m, k] > 0
                     ])
             started = time.perf_counter()
-            advance = close_round(get_store(app), experiment_id, round_index)
+            advance = close_round(get_uow(app), experiment_id, round_index)
             times[kind]["total"][round_index + 1] = (time.perf_counter() - started) * 1000
             if advance is None or advance.applied != (round_index,):
                 raise RuntimeError(f"Closing round {round_index} of {kind} did not apply its update: {advance}.")
@@ -851,10 +851,10 @@ def run_segmented_close(args, docs: Path) -> dict[str, Any]:
 def run_backend(backend: Backend, loadgen: LoadGenerator, args) -> dict[str, Any]:
     url = backend.new_database("serving")
     app, token = prepare_database(url, [(EXPERIMENT, args.arms, "default")])
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.db import get_db
 
-    experiment_id = get_store(app).cache.get(EXPERIMENT).id
+    experiment_id = get_uow(app).cache.get(EXPERIMENT).id
     get_db(app).engine.dispose()
     create_raw_table(url)
     results: dict[str, Any] = {}
@@ -1715,7 +1715,7 @@ def close_main(argv: list[str]) -> dict[str, Any]:
 
     import sqlalchemy as sa
 
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.controller.rounds import close_round
     from service.db import get_db
     from service.models import Experiment, RoundStatistic
@@ -1759,7 +1759,7 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                                 tracemalloc.start()
                             started = time.perf_counter()
                             try:
-                                close_round(get_store(app), experiment_id, round_index)
+                                close_round(get_uow(app), experiment_id, round_index)
                             except MemoryError as error:
                                 row["error"] = f"MemoryError: {str(error)[:120]}"
                                 if traced:

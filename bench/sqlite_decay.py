@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import migrations  # noqa: E402
 from service import create_app  # noqa: E402
 from service.controller.retention import prune  # noqa: E402
-from service.bootstrap import get_store  # noqa: E402
+from service.bootstrap import get_uow  # noqa: E402
 from service.db import get_db  # noqa: E402
 from service.models import utcnow  # noqa: E402
 
@@ -154,7 +154,7 @@ def run(observations: int, batch: int, n_arms: int, pragmas: list[str], folder: 
             if closed.status_code != 200:
                 raise SystemExit(f"Closing round {round_index} failed: {closed.get_data(as_text=True)}")
             round_index += 1
-            while not prune(get_store(app), utcnow(), 0.0).finished:
+            while not prune(get_uow(app), utcnow(), 0.0).finished:
                 pass
         slice_seconds[index // per_slice] += time.perf_counter() - start
         slice_cpu[index // per_slice] += time.process_time() - cpu_start

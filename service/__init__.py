@@ -1,10 +1,10 @@
 """The pasto controller service: a Flask JSON API over SQLAlchemy that calls ``pasto`` for the math.
 
 Layers: ``service.routes`` (one blueprint per resource: parse, call, serialise) -> ``service.controller``
-(the use cases and their transactions; calls ``pasto``; given a ``service.store.Store``) ->
+(the use cases and their transactions; calls ``pasto``; given a ``service.store.UnitOfWork``) ->
 ``service.store`` (every SQL statement) over ``service.db`` (engine and sessions) and ``service.models``
 (tables). ``service.cache`` holds the per-process experiment snapshots, ``service.bootstrap`` makes the
-application's store, ``service.scheduler`` runs the scheduled round closes.
+application's unit of work, ``service.scheduler`` runs the scheduled round closes.
 
 ``create_app(config=None)`` builds an application; ``service.wsgi:app`` is the WSGI object for
 waitress or gunicorn. The scheduler that closes rounds is started by ``pasto serve`` / ``pasto worker``

@@ -37,11 +37,12 @@ from datetime import datetime, timedelta, timezone
 
 from flask import Flask, current_app, g, request
 
-from .bootstrap import get_store
+from . import store
+from .bootstrap import get_uow
 from .errors import ApiError
 from .models import ROLES, utcnow
 # The token rows are the store's; these names stay importable from here, where they always were.
-from .store import Store, create_token, find_tokens, hash_token, revoke_tokens, rotate_token  # noqa: F401
+from .store import create_token, find_tokens, hash_token, revoke_tokens, rotate_token  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +85,15 @@ class _Authenticator:
         cached = self._cache.get(digest)
         if cached is not None and cached[1] > time.monotonic():
             return cached[0]
-        store = get_store()
         now = utcnow()
-        with store.read() as session:
+        with get_uow().read() as session:
             row = store.token_by_hash(session, digest)
             if row is None or not hmac.compare_digest(row.token_hash, digest):
                 # Only unknown tokens are throttled: refusing every token of a throttled address
                 # would let anyone who shares it (loopback, a reverse proxy, a NAT) lock the
                 # valid clients out with 20 bad requests a minute. A revoked or expired token is
                 # a client not updated yet, not a guess, so it does not count either.
-                self._refuse_if_throttled(store, session, address, now)
+                self._refuse_if_throttled(session, address, now)
         if row is None or not hmac.compare_digest(row.token_hash, digest):
             self._record_failure(address, now)
             return None
@@ -108,7 +108,7 @@ class _Authenticator:
             self._cache[digest] = (row.role, time.monotonic() + seconds)
         return row.role
 
-    def _refuse_if_throttled(self, store: Store, session, address: str, now: datetime) -> None:
+    def _refuse_if_throttled(self, session, address: str, now: datetime) -> None:
         row = store.auth_failures(session, address)
         if row is None or row.failures < current_app.config["PASTO_AUTH_FAILURE_LIMIT"]:
             return
@@ -123,7 +123,8 @@ class _Authenticator:
 
     def _record_failure(self, address: str, now: datetime) -> None:
         """Count one invalid token from ``address``; log the first of its window."""
-        failures = get_store().count_auth_failure(address, now, timedelta(seconds=AUTH_FAILURE_WINDOW_SECONDS))
+        failures = store.count_auth_failure(get_uow().database, address, now,
+                                            timedelta(seconds=AUTH_FAILURE_WINDOW_SECONDS))
         if failures == 1:
             log.warning("Invalid bearer token from %s (%s %s). Further failures from this address are "
                         "counted, not logged, for %g s; after %d of them it is refused 429 until then.",

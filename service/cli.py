@@ -192,24 +192,25 @@ def _db(args: argparse.Namespace, create_app) -> int:
 
 def _tokens(app: Flask, args: argparse.Namespace) -> int:
     """``pasto tokens create|list|revoke|rotate``."""
-    from .bootstrap import get_store
+    from . import store
+    from .bootstrap import get_uow
     from .models import utcnow
 
     def shown(moment) -> str:
         return "-" if moment is None else moment.isoformat(timespec="seconds").replace("+00:00", "Z")
 
-    store = get_store(app)
+    uow = get_uow(app)
     if args.tokens_command == "create":
         if args.expires_in is not None and args.expires_in <= 0:
             print("pasto: error: --expires-in must be longer than 0 s.", file=sys.stderr)
             return 2
-        with store.write() as session:
+        with uow.write() as session:
             token = store.create_token(session, args.role, args.name or args.role, args.expires_in)
         print(token)
         return 0
     if args.tokens_command == "list":
         now = utcnow()
-        with store.read() as session:
+        with uow.read() as session:
             rows = store.all_tokens(session)
         print(f"{'id':>5}  {'name':<24} {'role':<7} {'created':<21} {'expires':<21} {'revoked':<21} state")
         for row in rows:
@@ -219,7 +220,7 @@ def _tokens(app: Flask, args: argparse.Namespace) -> int:
                   f"{shown(row.expires_at):<21} {shown(row.revoked_at):<21} {state}")
         return 0
     try:
-        with store.write() as session:
+        with uow.write() as session:
             if args.tokens_command == "revoke":
                 revoked = store.revoke_tokens(session, args.token)
                 message = "\n".join(f"revoked token {t.id} ({t.name}, {t.role})" for t in revoked)

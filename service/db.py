@@ -418,7 +418,7 @@ def init_app(app: Flask) -> Database:
 def open_database(url: str, timeouts: DatabaseTimeouts = DatabaseTimeouts()) -> Database:
     """The :class:`Database` of ``url`` with the deadlines of ``timeouts`` and its outage tracking
     (:class:`DatabaseStatus`), without any application: what :func:`init_app` registers, and what a
-    use case test or a script gives ``service.store.Store``."""
+    use case test or a script gives ``service.store.UnitOfWork``."""
     engine = make_engine(url, timeouts)
     database = Database(
         engine=engine,

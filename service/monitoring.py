@@ -34,7 +34,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from . import events
 from .controller import reports
 from .config import DEFAULT_METRICS_TOP_ARMS, DEFAULT_METRICS_TOP_SEGMENTS
-from .bootstrap import get_store
+from .bootstrap import get_uow
 from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
 from .responses import RoundSummary, StoredLift
@@ -355,7 +355,7 @@ class ControllerCollector:
         }
 
         now = utcnow()
-        data = reports.controller_metrics(get_store(self.app))
+        data = reports.controller_metrics(get_uow(self.app))
         experiments, rounds, regret_sums = data["experiments"], data["rounds"], data["regret_sums"]
         stored, arm_names, traffic, last_beat = data["stored"], data["arm_names"], data["traffic"], data["last_heartbeat"]
 

@@ -22,11 +22,11 @@ from flask import Flask
 from .controller.retention import PruneResult, prune
 from .controller.rounds import (RoundAdvance, SourceCloses, close_due_rounds, record_controller_start,
                                 record_heartbeat)
-from .bootstrap import get_store
+from .bootstrap import get_uow
 from .db import is_unavailable_error
 from .models import utcnow
 from .sources import SourceLimits
-from .store import Store
+from .store import UnitOfWork
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ def scheduler_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def heartbeat(store: Store, name: str, now: datetime) -> None:
+def heartbeat(uow: UnitOfWork, name: str, now: datetime) -> None:
     """Record that scheduler ``name`` is alive (``/healthz`` reads the newest heartbeat)."""
-    record_heartbeat(store, name, now)
+    record_heartbeat(uow, name, now)
 
 
 @dataclass
@@ -58,19 +58,19 @@ def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = No
     when the controller came back (rounds that ended while it was down close right after). While the
     database is unavailable a tick does nothing (the next one tries again, the start included) and
     the outage is logged once, not once per tick."""
-    store = get_store(app)
+    uow = get_uow(app)
     now = utcnow()
     try:
-        heartbeat(store, name, now)
+        heartbeat(uow, name, now)
         if start is not None and not start.recorded:
-            record_controller_start(store, name, start.at)
+            record_controller_start(uow, name, start.at)
             start.recorded = True
-        advances = close_due_rounds(store, now, limits=SourceLimits.from_config(app.config),
+        advances = close_due_rounds(uow, now, limits=SourceLimits.from_config(app.config),
                                     source_closes=source_closes)
     except Exception as error:
         if not is_unavailable_error(error):
             raise
-        store.database.status.failed(error)
+        uow.database.status.failed(error)
         return []
     for advance in advances:
         log.info("Experiment %s: closed round %s, applied %s, now serving round %s (%.1f ms)",
@@ -82,13 +82,13 @@ def run_scheduled_work(app: Flask, name: str, start: ControllerStart | None = No
 def run_retention(app: Flask) -> PruneResult | None:
     """One retention run (``service.controller.retention.prune``) with ``PASTO_RETENTION_SECONDS``;
     None while the database is unavailable (the next run tries again)."""
-    store = get_store(app)
+    uow = get_uow(app)
     try:
-        result = prune(store, utcnow(), app.config["PASTO_RETENTION_SECONDS"])
+        result = prune(uow, utcnow(), app.config["PASTO_RETENTION_SECONDS"])
     except Exception as error:
         if not is_unavailable_error(error):
             raise
-        store.database.status.failed(error)
+        uow.database.status.failed(error)
         return None
     if result.advanced or any(result.deleted.values()):
         log.info("Retention: pruned rounds below %s (experiment id: rounds); deleted %s%s", result.advanced,
@@ -103,7 +103,7 @@ def start_scheduler(app: Flask) -> BackgroundScheduler:
     ``PASTO_RETENTION_CHECK_SECONDS``."""
     interval = float(app.config["PASTO_SCHEDULER_INTERVAL"])
     scheduler = BackgroundScheduler(timezone=timezone.utc, daemon=True)
-    source_closes = SourceCloses(get_store(app), app.config["PASTO_SOURCE_WORKERS"], SourceLimits.from_config(app.config),
+    source_closes = SourceCloses(get_uow(app), app.config["PASTO_SOURCE_WORKERS"], SourceLimits.from_config(app.config),
                                  clock=lambda: utcnow())
     scheduler.add_job(
         run_scheduled_work, "interval", seconds=interval,

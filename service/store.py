@@ -1,11 +1,11 @@
-"""Every SQL statement of the service, API tokens included, and :class:`Store`, the object that hands
-them to the use cases.
+"""Every SQL statement of the service, API tokens included, and the :class:`UnitOfWork` that the use
+cases open their transactions with.
 
 The controller (``service.controller``) owns the transactions: each use case is given a
-:class:`Store`, opens its transactions with ``store.read()`` / ``store.write()`` and calls the
-functions here through it, which each run one or a few statements in the transaction they are given.
-Nothing here imports Flask or knows about HTTP; failures the controller must turn into an answer are
-the exceptions defined below.
+:class:`UnitOfWork`, opens its transactions with ``uow.read()`` / ``uow.write()`` and calls the
+functions here, which each run one or a few statements in the transaction they are given. Nothing
+here imports Flask or knows about HTTP; failures the controller must turn into an answer are the
+exceptions defined below.
 
 Statistics (see ``service.controller.rounds`` for the timeline): ``round_statistics`` holds one row
 per (round, arm, metric); ``pooled_statistics`` the running totals of every applied round;
@@ -21,9 +21,7 @@ parameter processing and row objects.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import math
 import secrets
 from collections import Counter
@@ -1282,20 +1280,18 @@ def count_auth_failure(database: Database, address: str, now: datetime, window: 
         return session.execute(statement).scalar_one()
 
 
-# ------------------------------------------------------------------------------ the store object
-class Store:
-    """What every use case (``service.controller``) is given: the repository and its units of work.
+# ------------------------------------------------------------------------------ the unit of work
+class UnitOfWork:
+    """What every use case (``service.controller``) is given: the application's database, to open its
+    transactions in, and its per-process experiment snapshots.
 
-    It holds the application's :class:`~service.db.Database` and its per-process experiment
-    snapshots (:class:`~service.cache.ExperimentCache`, read through the statements here). A use case
-    opens its transactions with :meth:`read` / :meth:`write` and runs the statements of this module
-    in them through the same object: ``store.lock_experiment(session, experiment_id)`` is
-    :func:`lock_experiment`. The statements that open their own transaction (their first parameter is
-    ``database``: :func:`update_statistics`, :func:`write_heartbeat`, ...) are handed out bound to this
-    store's database: ``store.update_statistics(experiment_id, ...)``.
+    A use case opens each transaction with :meth:`read` or :meth:`write` and runs the statements of
+    this module in it (``store.lock_experiment(session, experiment_id)``); the few statements that
+    open their own transactions take :attr:`database`. :attr:`cache` is the
+    :class:`~service.cache.ExperimentCache` (read through this module too).
 
-    The Flask application makes one in ``create_app`` (``service.bootstrap``); a test or a script
-    makes one from a database with :meth:`open` and no application at all.
+    The Flask application makes one in ``create_app`` (``service.bootstrap``) and hands it to the use
+    cases; a test or a script makes one from a database with :meth:`open`, without any application.
     """
 
     def __init__(self, database: Database, cache: ExperimentCache) -> None:
@@ -1303,15 +1299,11 @@ class Store:
         self.cache = cache
 
     @classmethod
-    def open(cls, database: Database, version_check_seconds: float = 0.05) -> Store:
-        """A store over ``database`` with a new, empty experiment cache."""
+    def open(cls, database: Database, version_check_seconds: float = 0.05) -> UnitOfWork:
+        """A unit of work over ``database`` with a new, empty experiment cache."""
         from .cache import ExperimentCache  # the cache reads through this module
 
         return cls(database, ExperimentCache(database, version_check_seconds))
-
-    @property
-    def dialect(self) -> str:
-        return self.database.dialect
 
     def read(self) -> AbstractContextManager[Session]:
         """A read transaction (:meth:`service.db.Database.read`)."""
@@ -1320,27 +1312,3 @@ class Store:
     def write(self) -> AbstractContextManager[Session]:
         """One write transaction, committed on success (:meth:`service.db.Database.write`)."""
         return self.database.write()
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names the instance and its class do not have: this module's statements and
-        # exceptions, looked up when used (so a test that replaces one in the module is obeyed).
-        value = globals().get(name) if name in STATEMENTS else None
-        if value is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        if inspect.isfunction(value) and _opens_transactions(value):
-            return functools.partial(value, self.database)
-        return value
-
-
-@functools.lru_cache(maxsize=None)
-def _opens_transactions(function) -> bool:
-    """Whether ``function``'s first parameter is ``database`` (it opens transactions of its own)."""
-    return next(iter(inspect.signature(function).parameters), None) == "database"
-
-
-#: What :class:`Store` hands out: every public function and exception of this module.
-STATEMENTS = frozenset(
-    name for name, value in list(globals().items())
-    if not name.startswith("_") and getattr(value, "__module__", None) == __name__
-    and (inspect.isfunction(value) or (isinstance(value, type) and issubclass(value, Exception)))
-)

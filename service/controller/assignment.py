@@ -15,11 +15,11 @@ from .. import events
 from ..cache import Snapshot
 from ..errors import invalid, problems_error
 from ..exposures import ExposureRecorder
-from ..store import Store
+from ..store import UnitOfWork
 from .ingestion import segment_position, segment_problem
 
 
-def assign_one(store: Store, name: str, unit: str, segment: str | None = None, segment_optional: bool = False,
+def assign_one(uow: UnitOfWork, name: str, unit: str, segment: str | None = None, segment_optional: bool = False,
                exposures: ExposureRecorder | None = None) -> tuple[Snapshot, bool, int, float, str | None]:
     """The snapshot served, whether it is stale (the database is unavailable: ``ExperimentCache.serve``),
     the arm position of ``unit``, its propensity and the segment whose mixture served it (None:
@@ -28,7 +28,7 @@ def assign_one(store: Store, name: str, unit: str, segment: str | None = None, s
     an unsegmented experiment ignores it; in an open set a value without a mixture of its own, or no
     value, is served the long tail's, "(other)"). ``exposures``: the exposure log the assignment is
     recorded in (None: ``PASTO_EXPOSURE_LOG`` is not set)."""
-    snapshot, stale = store.cache.serve(name)
+    snapshot, stale = uow.cache.serve(name)
     if segment_optional and not snapshot.segmented:
         segment = None
     problem = segment_problem(snapshot, segment)
@@ -48,14 +48,14 @@ def assign_one(store: Store, name: str, unit: str, segment: str | None = None, s
     return snapshot, stale, arm, probability, served
 
 
-def assign_many(store: Store, name: str, units: list[str], segments: list[str] | None = None,
+def assign_many(uow: UnitOfWork, name: str, units: list[str], segments: list[str] | None = None,
                 exposures: ExposureRecorder | None = None
                 ) -> tuple[Snapshot, bool, np.ndarray, np.ndarray, list[str] | None]:
     """The snapshot served, whether it is stale, the arm position and propensity of each of ``units``,
     shapes (N,), and the segment whose mixture served each (None: unsegmented); a segmented experiment
     serves each unit its segment's mixture (``segments``, one per unit; a 422 naming every missing or
     unknown one, as :func:`assign_one`)."""
-    snapshot, stale = store.cache.serve(name)
+    snapshot, stale = uow.cache.serve(name)
     u = buckets(snapshot.seed, units, snapshot.round_index)
     served = None
     if not snapshot.segmented and segments is None:

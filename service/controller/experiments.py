@@ -28,12 +28,13 @@ from pasto.objectives import Objective
 from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
 
 from .. import events as signals
+from .. import store
 from ..cache import Snapshot
 from ..errors import ApiError, invalid
 from ..models import utcnow
 from ..schemas import OTHER_SEGMENT, ExperimentCreate
 from ..sources import SourceError, parse_source
-from ..store import ExperimentExists, Store
+from ..store import UnitOfWork
 
 
 def check_source(declaration: dict[str, Any], metrics: list[str]) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def build_algorithm(spec: dict[str, Any]) -> AlgorithmConfig:
         raise invalid("algorithm", message) from None
 
 
-def algorithm_and_objective(store: Store, session, experiment_id: int, config: dict[str, Any]
+def algorithm_and_objective(uow: UnitOfWork, session, experiment_id: int, config: dict[str, Any]
                             ) -> tuple[AlgorithmConfig, Objective]:
     """The experiment's algorithm configuration and objective, rebuilt from its stored config."""
     # "preset": only in rows written before migration 0006 (which removes it).
@@ -154,7 +155,7 @@ def _segments_config(body: ExperimentCreate, objective: Objective) -> dict[str, 
     }
 
 
-def create(store: Store, body: ExperimentCreate) -> Snapshot:
+def create(uow: UnitOfWork, body: ExperimentCreate) -> Snapshot:
     """Create the experiment ``body`` describes; 409 if the name is taken."""
     arm_names = [arm.name for arm in body.arms]
     objective_spec = body.objective.model_dump(exclude_none=True)
@@ -208,24 +209,24 @@ def create(store: Store, body: ExperimentCreate) -> Snapshot:
         segment_probabilities = segmented.probabilities.tolist()
     seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
     try:
-        with store.write() as session:
+        with uow.write() as session:
             store.create_experiment(
                 session, name=body.name, config=config, seed=seed, state=state.to_dict(),
                 arms=[(arm.name, arm.params) for arm in body.arms], probabilities=state.probabilities.tolist(),
                 now=utcnow(), round_seconds=body.round_seconds, segment_state=segment_state,
                 segment_probabilities=segment_probabilities)
-    except ExperimentExists:
+    except store.ExperimentExists:
         raise ApiError(409, "conflict", f"An experiment named {body.name!r} already exists.") from None
-    snapshot = store.cache.get(body.name, fresh=True)
+    snapshot = uow.cache.get(body.name, fresh=True)
     signals.created.send(snapshot)  # e.g. the Prometheus counters start at 0 (service.monitoring)
     return snapshot
 
 
-def list_all(store: Store, archived: bool = False) -> list[Snapshot]:
+def list_all(uow: UnitOfWork, archived: bool = False) -> list[Snapshot]:
     """Every experiment not archived (``archived``: every archived one), oldest first."""
-    with store.read() as session:
+    with uow.read() as session:
         names = store.experiment_names(session, archived=archived)
-    cache = store.cache
+    cache = uow.cache
     snapshots = []
     for name in names:
         try:
@@ -235,15 +236,15 @@ def list_all(store: Store, archived: bool = False) -> list[Snapshot]:
     return snapshots
 
 
-def show(store: Store, name: str) -> Snapshot:
-    return store.cache.get(name)
+def show(uow: UnitOfWork, name: str) -> Snapshot:
+    return uow.cache.get(name)
 
 
-def events(store: Store, name: str, since: int, limit: int) -> list:
+def events(uow: UnitOfWork, name: str, since: int, limit: int) -> list:
     """At most ``limit`` events ``(id, kind, round_index, at, details)`` of experiment ``name`` from
     event id ``since`` on, oldest first; 404 if there is no such experiment."""
-    snapshot = store.cache.get(name)
-    with store.read() as session:
+    snapshot = uow.cache.get(name)
+    with uow.read() as session:
         return store.experiment_events(session, snapshot.id, since, limit)
 
 
@@ -253,10 +254,10 @@ _TRANSITIONS = {"paused": {"running"}, "running": {"paused"}, "stopped": {"runni
 _EVENT_KINDS = {"paused": "paused", "running": "resumed", "stopped": "stopped"}
 
 
-def set_status(store: Store, name: str, target: str) -> Snapshot:
+def set_status(uow: UnitOfWork, name: str, target: str) -> Snapshot:
     """Move experiment ``name`` to ``target``; resuming restarts the current round's clock."""
-    snapshot = store.cache.get(name)
-    with store.write() as session:
+    snapshot = uow.cache.get(name)
+    with uow.write() as session:
         experiment = store.lock_experiment(session, snapshot.id)
         if experiment is None:
             raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
@@ -269,13 +270,13 @@ def set_status(store: Store, name: str, target: str) -> Snapshot:
             ends_at = now + timedelta(seconds=experiment.config["round_seconds"]) if target == "running" else None
             store.set_status(session, experiment, target, now, current_round_ends_at=ends_at)
             store.add_event(session, experiment.id, _EVENT_KINDS[target], experiment.round_index, now)
-    return store.cache.get(name, fresh=True)
+    return uow.cache.get(name, fresh=True)
 
 
-def archive(store: Store, name: str) -> Snapshot:
+def archive(uow: UnitOfWork, name: str) -> Snapshot:
     """Archive experiment ``name`` (stopping it if it is not); archiving an archived one changes nothing."""
-    snapshot = store.cache.get(name)
-    with store.write() as session:
+    snapshot = uow.cache.get(name)
+    with uow.write() as session:
         experiment = store.lock_experiment(session, snapshot.id)
         if experiment is None:
             raise ApiError(404, "not_found", f"There is no experiment named {name!r}.")
@@ -284,15 +285,15 @@ def archive(store: Store, name: str) -> Snapshot:
             store.archive_experiment(session, experiment, now)
             if experiment.status != "stopped":  # archiving stopped it: the time axis shows that as any stop
                 store.add_event(session, experiment.id, _EVENT_KINDS["stopped"], experiment.round_index, now)
-    return store.cache.get(name, fresh=True)
+    return uow.cache.get(name, fresh=True)
 
 
-def delete(store: Store, name: str) -> dict[str, int]:
+def delete(uow: UnitOfWork, name: str) -> dict[str, int]:
     """Delete archived experiment ``name`` with every row of it, in one transaction; the rows deleted
     per table. 409 when it is not archived."""
-    cache = store.cache
+    cache = uow.cache
     snapshot = cache.get(name, fresh=True)
-    with store.write() as session:
+    with uow.write() as session:
         experiment = store.lock_experiment(session, snapshot.id)
         if experiment is None:
             cache.forget(name)

@@ -28,11 +28,11 @@ import numpy as np
 from pasto.estimators import Statistics
 from pasto.hashing import buckets, choose_arms
 
-from .. import events
+from .. import events, store
 from ..cache import ExperimentCache, Snapshot
 from ..errors import ApiError, problems_error
 from ..schemas import Observation, observation_name_problems
-from ..store import KeysExist, Store
+from ..store import UnitOfWork
 
 
 @dataclass(frozen=True)
@@ -54,34 +54,34 @@ def pruned_error(round_index: int, pruned_rounds: int, what: str) -> ApiError:
                     {"round": round_index, "pruned_rounds": pruned_rounds})
 
 
-def open_experiment(store: Store, name: str) -> Snapshot:
+def open_experiment(uow: UnitOfWork, name: str) -> Snapshot:
     """The experiment observations are for: 404 when there is none, 409 when it is stopped, before the
     body is looked at. The cached snapshot, not checked against the database (see ``ExperimentCache.get``)."""
-    snapshot = store.cache.get(name, check=False)
+    snapshot = uow.cache.get(name, check=False)
     if snapshot.status == "stopped":  # maybe stale: checked again under the row lock
         raise stopped_error(name)
     return snapshot
 
 
-def name_problems(store: Store, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
+def name_problems(uow: UnitOfWork, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
     """Unknown names and future rounds of a batch that failed validation, reported in the same 422 as
     its type errors (``schemas.parse_json``'s ``also_check``)."""
-    fresh = store.cache.get(name, fresh=True)  # only on this error path: the current round, however new
+    fresh = uow.cache.get(name, fresh=True)  # only on this error path: the current round, however new
     return observation_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
 
 
-def ingest(store: Store, snapshot: Snapshot, batch: list[Observation]) -> IngestResult:
+def ingest(uow: UnitOfWork, snapshot: Snapshot, batch: list[Observation]) -> IngestResult:
     """Validate ``batch`` against the experiment of ``snapshot`` (:func:`open_experiment`) and store
     its new observations."""
-    cache = store.cache
+    cache = uow.cache
     if max(observation.round for observation in batch) > snapshot.round_index:
         snapshot = cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
     segments: np.ndarray | None = None if not snapshot.segmented else np.full(len(batch), -1, dtype=np.int64)
     arms = resolve_arms(cache, snapshot, batch, segments)
     try:
-        result = _write_batch(store, snapshot, batch, arms, ids_expected_new=True, segments=segments)
-    except KeysExist:  # a resent id (or one a concurrent request committed first): nothing was stored
-        result = _write_batch(store, snapshot, batch, arms, ids_expected_new=False, segments=segments)
+        result = _write_batch(uow, snapshot, batch, arms, ids_expected_new=True, segments=segments)
+    except store.KeysExist:  # a resent id (or one a concurrent request committed first): nothing was stored
+        result = _write_batch(uow, snapshot, batch, arms, ids_expected_new=False, segments=segments)
     events.observed.send(snapshot, accepted=result.accepted, duplicates=result.duplicates,
                          arm_counts=result.arm_counts)
     return result
@@ -182,16 +182,16 @@ def segment_position(snapshot: Snapshot, segment: str | None) -> int:
     return snapshot.segment_positions[segment]
 
 
-def _write_batch(store: Store, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
+def _write_batch(uow: UnitOfWork, snapshot: Snapshot, batch: list[Observation], arm_indices: np.ndarray,
                  ids_expected_new: bool, segments: np.ndarray | None = None) -> IngestResult:
     first_of_id: dict[str, int] = {}
     for position, observation in enumerate(batch):
         first_of_id.setdefault(observation.id, position)
     arms = arm_indices.tolist()
-    with store.write() as session:
+    with uow.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
         if row is None:  # deleted since this process cached the snapshot
-            store.cache.forget(snapshot.name)
+            uow.cache.forget(snapshot.name)
             raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
             raise stopped_error(snapshot.name)

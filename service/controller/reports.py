@@ -26,12 +26,13 @@ from pasto.objectives import Objective
 from pasto.report import Optimum, RoundReport, round_report, solve_optimum
 from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
 
+from .. import store
 from ..cache import Snapshot
 from ..db import DATABASE_ERRORS, is_unavailable_error
 from ..errors import ApiError
 from ..models import utcnow
 from ..responses import RoundSummary, StoredBestSingle, StoredLift
-from ..store import Store
+from ..store import UnitOfWork
 from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
@@ -200,16 +201,16 @@ class Diagnostics:
     segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
 
 
-def diagnostics(store: Store, name: str) -> Diagnostics:
+def diagnostics(uow: UnitOfWork, name: str) -> Diagnostics:
     """How experiment ``name`` is doing on the current estimate."""
-    snapshot = store.cache.get(name)
+    snapshot = uow.cache.get(name)
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
-    with store.read() as session:
-        algorithm, objective = algorithm_and_objective(store, session, snapshot.id, snapshot.config)
+    with uow.read() as session:
+        algorithm, objective = algorithm_and_objective(uow, session, snapshot.id, snapshot.config)
         pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
-        forget_gone_experiments(store, session, snapshot.id)
-        regret_per_round = stored_regrets(store, session, snapshot.id, snapshot.name)
-        units, late, srm = running_traffic(store, session, snapshot.id, n_arms,
+        forget_gone_experiments(uow, session, snapshot.id)
+        regret_per_round = stored_regrets(uow, session, snapshot.id, snapshot.name)
+        units, late, srm = running_traffic(uow, session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
         segmented = segmented_config(snapshot.config, algorithm)
@@ -227,7 +228,7 @@ def diagnostics(store: Store, name: str) -> Diagnostics:
                                                                                         loaded.n_segments))
         segments = segment_summary(segmented, objective, loaded, segment_pooled, shares, names)
     report = round_report(algorithm, objective, state, pooled, served=snapshot.probabilities,
-                          solve=cached_solver(store, snapshot.id, snapshot.version))
+                          solve=cached_solver(uow, snapshot.id, snapshot.version))
     return Diagnostics(snapshot=snapshot, report=report,
                        regret_per_round=regret_per_round,
                        units=units, late_observations=late, srm=srm, observed=pooled.counts > 0,
@@ -249,7 +250,7 @@ _regret_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engin
 _REGRET_IN_LIST = 100
 
 
-def stored_regrets(store: Store, session, experiment_id: int, name: str) -> list[Any]:
+def stored_regrets(uow: UnitOfWork, session, experiment_id: int, name: str) -> list[Any]:
     """The regret of every summarised round of experiment ``experiment_id`` (named ``name``), in round
     order (None: a summary without one), as the round summaries hold it.
 
@@ -267,7 +268,7 @@ def stored_regrets(store: Store, session, experiment_id: int, name: str) -> list
         committed before it, so a delete can land between the two reads.
     """
     with _cache_lock:
-        cache = _regret_caches.setdefault(store.database.engine, _RegretCache())
+        cache = _regret_caches.setdefault(uow.database.engine, _RegretCache())
     indexes = store.summarized_rounds(session, experiment_id)
     with cache.lock:
         known = dict(cache.entries.setdefault(experiment_id, {}))
@@ -285,7 +286,7 @@ def stored_regrets(store: Store, session, experiment_id: int, name: str) -> list
     return [known[index] for index in indexes]
 
 
-def forget_gone_experiments(store: Store, session, experiment_id: int) -> None:
+def forget_gone_experiments(uow: UnitOfWork, session, experiment_id: int) -> None:
     """Drop this process's cached regrets and optimum of deleted experiments (ids are never reused, so
     theirs would be kept for nothing), as :func:`controller_metrics` does for its own cache.
 
@@ -293,8 +294,8 @@ def forget_gone_experiments(store: Store, session, experiment_id: int) -> None:
     caches then hold at most the experiments that exist and the one being added, and a poll of a cached
     experiment reads nothing more."""
     with _cache_lock:
-        regrets = _regret_caches.setdefault(store.database.engine, _RegretCache())
-        optima = _optimum_caches.setdefault(store.database.engine, _OptimumCache())
+        regrets = _regret_caches.setdefault(uow.database.engine, _RegretCache())
+        optima = _optimum_caches.setdefault(uow.database.engine, _OptimumCache())
     with regrets.lock, optima.lock:
         if experiment_id in regrets.entries and experiment_id in optima.entries:
             return
@@ -317,7 +318,7 @@ class _OptimumCache:
 _optimum_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _OptimumCache
 
 
-def cached_solver(store: Store, experiment_id: int, version: int):
+def cached_solver(uow: UnitOfWork, experiment_id: int, version: int):
     """A ``solve`` for :func:`pasto.report.round_report` that reuses this process's last optimum of the
     experiment when its inputs are the same.
 
@@ -333,7 +334,7 @@ def cached_solver(store: Store, experiment_id: int, version: int):
     the optimum is never served older than the estimate beside it.
     """
     with _cache_lock:
-        cache = _optimum_caches.setdefault(store.database.engine, _OptimumCache())
+        cache = _optimum_caches.setdefault(uow.database.engine, _OptimumCache())
 
     def solve(objective: Objective, means: np.ndarray, thresholds: np.ndarray) -> Optimum:
         digest = hashlib.sha256()
@@ -359,7 +360,7 @@ def cached_solver(store: Store, experiment_id: int, version: int):
     return solve
 
 
-def traffic_report(store: Store, session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
+def traffic_report(uow: UnitOfWork, session, experiment_id: int, n_arms: int) -> tuple[np.ndarray, int, dict]:
     """Observed units per arm (K,), late observations, and the sample-ratio-mismatch test against the
     split expected from each round's logged probabilities, computed from every round's rows: the
     definition :func:`running_traffic` (what diagnostics and ``/metrics`` use) keeps up to date
@@ -411,16 +412,16 @@ class RoundHistory:
     segment_observations: np.ndarray | None = None  # segmented: (rounds, S) observations per segment
 
 
-def arm_count(store: Store, name: str) -> int:
+def arm_count(uow: UnitOfWork, name: str) -> int:
     """K of experiment ``name`` (404 when there is none), from the cached snapshot."""
-    return store.cache.get(name).n_arms
+    return uow.cache.get(name).n_arms
 
 
-def round_history(store: Store, name: str, since: int, limit: int | None) -> RoundHistory:
+def round_history(uow: UnitOfWork, name: str, since: int, limit: int | None) -> RoundHistory:
     """Rounds ``since`` .. ``since + limit - 1`` (at most up to the current one) of experiment ``name``."""
-    snapshot = store.cache.get(name)
+    snapshot = uow.cache.get(name)
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
-    with store.read() as session:
+    with uow.read() as session:
         round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
         source_error = source_error_view(store.source_error(session, snapshot.id))
         traffic = store.segment_round_traffic(session, snapshot.id, since, last) if snapshot.segmented else None
@@ -499,7 +500,7 @@ class _Traffic:
         self.units = np.zeros(n_arms)
         self.srm: dict[str, Any] = {"statistic": None, "p_value": None, "ok": True}
 
-    def update(self, store: Store, session, experiment_id: int, round_units: dict[int, float],
+    def update(self, uow: UnitOfWork, session, experiment_id: int, round_units: dict[int, float],
                current: tuple[int, Any] | None) -> None:
         changes = {round_index: units - self.round_units.get(round_index, 0.0)
                    for round_index, units in round_units.items() if units != self.round_units.get(round_index, 0.0)}
@@ -539,18 +540,18 @@ class _ScrapeCache:
 _scrape_caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _ScrapeCache
 
 
-def _scrape_cache(store: Store) -> _ScrapeCache:
+def _scrape_cache(uow: UnitOfWork) -> _ScrapeCache:
     with _cache_lock:
-        return _scrape_caches.setdefault(store.database.engine, _ScrapeCache())
+        return _scrape_caches.setdefault(uow.database.engine, _ScrapeCache())
 
 
-def running_traffic(store: Store, session, experiment_id: int, n_arms: int,
+def running_traffic(uow: UnitOfWork, session, experiment_id: int, n_arms: int,
                     current: tuple[int, Any] | None) -> tuple[np.ndarray, int, dict[str, Any]]:
     """:func:`traffic_report` of one experiment from this process's running sums (:class:`_Traffic`):
     it reads the per-round count totals and only the propensities of rounds whose units changed, not
     every round's (38 s of a diagnostics request after 1,000 rounds at K = 10,000). ``current``:
     ``(index, propensities)`` of the current round, which the caller has at hand."""
-    cache = _scrape_cache(store)
+    cache = _scrape_cache(uow)
     round_units: dict[int, float] = {}
     late = 0
     for _, round_index, units, _, round_late in store.round_totals(session, [experiment_id]):
@@ -560,11 +561,11 @@ def running_traffic(store: Store, session, experiment_id: int, n_arms: int,
         running = cache.traffic.get(experiment_id)
         if running is None or running.expected.shape != (n_arms,):
             running = cache.traffic[experiment_id] = _Traffic(n_arms)
-        running.update(store, session, experiment_id, round_units, current)
+        running.update(uow, session, experiment_id, round_units, current)
         return running.units.copy(), late, running.srm
 
 
-def controller_metrics(store: Store) -> dict[str, Any]:
+def controller_metrics(uow: UnitOfWork) -> dict[str, Any]:
     """What a ``/metrics`` scrape reports about every experiment not archived: ``experiments``
     (:class:`MonitoredExperiment`), ``rounds`` (the open ones and the latest applied), ``regret_sums``,
     ``stored`` (observations), ``arm_names`` and ``traffic``: ``(units per arm, late observations,
@@ -575,8 +576,8 @@ def controller_metrics(store: Store) -> dict[str, Any]:
     latest summary arrived (cached per process), so a scrape at K = 10,000 does not parse the
     controller state and K names every time (docs/benchmarks.md, ``bench/metrics_scrape.py``).
     """
-    cache = _scrape_cache(store)
-    with cache.lock, store.read() as session:
+    cache = _scrape_cache(uow)
+    with cache.lock, uow.read() as session:
         rows = store.monitoring_versions(session)
         keys = {row.id: (row.version, bool(row.summarized)) for row in rows}
         changed = [row.id for row in rows if row.id not in cache.versioned or cache.versioned[row.id].key != keys[row.id]]
@@ -626,7 +627,7 @@ def controller_metrics(store: Store) -> dict[str, Any]:
             running = cache.traffic.get(row.id)
             if running is None or running.expected.shape != (n_arms,):
                 running = cache.traffic[row.id] = _Traffic(n_arms)
-            running.update(store, session, row.id, round_units.get(row.id, {}), current)
+            running.update(uow, session, row.id, round_units.get(row.id, {}), current)
             traffic[row.id] = (running.units, late.get(row.id, 0), running.srm)
     return {"experiments": experiments, "rounds": rounds, "regret_sums": regret_sums, "stored": stored,
             "arm_names": arm_names, "traffic": traffic, "last_heartbeat": last_beat, "sources": sources}
@@ -635,8 +636,8 @@ def controller_metrics(store: Store) -> dict[str, Any]:
 _cache_lock = threading.Lock()
 
 
-def last_heartbeat(store: Store) -> datetime | None:
-    with store.read() as session:
+def last_heartbeat(uow: UnitOfWork) -> datetime | None:
+    with uow.read() as session:
         return store.last_heartbeat(session)
 
 
@@ -652,15 +653,15 @@ class HealthReport:
     failing_sources: tuple[tuple[str, dict[str, Any]], ...] = ()
 
 
-def _read_health(store: Store, head: str) -> tuple[str | None, datetime | None, tuple]:
+def _read_health(uow: UnitOfWork, head: str) -> tuple[str | None, datetime | None, tuple]:
     """(schema revision, newest scheduler heartbeat or None, failing metric sources)."""
     from .. import migrations_package
 
     migrations = migrations_package()
-    current = migrations.current_revision(store.database.engine)
+    current = migrations.current_revision(uow.database.engine)
     if current != head:
         return current, None, ()
-    with store.read() as session:
+    with uow.read() as session:
         beat = store.last_heartbeat(session)
         failing = tuple((row.name, source_error_view(row)) for row in store.source_statuses(session)
                         if row.error is not None and row.status == "running")
@@ -675,10 +676,10 @@ class _HealthCheck:
         self._lock = threading.Lock()
         self._running: Future | None = None
 
-    def check(self, store: Store, head: str, timeout: float):
+    def check(self, uow: UnitOfWork, head: str, timeout: float):
         with self._lock:
             if self._running is None or self._running.done():
-                self._running = self._executor.submit(_read_health, store, head)
+                self._running = self._executor.submit(_read_health, uow, head)
             running = self._running
         return running.result(timeout=timeout)
 
@@ -686,7 +687,7 @@ class _HealthCheck:
 _health_checks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> _HealthCheck
 
 
-def health(store: Store, alive_within: timedelta, timeout: float) -> HealthReport:
+def health(uow: UnitOfWork, alive_within: timedelta, timeout: float) -> HealthReport:
     """Database reachable, schema at the newest migration, a scheduler heartbeat within ``alive_within``.
 
     Answers within ``timeout`` seconds whatever the database does: the check runs in a thread of its
@@ -699,15 +700,15 @@ def health(store: Store, alive_within: timedelta, timeout: float) -> HealthRepor
     migrations = migrations_package()
     head = migrations.head_revision()
     with _cache_lock:
-        checks = _health_checks.setdefault(store.database.engine, _HealthCheck())
+        checks = _health_checks.setdefault(uow.database.engine, _HealthCheck())
     try:
-        current, beat, failing = checks.check(store, head, timeout)
+        current, beat, failing = checks.check(uow, head, timeout)
     except FutureTimeout:
         return HealthReport(reachable=False, error=f"no answer within {timeout:g} s (PASTO_HEALTHZ_TIMEOUT)",
                             current=None, head=head, alive=False, last_heartbeat=None)
     except DATABASE_ERRORS as error:
         if is_unavailable_error(error):
-            store.database.status.failed(error)
+            uow.database.status.failed(error)
         return HealthReport(reachable=False, error=type(error).__name__, current=None, head=head, alive=False,
                             last_heartbeat=None)
     alive = beat is not None and utcnow() - beat <= alive_within

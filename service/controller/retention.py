@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from ..store import PRUNED_TABLES, Store
+from .. import store
+from ..store import UnitOfWork
 
 #: Rows deleted per transaction.
 CHUNK_ROWS = 5_000
@@ -39,34 +40,34 @@ class PruneResult:
     finished: bool
 
 
-def prune(store: Store, now: datetime, retention_seconds: float | None, *, chunk_rows: int = CHUNK_ROWS,
+def prune(uow: UnitOfWork, now: datetime, retention_seconds: float | None, *, chunk_rows: int = CHUNK_ROWS,
           max_chunks: int = MAX_CHUNKS) -> PruneResult:
     """Advance every experiment's ``pruned_rounds`` to the rounds applied at or before
     ``now - retention_seconds`` and delete the per-observation rows of pruned rounds in bounded chunks.
 
     ``retention_seconds`` None keeps everything (nothing is done)."""
     advanced: dict[int, int] = {}
-    deleted = {table.name: 0 for table, _ in PRUNED_TABLES}
+    deleted = {table.name: 0 for table, _ in store.PRUNED_TABLES}
     if retention_seconds is None:
         return PruneResult(advanced, deleted, True)
     cutoff = now - timedelta(seconds=retention_seconds)
     chunks = 0
-    for experiment_id, pruned_rounds in store.experiments_to_prune():
-        with store.read() as session:
+    for experiment_id, pruned_rounds in store.experiments_to_prune(uow.database, ):
+        with uow.read() as session:
             target = store.prunable_rounds(session, experiment_id, cutoff)
         if target > pruned_rounds:
-            with store.write() as session:
+            with uow.write() as session:
                 if store.advance_pruned_rounds(session, experiment_id, target):
                     advanced[experiment_id] = target
             pruned_rounds = max(pruned_rounds, target)
         if pruned_rounds == 0:
             continue
-        for table, round_column in PRUNED_TABLES:
+        for table, round_column in store.PRUNED_TABLES:
             while True:
                 if chunks >= max_chunks:
                     return PruneResult(advanced, deleted, False)
                 chunks += 1
-                with store.write() as session:
+                with uow.write() as session:
                     count = store.delete_pruned_rows(session, table, round_column, experiment_id, pruned_rounds,
                                                      chunk_rows)
                 deleted[table.name] += count

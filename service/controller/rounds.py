@@ -53,7 +53,7 @@ from pasto.objectives import Objective
 from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
                             segmented_update)
 
-from .. import events
+from .. import events, store
 from ..cache import Snapshot
 from ..errors import ApiError
 from ..models import utcnow
@@ -62,7 +62,7 @@ from .experiments import (algorithm_and_objective, dump_segment_state, expected_
                           segmented_config)
 from .reports import round_summary, segment_observations, segment_summary
 from ..sources import SourceLimits
-from ..store import Store
+from ..store import UnitOfWork
 from .sources import SourceFailed, SourceResults, apply_results, due_work, fetch_due_rounds
 
 log = logging.getLogger(__name__)
@@ -105,28 +105,28 @@ class _LostRace(Exception):
     """The compare-and-set found the experiment changed: another process closed the round."""
 
 
-def close_current_round(store: Store, name: str, expected_round_index: int | None,
+def close_current_round(uow: UnitOfWork, name: str, expected_round_index: int | None,
                         limits: SourceLimits | None = None) -> tuple[RoundAdvance, Snapshot]:
     """The admin's close of experiment ``name``'s current round (only if it is
     ``expected_round_index``, when given); 409 when it is not running or the round is not current.
     ``limits``: the deadlines of a metric source's query (``PASTO_SOURCE_*``)."""
-    snapshot = store.cache.get(name)
+    snapshot = uow.cache.get(name)
     expected = snapshot.round_index if expected_round_index is None else expected_round_index
     if snapshot.status != "running":
         raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
                                         "round can be closed.")
     try:
-        advance = close_round(store, snapshot.id, expected, limits=limits)
+        advance = close_round(uow, snapshot.id, expected, limits=limits)
     except SourceFailed as error:
         raise ApiError(502, "source_failed", f"Round {expected} of {name!r} cannot close: {error} "
                                              "The round stays open and is served as before.") from None
     if advance is None:
         raise ApiError(409, "conflict", f"Round {expected} of {name!r} is not the current round "
                                         "(it was already closed, or has not started).")
-    return advance, store.cache.get(name, fresh=True)
+    return advance, uow.cache.get(name, fresh=True)
 
 
-def close_round(store: Store, experiment_id: int, expected_round_index: int,
+def close_round(uow: UnitOfWork, experiment_id: int, expected_round_index: int,
                 now: datetime | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
     """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
 
@@ -134,7 +134,7 @@ def close_round(store: Store, experiment_id: int, expected_round_index: int,
     closed it) or the experiment is not running. :class:`~service.controller.sources.SourceFailed`
     (nothing changed) when the experiment's metric source fails.
     """
-    return _advance(store, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index,
+    return _advance(uow, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index,
                     limits=limits)
 
 
@@ -148,8 +148,8 @@ class SourceCloses:
     that finds ``workers`` closes running, is not started: the next tick looks at it afresh.
     """
 
-    def __init__(self, store: Store, workers: int, limits: SourceLimits, clock=utcnow) -> None:
-        self._store = store
+    def __init__(self, uow: UnitOfWork, workers: int, limits: SourceLimits, clock=utcnow) -> None:
+        self._uow = uow
         self._workers = workers
         self._limits = limits
         self._clock = clock
@@ -173,7 +173,7 @@ class SourceCloses:
 
     def _close(self, experiment_id: int) -> None:
         try:
-            advance = _close_one(self._store, experiment_id, self._clock(), self._limits)
+            advance = _close_one(self._uow, experiment_id, self._clock(), self._limits)
             if advance is not None:
                 log.info("Experiment %s: closed round %s, applied %s, now serving round %s (%.1f ms)",
                          advance.experiment, advance.closed_round, list(advance.applied), advance.round_index,
@@ -183,7 +183,7 @@ class SourceCloses:
                 self._running.discard(experiment_id)
 
 
-def close_due_rounds(store: Store, now: datetime | None = None, *,
+def close_due_rounds(uow: UnitOfWork, now: datetime | None = None, *,
                      limits: SourceLimits | None = None, source_closes: SourceCloses | None = None
                      ) -> list[RoundAdvance]:
     """Close every running experiment's round whose ``ends_at`` has passed and run due updates.
@@ -196,22 +196,22 @@ def close_due_rounds(store: Store, now: datetime | None = None, *,
     """
     now = now or utcnow()
     limits = limits or SourceLimits()
-    repair_summaries(store, now)
+    repair_summaries(uow, now)
     advances = []
-    for experiment_id, has_source in store.due_experiments(now):
+    for experiment_id, has_source in store.due_experiments(uow.database, now):
         if has_source and source_closes is not None:
             source_closes.submit(experiment_id)
             continue
-        advance = _close_one(store, experiment_id, now, limits)
+        advance = _close_one(uow, experiment_id, now, limits)
         if advance is not None:
             advances.append(advance)
     return advances
 
 
-def _close_one(store: Store, experiment_id: int, now: datetime, limits: SourceLimits) -> RoundAdvance | None:
+def _close_one(uow: UnitOfWork, experiment_id: int, now: datetime, limits: SourceLimits) -> RoundAdvance | None:
     """One experiment's due close; None when nothing was due, it failed, or another process closed it."""
     try:
-        return _advance(store, experiment_id, now, manual=False, limits=limits)
+        return _advance(uow, experiment_id, now, manual=False, limits=limits)
     except SourceFailed:  # stored and logged; the round stays open and the next tick tries again
         return None
     except Exception:  # one broken experiment must not stop the others from advancing
@@ -219,28 +219,28 @@ def _close_one(store: Store, experiment_id: int, now: datetime, limits: SourceLi
         return None
 
 
-def record_heartbeat(store: Store, scheduler: str, now: datetime) -> None:
+def record_heartbeat(uow: UnitOfWork, scheduler: str, now: datetime) -> None:
     """The scheduler ``scheduler`` (``host:pid``) ran at ``now`` (``/healthz`` tells from the newest
     heartbeat whether one is alive)."""
-    store.write_heartbeat(scheduler, now)
+    store.write_heartbeat(uow.database, scheduler, now)
 
 
-def record_controller_start(store: Store, scheduler: str, now: datetime) -> int:
+def record_controller_start(uow: UnitOfWork, scheduler: str, now: datetime) -> int:
     """The scheduler ``scheduler`` started at ``now``: a ``controller_started`` event in its current
     round for every experiment not stopped; returns how many were recorded."""
-    return store.add_controller_start(scheduler, now)
+    return store.add_controller_start(uow.database, scheduler, now)
 
 
-def _advance(store: Store, experiment_id: int, now: datetime, *, manual: bool,
+def _advance(uow: UnitOfWork, experiment_id: int, now: datetime, *, manual: bool,
              expected_round_index: int | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
     started = time.perf_counter()
     summaries: list[_PendingSummary] = []
     # A metric source is queried before the write transaction: a slow warehouse holds no lock.
-    source_results = fetch_due_rounds(store, experiment_id, now, manual=manual,
+    source_results = fetch_due_rounds(uow, experiment_id, now, manual=manual,
                                       expected_round_index=expected_round_index, limits=limits or SourceLimits())
     try:
-        with store.write() as session:
-            result = _advance_in(store, session, experiment_id, now, manual, expected_round_index, summaries,
+        with uow.write() as session:
+            result = _advance_in(uow, session, experiment_id, now, manual, expected_round_index, summaries,
                                  source_results, started)
             if result is None:
                 return None
@@ -248,7 +248,7 @@ def _advance(store: Store, experiment_id: int, now: datetime, *, manual: bool,
         return None
     result = dataclasses.replace(result, duration_seconds=time.perf_counter() - started)
     try:
-        _store_summaries(store, experiment_id, summaries)
+        _store_summaries(uow, experiment_id, summaries)
     except Exception:  # the round is closed and applied; only its report is missing
         log.exception("Summarising rounds %s of experiment %s failed",
                       [pending.round_index for pending in summaries], experiment_id)
@@ -258,7 +258,7 @@ def _advance(store: Store, experiment_id: int, now: datetime, *, manual: bool,
     return result
 
 
-def _advance_in(store: Store, session, experiment_id: int, now: datetime, manual: bool,
+def _advance_in(uow: UnitOfWork, session, experiment_id: int, now: datetime, manual: bool,
                 expected_round_index: int | None, summaries: list[_PendingSummary],
                 source_results: SourceResults | None = None,
                 started: float | None = None) -> RoundAdvance | None:
@@ -280,7 +280,7 @@ def _advance_in(store: Store, session, experiment_id: int, now: datetime, manual
     if not closing and not due:
         return None
     # A source experiment advances only with its source's results of this tick, applied first.
-    if config.get("source") is not None and not apply_results(store, session, experiment, work,
+    if config.get("source") is not None and not apply_results(uow, session, experiment, work,
                                                                source_results, now):
         return None
 
@@ -289,7 +289,7 @@ def _advance_in(store: Store, session, experiment_id: int, now: datetime, manual
     if experiment.segment_state is not None:
         segment_state, segment_names = load_segment_state(experiment.segment_state)
     if due:
-        algorithm, objective = algorithm_and_objective(store, session, experiment_id, config)
+        algorithm, objective = algorithm_and_objective(uow, session, experiment_id, config)
         segmented = segmented_config(config, algorithm)
         spec = config.get("segments") or {}
         if spec.get("by") is not None:
@@ -300,7 +300,7 @@ def _advance_in(store: Store, session, experiment_id: int, now: datetime, manual
             segment_state = add_segments(segment_state, len(graduated), template=0)
             segment_names = segment_names + graduated
         for index in due:
-            round_statistics, pooled = store.update_statistics(session, experiment_id, index,
+            round_statistics, pooled = store.update_statistics(uow.database, session, experiment_id, index,
                                                                objective.n_metrics, state.n_arms)
             propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
             if segmented is None:
@@ -310,7 +310,7 @@ def _advance_in(store: Store, session, experiment_id: int, now: datetime, manual
                 store.record_summary_input(rounds[index], _summary_input(summaries[-1]))
             else:
                 segment_round, segment_pooled = store.update_segment_statistics(
-                    session, experiment_id, index, segment_state.n_segments, objective.n_metrics,
+                    uow.database, session, experiment_id, index, segment_state.n_segments, objective.n_metrics,
                     state.n_arms)
                 shares = measured_shares(segment_observations(segment_pooled),
                                          expected_shares(config, segment_state.n_segments))
@@ -374,19 +374,19 @@ def _summary_input(pending: _PendingSummary) -> dict:
     return data
 
 
-def repair_summaries(store: Store, now: datetime) -> list[tuple[int, int]]:
+def repair_summaries(uow: UnitOfWork, now: datetime) -> list[tuple[int, int]]:
     """Compute and store the summaries of applied rounds that have none: their close committed, and the
     process died (or the write failed) before the summary was stored. Returns ``(experiment_id,
     round_index)`` of those repaired. Rounds applied in the last few seconds are left to the process
     that applied them (computing one twice is harmless: the first stored summary is kept)."""
     repaired = []
-    for experiment_id, round_index, data in store.pending_summaries(now - timedelta(seconds=2)):
+    for experiment_id, round_index, data in store.pending_summaries(uow.database, now - timedelta(seconds=2)):
         try:
-            with store.read() as session:
+            with uow.read() as session:
                 experiment = store.read_experiment(session, experiment_id)
                 if experiment is None:
                     continue
-                algorithm, objective = algorithm_and_objective(store, session, experiment_id, experiment.config)
+                algorithm, objective = algorithm_and_objective(uow, session, experiment_id, experiment.config)
             pending = _PendingSummary(round_index, algorithm, objective, ControllerState.from_dict(data["state"]),
                                       _statistics_from(data["pooled"]), np.asarray(data["propensities"]))
             if "segment_state" in data:
@@ -395,7 +395,7 @@ def repair_summaries(store: Store, now: datetime) -> list[tuple[int, int]]:
                     pending, segmented=segmented_config(experiment.config, algorithm), segment_state=segment_state,
                     segment_pooled=_statistics_from(data["segment_pooled"]), shares=np.asarray(data["shares"]),
                     segment_names=names)
-            store.store_summaries(experiment_id, [(round_index, _summary(pending))])
+            store.store_summaries(uow.database, experiment_id, [(round_index, _summary(pending))])
         except Exception:  # the database went away, or the summary itself fails: the next tick tries again
             log.exception("Repairing the summary of round %s of experiment %s failed", round_index, experiment_id)
             continue
@@ -404,7 +404,7 @@ def repair_summaries(store: Store, now: datetime) -> list[tuple[int, int]]:
     return repaired
 
 
-def _store_summaries(store: Store, experiment_id: int, summaries: list[_PendingSummary]) -> None:
+def _store_summaries(uow: UnitOfWork, experiment_id: int, summaries: list[_PendingSummary]) -> None:
     """Compute and store the reporting summaries of applied rounds, outside the close transaction.
 
     The exact optimum behind the regret estimate is the slowest part of a close at large K; doing it
@@ -415,7 +415,7 @@ def _store_summaries(store: Store, experiment_id: int, summaries: list[_PendingS
     """
     if not summaries:
         return
-    store.store_summaries(experiment_id, [(pending.round_index, _summary(pending)) for pending in summaries])
+    store.store_summaries(uow.database, experiment_id, [(pending.round_index, _summary(pending)) for pending in summaries])
 
 
 def _summary(pending: _PendingSummary) -> RoundSummary:

@@ -37,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import store
 from ..models import utcnow
 from ..sources import RoundStatistics, RoundWindow, SourceError, SourceLimits, fetch_round_statistics, parse_source
 from ..sources.sandbox import display_message
 from ..sources.spec import MAX_LATE_ROUNDS
-from ..store import Store
+from ..store import UnitOfWork
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def declared_source(config: Mapping[str, Any]):
     return None if declaration is None else parse_source(declaration)
 
 
-def fetch_due_rounds(store: Store, experiment_id: int, now: datetime, *, manual: bool,
+def fetch_due_rounds(uow: UnitOfWork, experiment_id: int, now: datetime, *, manual: bool,
                      expected_round_index: int | None = None,
                      limits: SourceLimits = SourceLimits()) -> SourceResults | None:
     """Query the experiment's source for the rounds the close at ``now`` needs (see the module docstring).
@@ -106,7 +107,7 @@ def fetch_due_rounds(store: Store, experiment_id: int, now: datetime, *, manual:
     Returns None (nothing queried) when the experiment has no source, is not running, or has nothing
     due. Raises :class:`SourceFailed` after storing the error when a query fails.
     """
-    with store.read() as session:
+    with uow.read() as session:
         experiment = store.read_experiment(session, experiment_id)
         if experiment is None or experiment.status != "running" or experiment.config.get("source") is None:
             return None
@@ -118,7 +119,7 @@ def fetch_due_rounds(store: Store, experiment_id: int, now: datetime, *, manual:
     try:
         source = declared_source(experiment.config)
     except SourceError as error:  # stored before a stricter check: shown like any failure
-        _failed(store, experiment_id, experiment.name, None, str(error))
+        _failed(uow, experiment_id, experiment.name, None, str(error))
     # The round the previous update applied is re-queried at least once: what was served between its
     # query and its close's commit landed after that query (late_rounds = 0 re-queries it all the same).
     first = max(0, experiment.applied_rounds - max(source.late_rounds, 1))
@@ -141,23 +142,23 @@ def fetch_due_rounds(store: Store, experiment_id: int, now: datetime, *, manual:
             results[index] = fetch_round_statistics(source, experiment.name, window, arms,
                                                     experiment.config["metrics"], limits)
         except SourceError as error:
-            _failed(store, experiment_id, experiment.name, index, str(error))
+            _failed(uow, experiment_id, experiment.name, index, str(error))
         except Exception as error:  # a driver's exception the source step does not know: shown all the same
             log.exception("Experiment %s: the metric source raised an unexpected error", experiment.name)
-            _failed(store, experiment_id, experiment.name, index,
+            _failed(uow, experiment_id, experiment.name, index,
                     f"The metric source failed unexpectedly: {type(error).__name__}: {display_message(str(error))}")
     return SourceResults(started_at, results)
 
 
-def _failed(store: Store, experiment_id: int, name: str, round_index: int | None, message: str):
+def _failed(uow: UnitOfWork, experiment_id: int, name: str, round_index: int | None, message: str):
     """Store and log a source failure, and raise :class:`SourceFailed`."""
-    store.record_source_failure(experiment_id, message, utcnow())
+    store.record_source_failure(uow.database, experiment_id, message, utcnow())
     log.warning("Experiment %s: the metric source failed (round %s); the round stays open and is retried at "
                 "the next tick: %s", name, round_index, message)
     raise SourceFailed(message)
 
 
-def apply_results(store: Store, session, experiment, work: DueWork, results: SourceResults | None,
+def apply_results(uow: UnitOfWork, session, experiment, work: DueWork, results: SourceResults | None,
                   now: datetime) -> bool:
     """Apply a tick's source results in the close transaction (the experiment's row locked exclusively).
 
@@ -205,5 +206,5 @@ def apply_results(store: Store, session, experiment, work: DueWork, results: Sou
     connection = session.connection()
     store.add_statistics(connection, experiment.id, cell_changes, applied_rounds)
     store.add_arm_round_counts(connection, experiment.id, count_changes)
-    store.record_source_success(session, experiment.id, results.started_at, now)
+    store.record_source_success(uow.database, session, experiment.id, results.started_at, now)
     return True

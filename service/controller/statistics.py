@@ -25,13 +25,13 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
-from .. import events
+from .. import events, store
 from ..cache import ExperimentCache, Snapshot
 from ..errors import ApiError, problems_error
 from ..models import utcnow
 from ..schemas import (StatisticsBatch, round_not_started_message, statistics_name_problems, unknown_arm_message,
                        unknown_metric_message)
-from ..store import Store
+from ..store import UnitOfWork
 from .ingestion import pruned_error, segment_position, segment_problem, stopped_error
 
 
@@ -48,10 +48,10 @@ class StatisticsResult:
     late_cells: int
 
 
-def name_problems(store: Store, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
+def name_problems(uow: UnitOfWork, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:
     """Unknown names and future rounds of a body that failed validation, for the same 422 as its type
     errors (``schemas.parse_json``'s ``also_check``)."""
-    fresh = store.cache.get(name, fresh=True)
+    fresh = uow.cache.get(name, fresh=True)
     return statistics_name_problems(data, fresh.metrics, fresh.arm_names, fresh.round_index)
 
 
@@ -149,20 +149,20 @@ def _conflicting_batch(batch_id: str) -> ApiError:
                     "names one batch: send new statistics under a new id.", {"batch_id": batch_id})
 
 
-def ingest_statistics(store: Store, snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsResult:
+def ingest_statistics(uow: UnitOfWork, snapshot: Snapshot, batch: StatisticsBatch) -> StatisticsResult:
     """Validate ``batch`` against the experiment of ``snapshot`` (``ingestion.open_experiment``) and
     apply it once (see the module docstring)."""
     last_round = max([cell.round for cell in batch.cells] + [entry.round for entry in batch.units])
     if last_round > snapshot.round_index:
-        snapshot = store.cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
+        snapshot = uow.cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
     segment_cells: list[tuple] = []
-    cells, units = resolve(store.cache, snapshot, batch, segment_cells)
+    cells, units = resolve(uow.cache, snapshot, batch, segment_cells)
     first_round = min([cell[0] for cell in cells] + [entry[0] for entry in units])
     digest = content_hash(segment_cells if snapshot.segmented else cells, units)
-    with store.write() as session:
+    with uow.write() as session:
         row = store.lock_for_ingestion(session, snapshot.id)
         if row is None:  # deleted since this process cached the snapshot
-            store.cache.forget(snapshot.name)
+            uow.cache.forget(snapshot.name)
             raise ApiError(404, "not_found", f"There is no experiment named {snapshot.name!r}.")
         if row.status == "stopped":
             raise stopped_error(snapshot.name)
@@ -170,7 +170,7 @@ def ingest_statistics(store: Store, snapshot: Snapshot, batch: StatisticsBatch) 
             raise pruned_error(first_round, row.pruned_rounds, "a statistics batch")
         stored = store.statistics_batch_hash(session, snapshot.id, batch.batch_id)
         if stored is None and not store.insert_statistics_batch(
-                session, snapshot.id, batch.batch_id, digest, (first_round, last_round), len(cells),
+                uow.database, session, snapshot.id, batch.batch_id, digest, (first_round, last_round), len(cells),
                 utcnow()):
             stored = store.statistics_batch_hash(session, snapshot.id, batch.batch_id)  # committed meanwhile
         if stored is not None:

@@ -48,10 +48,11 @@ def prepare_database(instance: Path | None) -> tuple[str, Path, str, str]:
 def _ensure_tokens(app, path: Path) -> tuple[str, str]:
     """Reuse the tokens saved by a previous run while the database still accepts them (known, with
     the same role, neither revoked nor expired); make new ones otherwise."""
-    from ..bootstrap import get_store
+    from .. import store
+    from ..bootstrap import get_uow
     from ..models import utcnow
 
-    store = get_store(app)
+    uow = get_uow(app)
     saved: dict[str, str] = {}
     if path.exists():
         try:
@@ -59,7 +60,7 @@ def _ensure_tokens(app, path: Path) -> tuple[str, str]:
         except (OSError, ValueError):
             saved = {}
     tokens: dict[str, str] = {}
-    with store.write() as session:
+    with uow.write() as session:
         for role in ("admin", "read"):
             token = saved.get(role)
             row = None if token is None else store.token_by_hash(session, store.hash_token(token))

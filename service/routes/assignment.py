@@ -6,7 +6,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app
 
 from ..auth import require_role
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..cache import Snapshot
 from ..controller import assignment
 from ..errors import invalid
@@ -28,7 +28,7 @@ def assign(name: str):
             raise invalid("unit", f"Send {_UNIT_OR_UNITS}, not both.")
         batch = parse(AssignMany, body)
         units = batch.units
-        snapshot, stale, arms, probabilities, served = assignment.assign_many(get_store(), name, units, batch.unit_segments(),
+        snapshot, stale, arms, probabilities, served = assignment.assign_many(get_uow(), name, units, batch.unit_segments(),
                                                                                exposures=get_exposures())
         app = current_app._get_current_object()
         if compact_json(app):
@@ -42,7 +42,7 @@ def assign(name: str):
         raise invalid("unit", f"Field required: send {_UNIT_OR_UNITS}.")
     one = parse(AssignOne, body)
     unit = one.unit
-    snapshot, stale, arm, probability, served = assignment.assign_one(get_store(), name, unit, one.segment,
+    snapshot, stale, arm, probability, served = assignment.assign_one(get_uow(), name, unit, one.segment,
                                                                        exposures=get_exposures())
     app = current_app._get_current_object()
     if compact_json(app):

@@ -6,7 +6,7 @@ import numpy as np
 from flask import Blueprint
 
 from ..auth import require_role
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..controller import reports
 from ..controller.reports import ArmSelection, json_safe, lift_summary, segments_kept, select_arms
 from ..responses import (ArmRest, BestMixture, BestSingle, Diagnostics, EstimateView, Guardrail, Lift, MixtureValues,
@@ -23,7 +23,7 @@ def diagnostics(name: str):
     """How the experiment is doing; ``?arms=N`` keeps the N arms of largest max(p_t, deployed) in
     every per-arm array and sums the others into ``rest`` (:func:`.experiments.summary_arms`)."""
     arms = summary_arms()
-    diagnostics = reports.diagnostics(get_store(), name)
+    diagnostics = reports.diagnostics(get_uow(), name)
     snapshot, report = diagnostics.snapshot, diagnostics.report
     metrics = snapshot.metrics
     selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)

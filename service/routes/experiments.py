@@ -8,7 +8,7 @@ from datetime import datetime
 from flask import Blueprint
 
 from ..auth import require_role
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..cache import Snapshot
 from ..controller import experiments
 from ..controller.reports import ArmSelection, select_arms
@@ -103,7 +103,7 @@ def segments_view(snapshot: Snapshot, selection: ArmSelection | None = None) -> 
 @bp.post("")
 @require_role("admin")
 def create():
-    return respond(experiment_view(experiments.create(get_store(), parse(ExperimentCreate, json_body()))), 201)
+    return respond(experiment_view(experiments.create(get_uow(), parse(ExperimentCreate, json_body()))), 201)
 
 
 @bp.get("")
@@ -112,44 +112,44 @@ def list_experiments():
     archived = query_flag("archived", False)  # true: the archived experiments instead of the others
     arms = summary_arms()
     return respond(ExperimentList(experiments=[experiment_view(snapshot, arms)
-                                               for snapshot in experiments.list_all(get_store(), archived=archived)]))
+                                               for snapshot in experiments.list_all(get_uow(), archived=archived)]))
 
 
 @bp.get("/<name>")
 @require_role("read")
 def show(name: str):
     arms = summary_arms()
-    return respond(experiment_view(experiments.show(get_store(), name), arms))
+    return respond(experiment_view(experiments.show(get_uow(), name), arms))
 
 
 @bp.post("/<name>/pause")
 @require_role("admin")
 def pause(name: str):
-    return respond(experiment_view(experiments.set_status(get_store(), name, "paused")))
+    return respond(experiment_view(experiments.set_status(get_uow(), name, "paused")))
 
 
 @bp.post("/<name>/resume")
 @require_role("admin")
 def resume(name: str):
-    return respond(experiment_view(experiments.set_status(get_store(), name, "running")))
+    return respond(experiment_view(experiments.set_status(get_uow(), name, "running")))
 
 
 @bp.post("/<name>/stop")
 @require_role("admin")
 def stop(name: str):
-    return respond(experiment_view(experiments.set_status(get_store(), name, "stopped")))
+    return respond(experiment_view(experiments.set_status(get_uow(), name, "stopped")))
 
 
 @bp.post("/<name>/archive")
 @require_role("admin")
 def archive(name: str):
-    return respond(experiment_view(experiments.archive(get_store(), name)))
+    return respond(experiment_view(experiments.archive(get_uow(), name)))
 
 
 @bp.delete("/<name>")
 @require_role("admin")
 def delete(name: str):
-    return respond(ExperimentDeleted(name=name, deleted_rows=experiments.delete(get_store(), name)))
+    return respond(ExperimentDeleted(name=name, deleted_rows=experiments.delete(get_uow(), name)))
 
 
 @bp.get("/<name>/events")
@@ -159,7 +159,7 @@ def events(name: str):
     ``next_since`` is the cursor of the next page (null after the last event)."""
     since = query_integer("since", 0, 0, MAX_EVENT_ID)
     limit = query_integer("limit", EVENTS_PAGE, 1, EVENTS_PAGE)
-    rows = experiments.events(get_store(), name, since, limit + 1)  # one more tells whether another page follows
+    rows = experiments.events(get_uow(), name, since, limit + 1)  # one more tells whether another page follows
     page = [ExperimentEvent(id=row.id, kind=row.kind, round=row.round_index, at=iso(row.at), details=row.details)
             for row in rows[:limit]]
     return respond(ExperimentEventList(events=page, next_since=rows[limit].id if len(rows) > limit else None))

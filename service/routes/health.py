@@ -7,7 +7,7 @@ from datetime import timedelta
 from flask import Blueprint, current_app, jsonify, request
 
 from ..auth import authenticate
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..controller import reports
 from ..errors import ApiError
 from ..openapi import openapi_document
@@ -38,7 +38,7 @@ def _may_read_sources() -> bool:
 @bp.get("/healthz")
 def healthz():
     """Within ``PASTO_HEALTHZ_TIMEOUT`` whatever the database does (``controller.reports.health``)."""
-    health = reports.health(get_store(), scheduler_alive_within(current_app.config["PASTO_SCHEDULER_INTERVAL"]),
+    health = reports.health(get_uow(), scheduler_alive_within(current_app.config["PASTO_SCHEDULER_INTERVAL"]),
                             current_app.config["PASTO_HEALTHZ_TIMEOUT"])
     if not health.reachable:
         response = respond(Health(

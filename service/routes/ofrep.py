@@ -14,7 +14,7 @@ from flask import Blueprint, Response, request
 
 from .. import ofrep
 from ..auth import require_role
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..controller import assignment, experiments
 from ..errors import ApiError
 from ..exposures import get_exposures
@@ -30,7 +30,7 @@ def evaluate_flag(key: str):
     try:
         unit, segment = ofrep.read_context(request.get_data(cache=False))
         snapshot, stale, arm, probability, served = assignment.assign_one(
-            get_store(), key, unit, segment, segment_optional=True, exposures=get_exposures())
+            get_uow(), key, unit, segment, segment_optional=True, exposures=get_exposures())
     except ofrep.EvaluationProblem as problem:
         return respond_json(ofrep.failure(key, problem.code, problem.details), problem.status)
     except ApiError as error:
@@ -53,10 +53,10 @@ def evaluate_flags():
     except ofrep.EvaluationProblem as problem:
         return respond_json({"errorCode": problem.code, "errorDetails": problem.details}, 400)
     flags = []
-    store, exposures = get_store(), get_exposures()
-    for listed in experiments.list_all(store):
+    uow, exposures = get_uow(), get_exposures()
+    for listed in experiments.list_all(uow):
         try:
-            snapshot, _, arm, probability, served = assignment.assign_one(store, listed.name, unit, segment,
+            snapshot, _, arm, probability, served = assignment.assign_one(uow, listed.name, unit, segment,
                                                                           segment_optional=True, exposures=exposures)
         except ApiError as error:
             if error.status == 404:  # deleted since it was listed

@@ -5,7 +5,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, request
 
 from ..auth import require_role
-from ..bootstrap import get_store
+from ..bootstrap import get_uow
 from ..controller import reports, rounds
 from ..controller.reports import segments_kept, select_arms
 from ..errors import invalid
@@ -47,7 +47,7 @@ def close_current_round(name: str):
             if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
                 raise invalid("round", "Must be a non-negative integer.")
             expected = requested
-    advance, fresh = rounds.close_current_round(get_store(), name, expected,
+    advance, fresh = rounds.close_current_round(get_uow(), name, expected,
                                                 limits=SourceLimits.from_config(current_app.config))
     return respond(RoundClosed(closed_round=advance.closed_round, applied=list(advance.applied),
                                round=round_times(fresh), probabilities=fresh.probabilities.tolist(),
@@ -66,8 +66,8 @@ def list_rounds(name: str):
     limit = query_integer("limit", None, 1, MAX_DEFAULT_PAGE_ROUNDS)  # the OpenAPI document's maximum too
     arms = summary_arms()
     if limit is None:
-        limit = default_page_rounds(reports.arm_count(get_store(), name))
-    history = reports.round_history(get_store(), name, since, limit)
+        limit = default_page_rounds(reports.arm_count(get_uow(), name))
+    history = reports.round_history(get_uow(), name, since, limit)
     snapshot = history.snapshot
     selection = select_arms(snapshot.probabilities, snapshot.deployed, arms)
 

@@ -270,7 +270,7 @@ def test_a_pruned_round_observation_is_isolated_and_its_neighbours_accepted(serv
 
     from service import create_app
     from service.controller.retention import prune
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.db import get_db
     from service.models import utcnow
 
@@ -279,7 +279,7 @@ def test_a_pruned_round_observation_is_isolated_and_its_neighbours_accepted(serv
     admin.close_round(name)  # round 0 applied a round ago; round 2 is served
     # Retention (the scheduler's job) prunes round 0's ids: its data can no longer be de-duplicated.
     app = create_app({"PASTO_DATABASE_URL": server.database_url, "PASTO_ADMIN_TOKEN": server.admin_token})
-    prune(get_store(app), utcnow() + timedelta(seconds=1), 0)
+    prune(get_uow(app), utcnow() + timedelta(seconds=1), 0)
     get_db(app).engine.dispose()
     rejected: list[tuple[PastoAPIError, list[dict]]] = []
     buffer = ObservationBuffer(admin, name, max_batch=16, flush_interval=60,

@@ -111,11 +111,11 @@ def jsonify_bytes(app, body) -> bytes:
 
 def wire_dicts(app, name: str, units: list[str], segments: list[str] | None = None) -> list[dict]:
     """The answers for ``units`` computed from the cached snapshot with the shared hash, as dicts."""
-    from service.bootstrap import get_store
+    from service.bootstrap import get_uow
     from service.responses import assignments
 
     with app.app_context():
-        snapshot = get_store(app).cache.get(name, fresh=True)
+        snapshot = get_uow(app).cache.get(name, fresh=True)
     if segments is None:
         arms = [choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit)) for unit in units]
         probabilities = [float(snapshot.serving[arm]) for arm in arms]

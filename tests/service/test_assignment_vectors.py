@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import sqlalchemy as sa
 
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
 from tests.assignment_vectors import cases, mixture, vectors
@@ -35,7 +35,7 @@ def put_state(app, name: str, round_index: int, probabilities: list[float],
         current.segment_probabilities = segment_probabilities
         experiment.round_index = round_index
         experiment.version = experiment.version + 1
-    get_store(app).cache.forget(name)  # the next request loads the new version now, not after the check interval
+    get_uow(app).cache.forget(name)  # the next request loads the new version now, not after the check interval
 
 
 def test_the_server_reproduces_every_case(app, api, setup_a):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 
 
 def test_a_new_version_reuses_the_arms_of_the_same_experiment(app, api, setup_a):
     assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
-    cache = get_store(app).cache
+    cache = get_uow(app).cache
     with app.app_context():
         before = cache.get("setup-a", fresh=True)
         assert api("POST", "/api/v1/experiments/setup-a/rounds").status_code == 200
@@ -24,7 +24,7 @@ def test_an_experiment_recreated_under_the_same_name_gets_its_own_arms(app, api,
     """Deleted out of band (there is no API for it) and created again: SQLite may give the new row the
     old id; once its version moves on, the creation time tells the two apart."""
     assert api("POST", "/api/v1/experiments", json=setup_a()).status_code == 201
-    cache = get_store(app).cache
+    cache = get_uow(app).cache
     with app.app_context():
         old = cache.get("setup-a", fresh=True)
     with get_db(app).write() as session:

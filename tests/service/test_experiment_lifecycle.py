@@ -44,9 +44,9 @@ def fill(api: Api, name: str, n: int = 20) -> list[dict]:
 
 def experiment_id(app, name: str) -> int:
     with app.app_context():
-        from service.bootstrap import get_store
+        from service.bootstrap import get_uow
 
-        return get_store().cache.get(name, fresh=True).id
+        return get_uow().cache.get(name, fresh=True).id
 
 
 def row_counts(app, experiment: int) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 - routes (``service/routes/``) never reach the database themselves (no SQLAlchemy, no
   ``service.store``, no ``service.models``);
-- the use cases (``service/controller/``) know nothing of Flask: they are given a ``Store``;
+- the use cases (``service/controller/``) know nothing of Flask: they are given a ``UnitOfWork``;
 - the store (``service/store.py``, all SQL) knows nothing of HTTP (no Flask);
 - only the store, and the modules that define the engine and the schema (``service/db.py``,
   ``service/models.py``, ``migrations/``), import SQLAlchemy. ``service/sources/`` is the one other

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.controller import reports
 from service.controller.rounds import close_due_rounds
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, Round, utcnow
 from service.scheduler import heartbeat
@@ -161,7 +161,7 @@ def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
     with database.write() as session:
         # Both rounds ended 90 s ago and no scheduler closed them.
         session.execute(sa.update(Round).values(ends_at=now - timedelta(seconds=90)))
-    heartbeat(get_store(app), "test-scheduler", now - timedelta(seconds=40))
+    heartbeat(get_uow(app), "test-scheduler", now - timedelta(seconds=40))
     samples = scrape(api)
     assert value(samples, "pasto_scheduler_lag_seconds", experiment="lagging") >= 90
     assert value(samples, "pasto_scheduler_lag_seconds", experiment="idle") == 0  # paused: nothing is due
@@ -171,7 +171,7 @@ def test_scheduler_lag_and_heartbeat_are_read_from_the_database(api, setup_a):
     assert value(samples, "pasto_last_update_timestamp_seconds", experiment="lagging") == updated.timestamp()
 
     # The scheduler's job catches up: the lag is recorded once in the histogram and the gauge drops to 0.
-    (advance,) = close_due_rounds(get_store(app))
+    (advance,) = close_due_rounds(get_uow(app))
     assert advance.experiment == "lagging"
     samples = scrape(api)
     assert value(samples, "pasto_scheduler_lag_seconds", experiment="lagging") == 0
@@ -359,7 +359,7 @@ def _check_against_the_api(api, name: str, observed: int, late: int) -> None:
     app = api.client.application
     with app.app_context(), get_db(app).read() as session:
         experiment_id = session.execute(sa.select(Experiment.id).where(Experiment.name == name)).scalar_one()
-        units, late_from_rows, srm = reports.traffic_report(get_store(app), session, experiment_id, len(arm_names))
+        units, late_from_rows, srm = reports.traffic_report(get_uow(app), session, experiment_id, len(arm_names))
     assert diagnostics["units"] == units.astype(int).tolist() and late_from_rows == late
     if srm["p_value"] is None:
         assert diagnostics["srm"]["p_value"] is None

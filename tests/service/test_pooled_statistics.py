@@ -12,10 +12,10 @@ import sqlalchemy as sa
 import migrations
 import pasto.algorithm
 from service.controller.rounds import close_due_rounds, close_round
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, LateStatistic, Round, RoundStatistic
-from service.store import Store, pooled_statistics
+from service.store import UnitOfWork, pooled_statistics
 
 EXPERIMENT = "/api/v1/experiments/setup-a"
 ARMS = [{"name": name} for name in ("a", "b", "c")]
@@ -103,10 +103,10 @@ def test_every_update_sees_the_pooled_statistics_of_rounds_up_to_its_own(backend
         if c >= 4:  # late: for a round whose update already ran
             observe(api, int(rng.integers(0, c - 3)), f"s{step}-late", 5, seed=200 + step)
         if step in (6, 12):  # a manual close: applies every pending round at once, settle time ignored
-            advance = close_round(get_store(app), experiment_id, c)
+            advance = close_round(get_uow(app), experiment_id, c)
             assert len(advance.applied) >= 3, advance
         else:
-            close_due_rounds(get_store(app), current.ends_at)
+            close_due_rounds(get_uow(app), current.ends_at)
     with get_db(app).read() as session:
         applied = session.execute(sa.select(Experiment.applied_rounds)).scalar_one()
     assert [call["index"] for call in calls] == list(range(applied))
@@ -146,7 +146,7 @@ def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backe
                 table.c.experiment_id == experiment_id, *where)).scalar_one()
                 for table, where in ((RoundStatistic.__table__, [RoundStatistic.round_index == c]),
                                      (LateStatistic.__table__, [])))
-        assert close_round(Store.open(database), experiment_id, c).applied == (c,)
+        assert close_round(UnitOfWork.open(database), experiment_id, c).applied == (c,)
         with database.read() as session:  # the update took the late cells in
             assert session.execute(sa.select(sa.func.count()).select_from(LateStatistic)).scalar_one() == 0
     assert len(folds) == 30
@@ -184,7 +184,7 @@ def test_diagnostics_pool_every_round_so_far(backend_api, backend_url, setup_a):
                 got = pooled_statistics(session, experiment_id, round_index, N_METRICS, N_ARMS)
             assert_statistics(got, full_aggregate(engine, experiment_id, round_index)[1])
             assert got.counts.sum() == full_aggregate(engine, experiment_id, round_index)[2]
-            close_due_rounds(get_store(app), current.ends_at + timedelta(seconds=30 * (c % 3)))
+            close_due_rounds(get_uow(app), current.ends_at + timedelta(seconds=30 * (c % 3)))
     response = api("GET", f"{EXPERIMENT}/diagnostics", role="read")
     assert response.status_code == 200, response.get_json()
     engine.dispose()
@@ -204,7 +204,7 @@ def applied_rounds_on_a_migrated_database(backend_url, app_factory, setup_a, n_r
     database = get_db(app)
     for c in range(n_rounds):
         observe(api, c, f"m{c}", 20, seed=c)
-        close_round(Store.open(database), experiment_id, c)
+        close_round(UnitOfWork.open(database), experiment_id, c)
     return api, database, experiment_id
 
 
@@ -223,7 +223,7 @@ def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_facto
             "WHERE experiment_id = :e AND round_index <= 1"), {"e": experiment_id})
     migrations.upgrade(backend_url)
     calls = record_updates(monkeypatch, engine, experiment_id)
-    assert close_round(Store.open(database), experiment_id, 3).applied == (3,)
+    assert close_round(UnitOfWork.open(database), experiment_id, 3).applied == (3,)
     (call,) = calls
     assert_statistics(call["round"], call["expected_round"])
     assert_statistics(call["pooled"], call["expected_pooled"])  # everything of rounds 0..3, nothing of 4

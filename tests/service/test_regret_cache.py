@@ -13,7 +13,7 @@ from service.db import get_db
 from service.errors import ApiError
 from service.models import Experiment, Round
 from service.responses import RoundSummary
-from service.store import Store
+from service.store import UnitOfWork
 from tests.service.test_rounds import EXPERIMENT, experiment_row, observe
 
 
@@ -120,9 +120,9 @@ def test_a_delete_between_the_two_regret_reads_is_a_404_not_a_key_error(backend_
     with database.read() as session:
         if database.engine.dialect.name == "postgresql":
             with pytest.raises(ApiError) as raised:
-                reports.stored_regrets(Store.open(database), session, identifier, "setup-a")
+                reports.stored_regrets(UnitOfWork.open(database), session, identifier, "setup-a")
             assert raised.value.status == 404 and raised.value.code == "not_found"
             assert "deleted while its diagnostics were being read" in raised.value.message
             assert identifier not in reports._regret_caches[database.engine].entries
         else:
-            assert reports.stored_regrets(Store.open(database), session, identifier, "setup-a") == before
+            assert reports.stored_regrets(UnitOfWork.open(database), session, identifier, "setup-a") == before

@@ -16,7 +16,7 @@ from service import store
 from service.controller.retention import prune
 from service.db import get_db
 from service.models import Experiment, utcnow
-from service.store import Store
+from service.store import UnitOfWork
 from tests.round_counts import assert_round_counts_match, grouped_arm_counts
 from tests.service.conftest import Api
 from tests.service.test_segments import segmented_body
@@ -84,7 +84,7 @@ def test_round_counts_follow_observations_batches_late_data_and_retention(servic
     assert api("GET", path("hooked", "/diagnostics")).get_json()["late_observations"] == 12
 
     database = get_db(app)
-    result = prune(Store.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600)
+    result = prune(UnitOfWork.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600)
     assert result.advanced  # round 0 of both pruned: ids and units go, the counts stay
     assert check(app, "hooked") == hooked
     assert check(app, "pushed") == pushed

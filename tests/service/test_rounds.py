@@ -12,7 +12,7 @@ import pasto.algorithm
 from pasto.algorithm import AlgorithmConfig
 from service import store
 from service.controller.rounds import close_due_rounds, close_round
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, Round
 from service.scheduler import run_scheduled_work
@@ -61,7 +61,7 @@ def test_two_threads_closing_the_same_round_apply_one_update(backend_api, setup_
 
     def closer():
         barrier.wait()
-        results.append(close_round(get_store(app), experiment_id, 0))
+        results.append(close_round(get_uow(app), experiment_id, 0))
 
     threads = [threading.Thread(target=closer) for _ in range(2)]
     for thread in threads:
@@ -85,7 +85,7 @@ def test_two_schedulers_close_each_round_once(backend_api, setup_a, monkeypatch)
     for step in range(1, 6):
         now = start + timedelta(seconds=2 * step)
         barrier = threading.Barrier(2)
-        threads = [threading.Thread(target=lambda b=barrier, t=now: (b.wait(), close_due_rounds(get_store(app), t)))
+        threads = [threading.Thread(target=lambda b=barrier, t=now: (b.wait(), close_due_rounds(get_uow(app), t)))
                    for _ in range(2)]
         for thread in threads:
             thread.start()
@@ -118,26 +118,26 @@ def test_a_failed_update_leaves_the_round_open(api, app, setup_a, monkeypatch):
 def test_scheduler_job_closes_due_rounds_only(api, app, setup_a):
     assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
     ends_at = round_rows(app)[0].ends_at
-    assert close_due_rounds(get_store(app), ends_at - timedelta(seconds=1)) == []
-    advances = close_due_rounds(get_store(app), ends_at)
+    assert close_due_rounds(get_uow(app), ends_at - timedelta(seconds=1)) == []
+    advances = close_due_rounds(get_uow(app), ends_at)
     assert [(a.experiment, a.closed_round, a.applied, a.round_index) for a in advances] == [("setup-a", 0, (0,), 1)]
     rounds = round_rows(app)
     assert rounds[1].started_at == ends_at and rounds[1].ends_at == ends_at + timedelta(seconds=60)
-    assert close_due_rounds(get_store(app), ends_at) == []
+    assert close_due_rounds(get_uow(app), ends_at) == []
 
 
 def test_settle_time_delays_the_update_and_decides_lateness(api, app, setup_a):
     assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60, settle_seconds=30)).status_code == 201
     observe(api, 0, "a")
     ends_at = round_rows(app)[0].ends_at
-    first = close_due_rounds(get_store(app), ends_at + timedelta(seconds=1))
+    first = close_due_rounds(get_uow(app), ends_at + timedelta(seconds=1))
     assert [(a.closed_round, a.applied) for a in first] == [(0, ())]
     rounds = round_rows(app)
     assert rounds[1].probabilities == rounds[0].probabilities  # nothing learned yet
     assert rounds[0].closed_at is not None and rounds[0].applied_at is None
     observe(api, 0, "settling", n=6)  # round 0 has ended but is settling: on time
     assert api("GET", f"{EXPERIMENT}/diagnostics", role="read").get_json()["late_observations"] == 0
-    second = close_due_rounds(get_store(app), ends_at + timedelta(seconds=31))
+    second = close_due_rounds(get_uow(app), ends_at + timedelta(seconds=31))
     assert [(a.closed_round, a.applied) for a in second] == [(None, (0,))]
     experiment = experiment_row(app)
     assert (experiment.round_index, experiment.applied_rounds) == (1, 1)
@@ -168,7 +168,7 @@ def test_paused_rounds_do_not_advance_and_resume_restarts_the_clock(api, app, se
     assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
     ends_at = round_rows(app)[0].ends_at
     assert api("POST", f"{EXPERIMENT}/pause").get_json()["status"] == "paused"
-    assert close_due_rounds(get_store(app), ends_at + timedelta(hours=1)) == []
+    assert close_due_rounds(get_uow(app), ends_at + timedelta(hours=1)) == []
     assert api("POST", f"{EXPERIMENT}/assign", role="ingest", json={"unit": "u"}).get_json()["round"] == 0
     observe(api, 0, "while-paused")  # paused experiments keep collecting data
     resumed = api("POST", f"{EXPERIMENT}/resume").get_json()
@@ -179,7 +179,7 @@ def test_paused_rounds_do_not_advance_and_resume_restarts_the_clock(api, app, se
 def test_stopped_experiments_are_never_advanced(api, app, setup_a):
     assert api("POST", "/api/v1/experiments", json=setup_a(round_seconds=60)).status_code == 201
     api("POST", f"{EXPERIMENT}/stop")
-    assert close_due_rounds(get_store(app), round_rows(app)[0].ends_at + timedelta(hours=1)) == []
+    assert close_due_rounds(get_uow(app), round_rows(app)[0].ends_at + timedelta(hours=1)) == []
     assert api("POST", f"{EXPERIMENT}/rounds").status_code == 409
 
 
@@ -317,7 +317,7 @@ def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api
             assert response.status_code == 202
         with monkeypatch.context() as patch:
             patch.setattr(store, "store_summaries", failing_store)
-            advances = close_due_rounds(get_store(app), max(row.ends_at for row in round_rows(app)))
+            advances = close_due_rounds(get_uow(app), max(row.ends_at for row in round_rows(app)))
         assert sorted(advance.experiment for advance in advances) == ["kept", "lost"]
     with get_db(app).read() as session:
         summaries = dict(session.execute(sa.select(Round.experiment_id, sa.func.count(Round.summary))
@@ -325,7 +325,7 @@ def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api
     assert summaries[lost_id] == 0 and summaries[kept_id] == 3
     # The next tick, a few seconds later, repairs all three; nothing else changes.
     last_applied = max(row.applied_at for row in round_rows(app) if row.applied_at is not None)
-    assert close_due_rounds(get_store(app), last_applied + timedelta(seconds=3)) == []
+    assert close_due_rounds(get_uow(app), last_applied + timedelta(seconds=3)) == []
     with get_db(app).read() as session:
         rows = session.execute(sa.select(Round.experiment_id, Round.index, Round.summary, Round.summary_input)
                                .where(Round.applied_at.is_not(None))

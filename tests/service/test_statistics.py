@@ -14,7 +14,7 @@ from pasto.estimators import Statistics
 from service.auth import create_token
 from service.controller.retention import prune
 from service.db import get_db
-from service.store import Store
+from service.store import UnitOfWork
 from service.models import (ArmRoundCount, Experiment, LateStatistic, ObservationId, RoundStatistic, RoundUnit,
                             StatisticsBatch, utcnow)
 from tests.service.conftest import Api, make_app, setup_a_body
@@ -187,12 +187,12 @@ def test_retention_prunes_old_rounds_and_refuses_their_data(service):
     assert api("POST", path("kept", "/rounds"), json={"round": 0}).status_code == 200
     database = get_db(app)
 
-    nothing = prune(Store.open(database), utcnow(), retention_seconds=3600)  # applied just now: within the window
+    nothing = prune(UnitOfWork.open(database), utcnow(), retention_seconds=3600)  # applied just now: within the window
     assert nothing.advanced == {} and not any(nothing.deleted.values())
-    assert prune(Store.open(database), utcnow() + timedelta(days=30), retention_seconds=None).advanced == {}  # forever
+    assert prune(UnitOfWork.open(database), utcnow() + timedelta(days=30), retention_seconds=None).advanced == {}  # forever
 
     before = stored(app, "kept")
-    result = prune(Store.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600, chunk_rows=7)
+    result = prune(UnitOfWork.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600, chunk_rows=7)
     assert list(result.advanced.values()) == [1] and result.finished
     assert result.deleted == {"observation_ids": 40, "round_units": 40, "statistics_batches": 1}
     with database.read() as session:
@@ -212,7 +212,7 @@ def test_retention_prunes_old_rounds_and_refuses_their_data(service):
     current = assigned_observations(api, "kept", 1, 10, seed=6, prefix="k1")
     assert api("POST", path("kept", "/observations"), role="ingest", json={"observations": current}).status_code == 202
     # Pruning is idempotent: a second run finds nothing more to do.
-    again = prune(Store.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600)
+    again = prune(UnitOfWork.open(database), utcnow() + timedelta(seconds=3601), retention_seconds=3600)
     assert again.advanced == {} and not any(again.deleted.values())
 
 
@@ -225,9 +225,9 @@ def test_retention_deletes_in_bounded_chunks(service):
     assert api("POST", path("chunks", "/rounds"), json={"round": 0}).status_code == 200
     database = get_db(app)
     later = utcnow() + timedelta(seconds=10)
-    partial = prune(Store.open(database), later, retention_seconds=0, chunk_rows=10, max_chunks=2)
+    partial = prune(UnitOfWork.open(database), later, retention_seconds=0, chunk_rows=10, max_chunks=2)
     assert not partial.finished and partial.deleted["observation_ids"] == 20
-    rest = prune(Store.open(database), later, retention_seconds=0, chunk_rows=10, max_chunks=100)
+    rest = prune(UnitOfWork.open(database), later, retention_seconds=0, chunk_rows=10, max_chunks=100)
     assert rest.finished and rest.advanced == {}  # already advanced by the first call
     assert rest.deleted == {"observation_ids": 10, "round_units": 30, "statistics_batches": 0}
 

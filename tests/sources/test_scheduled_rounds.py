@@ -34,7 +34,7 @@ import service.controller.reports as reports_controller
 import service.scheduler as scheduler_module
 from service import create_app
 from service.auth import create_token
-from service.bootstrap import get_store
+from service.bootstrap import get_uow
 from service.db import get_db
 from tests.round_counts import assert_round_counts_match
 
@@ -477,9 +477,9 @@ def test_an_older_answer_is_never_applied_over_a_newer_one(tmp_path, monkeypatch
         experiment_id = session.execute(sa.text("SELECT id FROM experiments WHERE name = :name"),
                                         {"name": Run.SOURCED}).scalar_one()
     close_time = round_start(1)
-    older = fetch_due_rounds(get_store(run.app), experiment_id, close_time, manual=False)  # the first half only
+    older = fetch_due_rounds(get_uow(run.app), experiment_id, close_time, manual=False)  # the first half only
     landing.land([], second)
-    newer = fetch_due_rounds(get_store(run.app), experiment_id, close_time, manual=False)  # every row
+    newer = fetch_due_rounds(get_uow(run.app), experiment_id, close_time, manual=False)  # every row
     answers = iter([newer, older])
     real_fetch = rounds_controller.fetch_due_rounds
 

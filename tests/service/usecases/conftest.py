@@ -1,5 +1,5 @@
 """The use cases (``service.controller``) run against a real store, without Flask: no application
-object, no server, no test client. A :class:`service.store.Store` over a migrated SQLite file (a copy
+object, no server, no test client. A :class:`service.store.UnitOfWork` over a migrated SQLite file (a copy
 of the migrated template, ``tests.migrated``) or, for tests marked ``postgres``, a fresh PostgreSQL
 database; the use cases are called as the routes and the scheduler call them."""
 
@@ -13,7 +13,7 @@ import pytest
 from service.controller import experiments, ingestion, statistics
 from service.db import open_database
 from service.schemas import ExperimentCreate, ObservationBatch, StatisticsBatch
-from service.store import Store
+from service.store import UnitOfWork
 from tests.migrated import upgrade_to_head
 
 from ..conftest import setup_a_body
@@ -25,49 +25,49 @@ def no_application(monkeypatch):
     import flask
 
     def refuse(*args, **kwargs):
-        raise AssertionError("A use-case test made a Flask application; the use cases take a Store.")
+        raise AssertionError("A use-case test made a Flask application; the use cases take a UnitOfWork.")
 
     monkeypatch.setattr(flask.Flask, "__init__", refuse)
 
 
-def open_store(url: str) -> Store:
+def open_uow(url: str) -> UnitOfWork:
     upgrade_to_head(url)
-    return Store.open(open_database(url))
+    return UnitOfWork.open(open_database(url))
 
 
 @pytest.fixture
-def store(tmp_path) -> Iterator[Store]:
-    """A store over a migrated SQLite file."""
-    opened = open_store(f"sqlite:///{tmp_path / 'pasto.sqlite'}")
+def uow(tmp_path) -> Iterator[UnitOfWork]:
+    """A unit of work over a migrated SQLite file."""
+    opened = open_uow(f"sqlite:///{tmp_path / 'pasto.sqlite'}")
     yield opened
     opened.database.engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def backend_store(request, tmp_path) -> Iterator[Store]:
-    """A store over a migrated database of each backend."""
+def backend_uow(request, tmp_path) -> Iterator[UnitOfWork]:
+    """A unit of work over a migrated database of each backend."""
     url = request.getfixturevalue("postgres_url") if request.param == "postgres" else \
         f"sqlite:///{tmp_path / 'pasto.sqlite'}"
-    opened = open_store(url)
+    opened = open_uow(url)
     yield opened
     opened.database.engine.dispose()
 
 
-def create(store: Store, name: str = "setup-a", **overrides: Any):
+def create(uow: UnitOfWork, name: str = "setup-a", **overrides: Any):
     """``experiments.create`` with the paper's setup A (``tests/service/conftest.setup_a_body``)."""
-    return experiments.create(store, ExperimentCreate.model_validate(setup_a_body(name, **overrides)))
+    return experiments.create(uow, ExperimentCreate.model_validate(setup_a_body(name, **overrides)))
 
 
-def observe(store: Store, name: str, observations: list[dict[str, Any]]):
+def observe(uow: UnitOfWork, name: str, observations: list[dict[str, Any]]):
     """What ``POST .../observations`` does with a body: open the experiment, then ingest."""
-    snapshot = ingestion.open_experiment(store, name)
-    return ingestion.ingest(store, snapshot, ObservationBatch.model_validate({"observations": observations}).observations)
+    snapshot = ingestion.open_experiment(uow, name)
+    return ingestion.ingest(uow, snapshot, ObservationBatch.model_validate({"observations": observations}).observations)
 
 
-def push_statistics(store: Store, name: str, body: dict[str, Any]):
+def push_statistics(uow: UnitOfWork, name: str, body: dict[str, Any]):
     """What ``POST .../statistics`` does with a body."""
-    snapshot = ingestion.open_experiment(store, name)
-    return statistics.ingest_statistics(store, snapshot, StatisticsBatch.model_validate(body))
+    snapshot = ingestion.open_experiment(uow, name)
+    return statistics.ingest_statistics(uow, snapshot, StatisticsBatch.model_validate(body))
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
+from service import store
 from service.controller import assignment, reports, rounds
 from service.controller.retention import prune
 from service.errors import ApiError
@@ -24,53 +25,53 @@ BATCH = {"batch_id": "job/round-0", "cells": [
     "units": [{"round": 0, "arm": "a", "units": 2}]}
 
 
-def table_rows(store, experiment_id: int) -> tuple[int, int, int]:
-    with store.read() as session:
+def table_rows(uow, experiment_id: int) -> tuple[int, int, int]:
+    with uow.read() as session:
         counts = store.experiment_row_counts(session, experiment_id)
     return counts["observation_ids"], counts["round_units"], counts["statistics_batches"]
 
 
-def counts(store, name: str) -> tuple:
+def counts(uow, name: str) -> tuple:
     """Observations, distinct units and means (0 where no data) per round and arm."""
-    history = reports.round_history(store, name, 0, None)
+    history = reports.round_history(uow, name, 0, None)
     return history.counts.tolist(), history.units.tolist(), np.nan_to_num(history.means).tolist()
 
 
-def test_pruned_rounds_refuse_a_resend_with_the_counts_unchanged(backend_store):
-    store = backend_store
-    snapshot = create(store, "retained")
+def test_pruned_rounds_refuse_a_resend_with_the_counts_unchanged(backend_uow):
+    uow = backend_uow
+    snapshot = create(uow, "retained")
     units = [f"u{i}" for i in range(50)]
-    arms = assignment.assign_many(store, "retained", units)[2]
+    arms = assignment.assign_many(uow, "retained", units)[2]
     observations = [{"id": f"o{i}", "unit": unit, "round": 0, "arm": "ab"[arms[i]], "values": {"x": float(i), "y": 1.0}}
                     for i, unit in enumerate(units)]
-    assert observe(store, "retained", observations).accepted == 50
-    assert push_statistics(store, "retained", BATCH).duplicate is False
+    assert observe(uow, "retained", observations).accepted == 50
+    assert push_statistics(uow, "retained", BATCH).duplicate is False
     # Within the round (not applied yet): a resend is a duplicate, nothing is pruned.
-    assert push_statistics(store, "retained", BATCH).duplicate is True
-    nothing = prune(store, utcnow() + timedelta(days=1), retention_seconds=0)
-    assert nothing.advanced == {} and table_rows(store, snapshot.id) == (50, 50, 1)
+    assert push_statistics(uow, "retained", BATCH).duplicate is True
+    nothing = prune(uow, utcnow() + timedelta(days=1), retention_seconds=0)
+    assert nothing.advanced == {} and table_rows(uow, snapshot.id) == (50, 50, 1)
 
-    rounds.close_current_round(store, "retained", 0)
-    result = prune(store, utcnow() + timedelta(seconds=1), retention_seconds=0)
+    rounds.close_current_round(uow, "retained", 0)
+    result = prune(uow, utcnow() + timedelta(seconds=1), retention_seconds=0)
     assert result.advanced == {snapshot.id: 1} and result.finished
     assert result.deleted["observation_ids"] == 50 and result.deleted["statistics_batches"] == 1
-    assert table_rows(store, snapshot.id) == (0, 0, 0)
-    with store.read() as session:
+    assert table_rows(uow, snapshot.id) == (0, 0, 0)
+    with uow.read() as session:
         assert store.lock_for_ingestion(session, snapshot.id).pruned_rounds == 1
 
-    before = counts(store, "retained")
-    for send in (lambda: observe(store, "retained", observations), lambda: push_statistics(store, "retained", BATCH)):
+    before = counts(uow, "retained")
+    for send in (lambda: observe(uow, "retained", observations), lambda: push_statistics(uow, "retained", BATCH)):
         with pytest.raises(ApiError) as error:
             send()
         assert (error.value.status, error.value.code) == (409, "round_pruned")
         assert error.value.details == {"round": 0, "pruned_rounds": 1}
-    assert counts(store, "retained") == before
-    assert sum(reports.round_history(store, "retained", 0, None).counts[0]) == 50 + 4  # each once
+    assert counts(uow, "retained") == before
+    assert sum(reports.round_history(uow, "retained", 0, None).counts[0]) == 50 + 4  # each once
 
 
-def test_without_a_retention_nothing_is_pruned(store):
-    create(store, "kept")
-    observe(store, "kept", [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.0}}])
-    rounds.close_current_round(store, "kept", 0)
-    assert prune(store, utcnow() + timedelta(days=3650), retention_seconds=None).advanced == {}
-    assert observe(store, "kept", [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.0}}]).duplicates == 1
+def test_without_a_retention_nothing_is_pruned(uow):
+    create(uow, "kept")
+    observe(uow, "kept", [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.0}}])
+    rounds.close_current_round(uow, "kept", 0)
+    assert prune(uow, utcnow() + timedelta(days=3650), retention_seconds=None).advanced == {}
+    assert observe(uow, "kept", [{"id": "o", "unit": "u", "round": 0, "values": {"x": 1.0}}]).duplicates == 1

@@ -12,31 +12,32 @@ from pasto.algorithm import AlgorithmConfig, ControllerState, initial_state, rou
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.optimum import best_mixture
+from service import store
 from service.controller import assignment, experiments, reports, rounds
 from service.errors import ApiError
 
 from .conftest import create, observe
 
 
-def feed_round(store, name: str, round_index: int, n: int = 40) -> None:
+def feed_round(uow, name: str, round_index: int, n: int = 40) -> None:
     units = [f"r{round_index}-u{i}" for i in range(n)]
-    arms = assignment.assign_many(store, name, units)[2]
-    observe(store, name, [{"id": f"r{round_index}-o{i}", "unit": unit, "round": round_index,
+    arms = assignment.assign_many(uow, name, units)[2]
+    observe(uow, name, [{"id": f"r{round_index}-o{i}", "unit": unit, "round": round_index,
                            "values": {"x": 2.0 if arms[i] == 0 else 0.0, "y": -2.0 if arms[i] == 0 else 2.0}}
                           for i, unit in enumerate(units)])
 
 
-def test_the_admins_close_applies_the_update_of_the_round(store):
-    create(store, "feed")
-    feed_round(store, "feed", 0)
-    advance, fresh = rounds.close_current_round(store, "feed", 0)
+def test_the_admins_close_applies_the_update_of_the_round(uow):
+    create(uow, "feed")
+    feed_round(uow, "feed", 0)
+    advance, fresh = rounds.close_current_round(uow, "feed", 0)
     assert (advance.closed_round, advance.applied, advance.round_index) == (0, (0,), 1)
-    assert (fresh.round_index, fresh.applied_rounds) == (1, 1) and store.cache.get("feed") is fresh
+    assert (fresh.round_index, fresh.applied_rounds) == (1, 1) and uow.cache.get("feed") is fresh
     # The state is pasto.algorithm.update's on the round's statistics, with the experiment's generator.
     objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
         {"metric": "y", "threshold": 0.0, "penalty": 5.0}]})
     config = AlgorithmConfig()
-    with store.read() as session:
+    with uow.read() as session:
         round_statistics = store.pooled_statistics(session, fresh.id, 0, 2, 2)
     expected = update(config, objective, initial_state(config, 2, 2, objective=objective), round_statistics,
                       round_statistics, propensities=np.array([0.5, 0.5]), rng=round_generator(7, 1))
@@ -44,36 +45,36 @@ def test_the_admins_close_applies_the_update_of_the_round(store):
     assert np.allclose(ControllerState.from_dict(fresh.state).deployed, expected.deployed)
 
 
-def test_closing_a_round_that_is_not_current_is_a_409(store):
-    create(store, "feed")
-    rounds.close_current_round(store, "feed", 0)
+def test_closing_a_round_that_is_not_current_is_a_409(uow):
+    create(uow, "feed")
+    rounds.close_current_round(uow, "feed", 0)
     with pytest.raises(ApiError) as error:
-        rounds.close_current_round(store, "feed", 0)
+        rounds.close_current_round(uow, "feed", 0)
     assert (error.value.status, error.value.code) == (409, "conflict")
-    experiments.set_status(store, "feed", "paused")
+    experiments.set_status(uow, "feed", "paused")
     with pytest.raises(ApiError) as error:
-        rounds.close_current_round(store, "feed", None)
+        rounds.close_current_round(uow, "feed", None)
     assert error.value.status == 409 and "paused" in error.value.message
 
 
-def test_the_scheduler_closes_due_rounds_once(store):
-    snapshot = create(store, "feed", round_seconds=60)
-    create(store, "other", round_seconds=3600)
-    feed_round(store, "feed", 0)
+def test_the_scheduler_closes_due_rounds_once(uow):
+    snapshot = create(uow, "feed", round_seconds=60)
+    create(uow, "other", round_seconds=3600)
+    feed_round(uow, "feed", 0)
     ends = snapshot.round_ends_at
-    assert rounds.close_due_rounds(store, ends - timedelta(seconds=1)) == []
-    (advance,) = rounds.close_due_rounds(store, ends)
+    assert rounds.close_due_rounds(uow, ends - timedelta(seconds=1)) == []
+    (advance,) = rounds.close_due_rounds(uow, ends)
     assert (advance.experiment, advance.applied, advance.round_index) == ("feed", (0,), 1)
-    assert rounds.close_due_rounds(store, ends) == []  # the next round is not due yet
-    assert store.cache.get("other", fresh=True).round_index == 0
+    assert rounds.close_due_rounds(uow, ends) == []  # the next round is not due yet
+    assert uow.cache.get("other", fresh=True).round_index == 0
 
 
-def test_diagnostics_and_history_after_closes(store):
-    create(store, "feed")
+def test_diagnostics_and_history_after_closes(uow):
+    create(uow, "feed")
     for round_index in range(3):
-        feed_round(store, "feed", round_index)
-        rounds.close_current_round(store, "feed", round_index)
-    diagnostics = reports.diagnostics(store, "feed")
+        feed_round(uow, "feed", round_index)
+        rounds.close_current_round(uow, "feed", round_index)
+    diagnostics = reports.diagnostics(uow, "feed")
     assert diagnostics.snapshot.round_index == 3 and len(diagnostics.regret_per_round) == 3
     assert all(regret is not None and regret >= 0 for regret in diagnostics.regret_per_round)
     assert int(diagnostics.units.sum()) == 120 and diagnostics.late_observations == 0
@@ -83,32 +84,32 @@ def test_diagnostics_and_history_after_closes(store):
         {"metric": "y", "threshold": 0.0, "penalty": 5.0}]})
     assert diagnostics.report.optimum.best_mixture_value == pytest.approx(
         best_mixture(objective, np.array([[2.0, 0.0], [-2.0, 2.0]]))[1])
-    history = reports.round_history(store, "feed", 0, None)
+    history = reports.round_history(uow, "feed", 0, None)
     assert [row.index for row in history.rounds] == [0, 1, 2, 3]
     assert history.counts.sum(axis=1).tolist() == [40, 40, 40, 0]
     assert [row.summary is not None for row in history.rounds] == [True, True, True, False]
-    assert reports.arm_count(store, "feed") == 2
+    assert reports.arm_count(uow, "feed") == 2
 
 
-def test_late_observations_count_as_late_and_enter_the_next_update(store):
-    create(store, "feed")
-    feed_round(store, "feed", 0)
-    rounds.close_current_round(store, "feed", 0)
-    feed_round(store, "feed", 0, n=50)  # ids r0-o40.. are new; units of round 0, which is applied
-    diagnostics = reports.diagnostics(store, "feed")
+def test_late_observations_count_as_late_and_enter_the_next_update(uow):
+    create(uow, "feed")
+    feed_round(uow, "feed", 0)
+    rounds.close_current_round(uow, "feed", 0)
+    feed_round(uow, "feed", 0, n=50)  # ids r0-o40.. are new; units of round 0, which is applied
+    diagnostics = reports.diagnostics(uow, "feed")
     assert diagnostics.late_observations == 10
-    with store.read() as session:
+    with uow.read() as session:
         pooled = store.pooled_statistics(session, diagnostics.snapshot.id, 1, 2, 2)
     assert isinstance(pooled, Statistics) and int(pooled.counts[0].sum()) == 50
 
 
-def test_controller_metrics_and_health_read_the_store(store):
-    create(store, "feed")
-    feed_round(store, "feed", 0)
-    rounds.close_current_round(store, "feed", 0)
-    rounds.record_heartbeat(store, "test:1", store.cache.get("feed").updated_at)
-    metrics = reports.controller_metrics(store)
+def test_controller_metrics_and_health_read_the_store(uow):
+    create(uow, "feed")
+    feed_round(uow, "feed", 0)
+    rounds.close_current_round(uow, "feed", 0)
+    rounds.record_heartbeat(uow, "test:1", uow.cache.get("feed").updated_at)
+    metrics = reports.controller_metrics(uow)
     assert [row.name for row in metrics["experiments"]] == ["feed"]
-    assert metrics["stored"] == {store.cache.get("feed").id: 40} and metrics["last_heartbeat"] is not None
-    health = reports.health(store, timedelta(days=1), timeout=10.0)
+    assert metrics["stored"] == {uow.cache.get("feed").id: 40} and metrics["last_heartbeat"] is not None
+    health = reports.health(uow, timedelta(days=1), timeout=10.0)
     assert health.reachable and health.current == health.head and health.alive
