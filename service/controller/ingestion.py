@@ -31,7 +31,7 @@ from pasto.hashing import buckets, choose_arms
 from .. import events, store
 from ..cache import ExperimentCache, Snapshot
 from ..errors import ApiError, problems_error
-from ..schemas import Observation, observation_name_problems
+from ..schemas import Observation, ObservationBatch, observation_name_problems, parse_json
 from ..store import UnitOfWork
 
 
@@ -52,6 +52,16 @@ def pruned_error(round_index: int, pruned_rounds: int, what: str) -> ApiError:
                     f"Round {round_index} is older than the retention window: the ids of rounds below "
                     f"{pruned_rounds} were pruned, so {what} for it could no longer be de-duplicated and is refused.",
                     {"round": round_index, "pruned_rounds": pruned_rounds})
+
+
+def ingest_body(uow: UnitOfWork, name: str, body: bytes) -> IngestResult:
+    """``POST .../observations``: the body's bytes for experiment ``name`` ingested. 404 or 409 about
+    the experiment before the body is looked at (:func:`open_experiment`); the bytes validated straight
+    into :class:`~service.schemas.ObservationBatch` (``schemas.parse_json``: no intermediate Python
+    objects; a 422 lists type errors, unknown names and future rounds together); then :func:`ingest`."""
+    snapshot = open_experiment(uow, name)
+    batch = parse_json(ObservationBatch, body, also_check=lambda data: name_problems(uow, name, data))
+    return ingest(uow, snapshot, batch.observations)
 
 
 def open_experiment(uow: UnitOfWork, name: str) -> Snapshot:

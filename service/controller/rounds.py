@@ -116,7 +116,8 @@ def close_current_round(uow: UnitOfWork, name: str, expected_round_index: int | 
         raise ApiError(409, "conflict", f"Experiment {name!r} is {snapshot.status}; only a running experiment's "
                                         "round can be closed.")
     try:
-        advance = close_round(uow, snapshot.id, expected, limits=limits)
+        advance = close_round(uow, snapshot.id, expected, limits=limits,
+                              has_source=snapshot.config.get("source") is not None)
     except SourceFailed as error:
         raise ApiError(502, "source_failed", f"Round {expected} of {name!r} cannot close: {error} "
                                              "The round stays open and is served as before.") from None
@@ -127,15 +128,17 @@ def close_current_round(uow: UnitOfWork, name: str, expected_round_index: int | 
 
 
 def close_round(uow: UnitOfWork, experiment_id: int, expected_round_index: int,
-                now: datetime | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
+                now: datetime | None = None, limits: SourceLimits | None = None, has_source: bool = True
+                ) -> RoundAdvance | None:
     """Close round ``expected_round_index`` now and run every pending update, settle time ignored.
 
     Returns None, changing nothing, when the round is no longer the current one (someone else
     closed it) or the experiment is not running. :class:`~service.controller.sources.SourceFailed`
-    (nothing changed) when the experiment's metric source fails.
+    (nothing changed) when the experiment's metric source fails. ``has_source`` False: the caller knows
+    the experiment declares no metric source, so none is looked for.
     """
     return _advance(uow, experiment_id, now or utcnow(), manual=True, expected_round_index=expected_round_index,
-                    limits=limits)
+                    limits=limits, has_source=has_source)
 
 
 class SourceCloses:
@@ -202,16 +205,17 @@ def close_due_rounds(uow: UnitOfWork, now: datetime | None = None, *,
         if has_source and source_closes is not None:
             source_closes.submit(experiment_id)
             continue
-        advance = _close_one(uow, experiment_id, now, limits)
+        advance = _close_one(uow, experiment_id, now, limits, has_source)
         if advance is not None:
             advances.append(advance)
     return advances
 
 
-def _close_one(uow: UnitOfWork, experiment_id: int, now: datetime, limits: SourceLimits) -> RoundAdvance | None:
+def _close_one(uow: UnitOfWork, experiment_id: int, now: datetime, limits: SourceLimits,
+               has_source: bool = True) -> RoundAdvance | None:
     """One experiment's due close; None when nothing was due, it failed, or another process closed it."""
     try:
-        return _advance(uow, experiment_id, now, manual=False, limits=limits)
+        return _advance(uow, experiment_id, now, manual=False, limits=limits, has_source=has_source)
     except SourceFailed:  # stored and logged; the round stays open and the next tick tries again
         return None
     except Exception:  # one broken experiment must not stop the others from advancing
@@ -232,12 +236,16 @@ def record_controller_start(uow: UnitOfWork, scheduler: str, now: datetime) -> i
 
 
 def _advance(uow: UnitOfWork, experiment_id: int, now: datetime, *, manual: bool,
-             expected_round_index: int | None = None, limits: SourceLimits | None = None) -> RoundAdvance | None:
+             expected_round_index: int | None = None, limits: SourceLimits | None = None,
+             has_source: bool = True) -> RoundAdvance | None:
     started = time.perf_counter()
     summaries: list[_PendingSummary] = []
-    # A metric source is queried before the write transaction: a slow warehouse holds no lock.
-    source_results = fetch_due_rounds(uow, experiment_id, now, manual=manual,
-                                      expected_round_index=expected_round_index, limits=limits or SourceLimits())
+    # A metric source is queried before the write transaction: a slow warehouse holds no lock. An
+    # experiment known to have none skips that read (the close transaction checks again: an experiment
+    # with a source is not advanced without its results).
+    source_results = None if not has_source else fetch_due_rounds(
+        uow, experiment_id, now, manual=manual, expected_round_index=expected_round_index,
+        limits=limits or SourceLimits())
     try:
         with uow.write() as session:
             result = _advance_in(uow, session, experiment_id, now, manual, expected_round_index, summaries,

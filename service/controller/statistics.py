@@ -29,10 +29,10 @@ from .. import events, store
 from ..cache import ExperimentCache, Snapshot
 from ..errors import ApiError, problems_error
 from ..models import utcnow
-from ..schemas import (StatisticsBatch, round_not_started_message, statistics_name_problems, unknown_arm_message,
-                       unknown_metric_message)
+from ..schemas import (StatisticsBatch, parse_json, round_not_started_message, statistics_name_problems,
+                       unknown_arm_message, unknown_metric_message)
 from ..store import UnitOfWork
-from .ingestion import pruned_error, segment_position, segment_problem, stopped_error
+from .ingestion import open_experiment, pruned_error, segment_position, segment_problem, stopped_error
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,15 @@ class StatisticsResult:
     cells: int
     units: int
     late_cells: int
+
+
+def ingest_body(uow: UnitOfWork, name: str, body: bytes) -> StatisticsResult:
+    """``POST .../statistics``: the body's bytes for experiment ``name`` applied once. 404 or 409 about
+    the experiment before the body is looked at (``ingestion.open_experiment``), then the bytes
+    validated into a :class:`~service.schemas.StatisticsBatch` and :func:`ingest_statistics`."""
+    snapshot = open_experiment(uow, name)
+    batch = parse_json(StatisticsBatch, body, also_check=lambda data: name_problems(uow, name, data))
+    return ingest_statistics(uow, snapshot, batch)
 
 
 def name_problems(uow: UnitOfWork, name: str, data: Any) -> list[tuple[tuple[Any, ...], str]]:

@@ -113,3 +113,16 @@ def test_controller_metrics_and_health_read_the_store(uow):
     assert metrics["stored"] == {uow.cache.get("feed").id: 40} and metrics["last_heartbeat"] is not None
     health = reports.health(uow, timedelta(days=1), timeout=10.0)
     assert health.reachable and health.current == health.head and health.alive
+
+
+def test_a_close_without_a_metric_source_does_not_look_for_one(uow, monkeypatch):
+    """The admin's and the scheduler's closes know the experiment declares no source: no read for it."""
+    def no_source_expected(*args, **kwargs):
+        raise AssertionError("fetch_due_rounds was called for an experiment without a metric source")
+
+    monkeypatch.setattr(rounds, "fetch_due_rounds", no_source_expected)
+    snapshot = create(uow, "feed", round_seconds=60)
+    feed_round(uow, "feed", 0)
+    assert rounds.close_current_round(uow, "feed", 0)[0].applied == (0,)
+    (advance,) = rounds.close_due_rounds(uow, uow.cache.get("feed").round_ends_at)
+    assert advance.applied == (1,) and snapshot.round_index == 0
