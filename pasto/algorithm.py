@@ -418,9 +418,14 @@ class ControllerState:
         """The estimator's accumulators (``history``, ``baseline``, ``discounted``) as one value."""
         return Accumulators(history=self.history, baseline=self.baseline, discounted=self.discounted)
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly dict (nested lists of floats)."""
+    def to_dict(self, arrays: bool = False) -> dict[str, Any]:
+        """JSON-friendly dict (nested lists of floats); ``arrays``: the same dict with numpy arrays in
+        place of the lists (for a store that writes array bytes, without building K Python floats)."""
         data: dict[str, Any] = {"round_index": int(self.round_index)}
+
+        def listed(value: Any) -> Any:
+            return np.asarray(value) if arrays else np.asarray(value).tolist()
+
         for name in (
             "probabilities",
             "deployed",
@@ -430,25 +435,25 @@ class ControllerState:
             "gradient_square_sum",
             "guardrail_weights",
         ):
-            data[name] = np.asarray(getattr(self, name)).tolist()
+            data[name] = listed(getattr(self, name))
         if self.history is not None:
             data["history"] = {
-                "sums": self.history.sums.tolist(),
-                "sums_of_squares": self.history.sums_of_squares.tolist(),
-                "weights": self.history.weights.tolist(),
+                "sums": listed(self.history.sums),
+                "sums_of_squares": listed(self.history.sums_of_squares),
+                "weights": listed(self.history.weights),
             }
         if self.baseline is not None:
-            data["baseline"] = self.baseline.tolist()
+            data["baseline"] = listed(self.baseline)
         for name in ("discounted", "change_origin", "window_origins"):
             statistics = getattr(self, name)
             if statistics is not None:
                 data[name] = {
-                    "counts": statistics.counts.tolist(),
-                    "sums": statistics.sums.tolist(),
-                    "sums_of_squares": statistics.sums_of_squares.tolist(),
+                    "counts": listed(statistics.counts),
+                    "sums": listed(statistics.sums),
+                    "sums_of_squares": listed(statistics.sums_of_squares),
                 }
         if self.changes is not None:
-            data["changes"] = np.asarray(self.changes).tolist()
+            data["changes"] = listed(self.changes)
         return data
 
     @classmethod

@@ -67,18 +67,30 @@ _PACKED_KINDS = (np.dtype(np.float64), np.dtype(np.int64), np.dtype(np.bool_))
 
 
 def pack_arrays(value: Any) -> Any:
-    """``value`` with its large numeric lists packed (see :class:`PackedArraysJSON`)."""
+    """``value`` with its large numeric lists packed (see :class:`PackedArraysJSON`). Numpy arrays
+    are taken as the lists they hold (packed from their bytes directly: no Python float per entry),
+    so ``pack_arrays(a)`` and ``pack_arrays(a.tolist())`` give the same document."""
     if isinstance(value, dict):
         return {key: pack_arrays(item) for key, item in value.items()}
+    if isinstance(value, np.ndarray):
+        if value.size >= PACKED_MIN and value.dtype in _PACKED_KINDS:
+            return _packed(value)
+        return pack_arrays(value.tolist())
     if isinstance(value, list) and len(value) > 0 and not isinstance(value[0], (str, dict)):
         try:
             array = np.asarray(value)
         except (ValueError, TypeError, OverflowError):  # ragged, or not numbers
             return value
         if array.size >= PACKED_MIN and array.dtype in _PACKED_KINDS:
-            return {"$packed": array.dtype.str, "shape": list(array.shape),
-                    "data": base64.b64encode(array.tobytes()).decode("ascii")}
+            return _packed(array)
+        if any(isinstance(item, np.ndarray) for item in value):
+            return array.tolist()
     return value
+
+
+def _packed(array: np.ndarray) -> dict[str, Any]:
+    return {"$packed": array.dtype.str, "shape": list(array.shape),
+            "data": base64.b64encode(array.tobytes()).decode("ascii")}
 
 
 def unpack_arrays(value: Any) -> Any:
@@ -185,7 +197,8 @@ class Round(Base):
     summary: Mapped[dict[str, Any] | None]
     #: What the summary is computed from (state and pooled statistics right after the update), written
     #: with the update and cleared with the summary's write: a summary lost to a crash is repaired from it.
-    summary_input: Mapped[dict[str, Any] | None] = mapped_column(deferred=True)
+    #: Its arrays are stored packed (:class:`PackedArraysJSON`): at K = 100,000 it holds the whole state.
+    summary_input: Mapped[dict[str, Any] | None] = mapped_column(PackedArraysJSON, deferred=True)
 
 
 #: What an :class:`ExperimentEvent` records. Nothing can change an experiment's configuration after

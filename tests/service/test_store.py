@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -187,3 +188,75 @@ def test_controller_state_arrays_are_stored_packed_and_read_back_bit_for_bit(app
         assert session.execute(sa.select(Experiment.state).where(Experiment.id == experiment_id)).scalar_one() == expected
         raw = session.execute(sa.text("SELECT state FROM experiments WHERE id = :i"), {"i": experiment_id}).scalar_one()
     assert '"$packed"' in (raw if isinstance(raw, str) else json.dumps(raw))
+
+
+def test_numpy_arrays_pack_as_the_lists_they_hold_and_the_state_with_arrays_packs_as_its_lists():
+    """``pack_arrays`` of an array is ``pack_arrays`` of its list (large ones from their bytes, small ones
+    as lists), and ``ControllerState.to_dict(arrays=True)`` packs to the very document ``to_dict()`` does."""
+    import json
+
+    import numpy as np
+
+    from pasto.algorithm import AlgorithmConfig, initial_state
+    from service.models import PACKED_MIN, pack_arrays, unpack_arrays
+
+    rng = np.random.default_rng(5)
+    for array in (rng.standard_normal((3, 5, 400)), rng.integers(-9, 9, PACKED_MIN), rng.random(PACKED_MIN) < 0.5,
+                  rng.random(PACKED_MIN - 1), np.float64(2.5), np.arange(3, dtype=np.int32), np.zeros((2, 0))):
+        assert pack_arrays(array) == pack_arrays(array.tolist())
+        json.dumps(pack_arrays({"a": array, "b": [array, array]}))  # nothing left that JSON cannot write
+    for preset in ("default", "paper"):
+        state = initial_state(AlgorithmConfig.from_preset(preset), 1000, 5)
+        state = dataclasses.replace(state, log_weights=rng.standard_normal(1000),
+                                    changes=np.asarray(state.changes) if state.changes is not None else None)
+        as_lists, as_arrays = pack_arrays(state.to_dict()), pack_arrays(state.to_dict(arrays=True))
+        assert json.dumps(as_arrays) == json.dumps(as_lists)
+        assert unpack_arrays(as_arrays) == state.to_dict()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_statistics_rows_read_into_numpy_are_the_rows_values(backend, tmp_path, request):
+    """``_fetch_array`` (PostgreSQL: binary COPY) gives the values ``fetchall`` gives, bit for bit: float8
+    columns, integer columns, a ``SUM`` of a bigint (``numeric`` on PostgreSQL), no rows at all."""
+    import numpy as np
+
+    import migrations
+    from service.store import _copy_array, _fetch_array
+
+    url = f"sqlite:///{tmp_path / 'rows.sqlite'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    migrations.upgrade(url)
+    engine = make_engine(url)
+    rng = np.random.default_rng(7)
+    values = np.concatenate([rng.standard_normal(300) * 10.0 ** rng.integers(-300, 200, 300),
+                             [0.0, -0.0, 5e-324, -1.5e200, 2.0 ** 53]])
+    rows = [(1, 0, index % 4, index, int(rng.integers(0, 2**40)), float(value), float(-value))
+            for index, value in enumerate(values)]
+    try:
+        with engine.begin() as connection:
+            connection.exec_driver_sql("INSERT INTO experiments (id, name, config, status, seed, round_index, "
+                                       "applied_rounds, pruned_rounds, state, version, created_at, updated_at) "
+                                       "VALUES (1, 'e', '{}', 'running', 1, 0, 0, 0, '{}', 1, "
+                                       "'2026-01-01 00:00:00', '2026-01-01 00:00:00')")
+            connection.exec_driver_sql(
+                "INSERT INTO round_statistics (experiment_id, round_index, metric_index, arm_index, count, sum, "
+                f"sum_of_squares) VALUES ({', '.join(['%s' if backend == 'postgres' else '?'] * 7)})", rows)
+            plain = "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics " \
+                    "WHERE experiment_id = {p} AND round_index = {p} ORDER BY arm_index"
+            summed = "SELECT metric_index, 0, SUM(count), SUM(sum), 0.0 FROM round_statistics " \
+                     "WHERE experiment_id = {p} GROUP BY metric_index ORDER BY metric_index"
+            for sql, parameters in ((plain, (1, 0)), (summed, (1,)), (plain, (1, 9))):
+                cursor = connection.connection.cursor()
+                placeholder = "%s" if backend == "postgres" else "?"
+                cursor.execute(sql.format(p=placeholder), parameters)
+                expected = np.array(cursor.fetchall(), dtype=np.float64).reshape(-1, 5)
+                cursor.close()
+                data = _fetch_array(connection, sql, parameters, 5, np.float64)
+                assert data.dtype == np.float64 and data.shape == expected.shape
+                assert np.array_equal(data.view(np.int64), expected.view(np.int64))
+                if backend == "postgres":  # the COPY path itself, not a fallback to the rows
+                    assert _copy_array(connection, sql, parameters, 5, np.dtype(np.float64)) is not None
+            counts = _fetch_array(connection, "SELECT round_index, arm_index, count, metric_index, arm_index "
+                                              "FROM round_statistics WHERE experiment_id = {p}", (1,), 5, np.int64)
+            assert counts.dtype == np.int64 and sorted(counts[:, 2].tolist()) == sorted(row[4] for row in rows)
+    finally:
+        engine.dispose()
