@@ -1697,6 +1697,47 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
     return seconds
 
 
+#: What ``close --parts`` times inside ``close_round``: (module, function, label). Nested calls are
+#: timed apart: ``advance_experiment`` includes the ORM flush it triggers (the round rows and the
+#: summary input), and ``commit`` the rest of the flush.
+CLOSE_PARTS = (
+    ("service.store", "lock_experiment", "lock and state read"),
+    ("service.store", "fold_statistics", "statistics fold (upsert)"),
+    ("service.store", "_read_statistics", "statistics read (round and totals)"),
+    ("service.controller.rounds", "update", "update"),
+    ("service.controller.rounds", "_summary_input", "summary input built"),
+    ("service.store", "advance_experiment", "state write (with the flush)"),
+    ("sqlalchemy.orm.Session", "commit", "commit"),
+    ("service.controller.rounds", "_summary", "summary computed"),
+    ("service.store", "store_summaries", "summary written"),
+)
+
+
+def _time_close_parts(totals: dict[str, float]):
+    """Wrap :data:`CLOSE_PARTS` so that each call adds its seconds to ``totals[label]``; returns an undo."""
+    import functools
+    import importlib
+
+    undo = []
+    for module_name, name, label in CLOSE_PARTS:
+        if module_name == "sqlalchemy.orm.Session":
+            from sqlalchemy.orm import Session as owner
+        else:
+            owner = importlib.import_module(module_name)
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
+
+        setattr(owner, name, functools.wraps(original)(timed))
+        undo.append((owner, name, original))
+    return lambda: [setattr(owner, name, original) for owner, name, original in undo]
+
+
 def close_main(argv: list[str]) -> dict[str, Any]:
     """``python bench/serve.py close``: the round close at large K beside the SQL it must run (bare,
     :func:`bare_close_sql`) and the update alone, per backend; the close's peak traced memory; the
@@ -1706,6 +1747,8 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--arms", type=_parse_list, default=[10_000])
     parser.add_argument("--preset", default="default")
     parser.add_argument("--rounds", type=int, default=3, help="closes per K (the first one is a warm-up)")
+    parser.add_argument("--parts", action="store_true",
+                        help="time the close's parts (lock, fold, reads, update, state write, summary) per round")
     parser.add_argument("--statement-timeout", type=float, default=120.0,
                         help="PASTO_DATABASE_STATEMENT_TIMEOUT for the run (the fold of 500,000 cells at K = 100,000 "
                              "can exceed the 10 s default on a loaded machine)")
@@ -1716,9 +1759,12 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     import sqlalchemy as sa
 
     from service.bootstrap import get_uow
-    from service.controller.rounds import close_round
     from service.db import get_db
     from service.models import Experiment, RoundStatistic
+
+    parts: dict[str, float] = {}
+    undo_parts = _time_close_parts(parts) if args.parts else None
+    from service.controller.rounds import close_round
 
     results: dict[str, Any] = {}
     cluster = None
@@ -1742,7 +1788,7 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                                 sa.select(Experiment.id).where(Experiment.name == experiment)).scalar_one()
                         rng = np.random.default_rng(0)
                         means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
-                        row = {"created_s": created, "close_ms": [], "bare_ms": [], "error": None}
+                        row = {"created_s": created, "close_ms": [], "bare_ms": [], "error": None, "parts_ms": []}
                         for round_index in range(args.rounds + 1):
                             statistics_ = synthetic_statistics(rng, means, 3)
                             rows = [{"experiment_id": experiment_id, "round_index": round_index, "arm_index": k,
@@ -1757,6 +1803,7 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                             traced = round_index == args.rounds  # the last close: under tracemalloc, not timed
                             if traced:
                                 tracemalloc.start()
+                            parts.clear()
                             started = time.perf_counter()
                             try:
                                 close_round(get_uow(app), experiment_id, round_index)
@@ -1772,8 +1819,12 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                             elif round_index > 0:
                                 row["close_ms"].append(seconds * 1000)
                                 row["bare_ms"].append(bare * 1000)
+                                row["parts_ms"].append({label: value * 1000 for label, value in parts.items()})
                             print(f"[{name}] K = {n_arms:,} round {round_index}: close {seconds * 1000:,.0f} ms, "
                                   f"bare SQL {bare * 1000:,.0f} ms", flush=True)
+                            if args.parts:
+                                print("    " + ", ".join(f"{label} {value * 1000:,.0f} ms" for label, value in
+                                                         sorted(parts.items(), key=lambda item: -item[1])), flush=True)
                         if row["error"] is None:
                             client = app.test_client()
                             headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -1792,6 +1843,8 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     finally:
         if cluster is not None:
             cluster.stop()
+        if undo_parts is not None:
+            undo_parts()
     print(f"\nRound close, preset {args.preset!r}, M = {len(METRICS)}: median over rounds 1..{args.rounds - 1} "
           "(round 0 is a warm-up; the last close runs under tracemalloc for its peak)\n")
     print("| backend | K | close, ms | bare SQL of the close, ms | bare SQL / close | update alone, ms | "
@@ -1807,6 +1860,16 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                           (row["poll_experiment"], row["poll_rounds"]))
         print(f"| {backend} | {int(n_arms):,} | {close_ms:,.0f} | {bare_ms:,.0f} | {bare_ms / close_ms:.2f} | "
               f"{row['update_ms']:,.0f} | {row['peak_mb']:,.0f} | {polls} |")
+    if args.parts:
+        print("\nParts of the close, ms (median over the timed rounds; nested calls timed apart)\n")
+        labels = [label for _, _, label in CLOSE_PARTS]
+        print("| backend | K | " + " | ".join(labels) + " |")
+        print("|---|---:|" + "---:|" * len(labels))
+        for key, row in results.items():
+            if row["error"] is None and row["parts_ms"]:
+                backend, n_arms = key.split("/")
+                print(f"| {backend} | {int(n_arms):,} | " + " | ".join(
+                    f"{statistics.median(p.get(label, 0.0) for p in row['parts_ms']):,.0f}" for label in labels) + " |")
     return results
 
 

@@ -88,10 +88,15 @@ def test_segmented_close_quick_run_measures_both_closes(tmp_path):
 @pytest.mark.timeout(300)
 def test_close_subcommand_measures_the_close_its_bare_sql_and_the_poll():
     with bench_script("serve") as module:
-        results = module.main(["close", "--backends", "sqlite", "--arms", "200", "--rounds", "2"])
+        results = module.main(["close", "--backends", "sqlite", "--arms", "200", "--rounds", "2", "--parts"])
     (key, row), = results.items()
     assert key == "sqlite/200" and row["error"] is None
     assert len(row["close_ms"]) == 1 and row["close_ms"][0] > 0 and row["bare_ms"][0] > 0
+    # --parts: every part of the close timed in the timed round, and the timing wrappers removed after
+    import service.store
+
+    assert set(row["parts_ms"][0]) == {label for _, _, label in module.CLOSE_PARTS}
+    assert not hasattr(service.store.fold_statistics, "__wrapped__")
     assert row["peak_mb"] > 0 and row["update_ms"] > 0
     assert row["poll_experiment"][0] == 200 and row["poll_rounds"][0] == 200
 
