@@ -1707,7 +1707,7 @@ CLOSE_PARTS = (
     ("service.controller.rounds", "update", "update"),
     ("service.controller.rounds", "_summary_input", "summary input built"),
     ("service.store", "advance_experiment", "state write (with the flush)"),
-    ("sqlalchemy.orm.Session", "commit", "commit"),
+    ("sqlalchemy.orm.SessionTransaction", "commit", "commit"),
     ("service.controller.rounds", "_summary", "summary computed"),
     ("service.store", "store_summaries", "summary written"),
 )
@@ -1720,8 +1720,8 @@ def _time_close_parts(totals: dict[str, float]):
 
     undo = []
     for module_name, name, label in CLOSE_PARTS:
-        if module_name == "sqlalchemy.orm.Session":
-            from sqlalchemy.orm import Session as owner
+        if module_name == "sqlalchemy.orm.SessionTransaction":
+            from sqlalchemy.orm import SessionTransaction as owner
         else:
             owner = importlib.import_module(module_name)
         original = getattr(owner, name)
