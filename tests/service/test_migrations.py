@@ -4,6 +4,7 @@ to start on an un-migrated database."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import pytest
 import sqlalchemy as sa
@@ -381,5 +382,39 @@ def test_event_ids_are_never_reused_after_0013(backend, request):
                 assert "AUTOINCREMENT" not in table_sql.upper() and "pk_experiment_events" in table_sql
         (foreign_key,) = sa.inspect(engine).get_foreign_keys("experiment_events")
         assert foreign_key["options"].get("ondelete") == "CASCADE"
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres
+def test_packed_documents_are_stored_uncompressed_on_postgres_after_0016(postgres_url):
+    """0016: the packed documents' columns use STORAGE EXTERNAL (out of line, no compression attempt);
+    the downgrade puts PostgreSQL's default (EXTENDED) back; the stored state reads the same throughout."""
+    from service.models import Experiment
+
+    def storage() -> dict[tuple[str, str], str]:
+        with engine.connect() as connection:
+            return {(table, column): connection.execute(sa.text(
+                "SELECT attstorage FROM pg_attribute WHERE attrelid = CAST(:table AS regclass) AND attname = :column"),
+                {"table": table, "column": column}).scalar_one()
+                for table, column in (("experiments", "state"), ("experiments", "segment_state"),
+                                      ("rounds", "summary_input"))}
+
+    migrations.upgrade(postgres_url)
+    engine = sa.create_engine(postgres_url)
+    try:
+        assert set(storage().values()) == {"e"}
+        state = {"round_index": 1, "probabilities": [0.25] * 4000}
+        with engine.begin() as connection:
+            connection.execute(sa.insert(Experiment.__table__).values(
+                id=1, name="e", config={}, status="running", seed=1, round_index=0, applied_rounds=0,
+                pruned_rounds=0, state=state, version=1, created_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+                updated_at=datetime(2026, 1, 1, tzinfo=timezone.utc)))
+        migrations.downgrade(postgres_url, "0015")
+        assert set(storage().values()) == {"x"}
+        migrations.upgrade(postgres_url)
+        assert set(storage().values()) == {"e"}
+        with engine.connect() as connection:
+            assert connection.execute(sa.select(Experiment.state)).scalar_one() == state
     finally:
         engine.dispose()
