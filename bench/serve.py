@@ -1644,16 +1644,13 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
     """Seconds of the SQL a round close must run, written by hand on the DBAPI connection and rolled
     back: lock the experiment row, fold the round's and the late cells into the running totals (the
     same upsert), read the round's cells and the totals (fetchall into one float64 array each), write
-    a controller state of the same size as the service's (K x (6 + 12 M) floats, one JSON text) and
-    the next round's K probabilities. What any implementation of the close pays for its data.
-    The experiment row is read with its state, as the close reads it."""
-    from service.models import pack_arrays
+    back the controller state it read (the stored document, of the size the close writes: its arrays
+    as the service packs them) and the next round's K probabilities. What any implementation of the
+    close pays for its data. The experiment row is read with its state, as the close reads it."""
     from service.store import _placeholder
 
     engine = database.engine
     p = _placeholder(engine)
-    # The state as the service stores it (service.models.PackedArraysJSON): float64 bytes in base64.
-    state = json.dumps({"arrays": pack_arrays(np.random.default_rng(0).random((6 + 12 * n_metrics, n_arms)).tolist())})
     probabilities = json.dumps(np.full(n_arms, 1.0 / n_arms).tolist())
     connection = engine.raw_connection()
     try:
@@ -1665,7 +1662,8 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
         else:
             lock = f"SELECT id, state FROM experiments WHERE id = {p} FOR UPDATE"
         cursor.execute(lock, (experiment_id,))
-        cursor.fetchall()
+        (_, state), = cursor.fetchall()
+        state = state if isinstance(state, str) else json.dumps(state)  # psycopg parses a json column
         cursor.execute(
             "INSERT INTO pooled_statistics (experiment_id, metric_index, arm_index, count, sum, sum_of_squares) "
             f"SELECT {p}, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
