@@ -50,7 +50,7 @@ again after ingestion (:func:`measure_diagnostics_solve`; its figures are in doc
 Run: ``python bench/serve.py`` (``--write-docs`` replaces the "## Serving" section of
 docs/benchmarks.md; ``--quick`` is a seconds-long smoke run). PostgreSQL: ``PASTO_BENCH_POSTGRES_URL``
 (a server's maintenance database URL) or, when Debian's ``postgresql`` is installed, a private
-loopback cluster started for the run (``tests/pgcluster.py``).
+loopback cluster started for the run (``bench/pgcluster.py``).
 """
 
 from __future__ import annotations
@@ -1913,7 +1913,7 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
                         continue
                     backend = Backend("postgres", Path(workdir), server_url)
                     args.postgres_note = (
-                        "PostgreSQL " + ("is a private loopback cluster started for the run (tests/pgcluster.py: "
+                        "PostgreSQL " + ("is a private loopback cluster started for the run (bench/pgcluster.py: "
                                          f"fsync=off, synchronous_commit=off, full_page_writes=off; {_server_version(server_url)}), "
                                          "so its absolute write figures are optimistic for a durable server."
                                          if cluster is not None else f"is the server at PASTO_BENCH_POSTGRES_URL "
@@ -1948,7 +1948,7 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
 
 
 _client_bench = _load("pasto_bench_client", ROOT / "bench" / "client.py")
-_pgcluster = _load("pasto_tests_pgcluster", ROOT / "tests" / "pgcluster.py")
+_pgcluster = _load("pasto_bench_pgcluster", ROOT / "bench" / "pgcluster.py")
 
 if __name__ == "__main__":
     main()

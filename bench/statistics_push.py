@@ -1,7 +1,7 @@
 """Statistics push: cells/s of ``POST .../statistics`` for a K = 1,000, M = 5 round, beside a raw executemany.
 
 Per database backend (SQLite always; PostgreSQL with ``--postgres``: ``PASTO_BENCH_POSTGRES_URL`` or a
-private loopback cluster, ``tests/pgcluster.py``), in the same run and alternating pass by pass:
+private loopback cluster, ``bench/pgcluster.py``), in the same run and alternating pass by pass:
 
 ``pasto``
     one batch of K x M = 5,000 cells plus K units entries (one round of a stream job's aggregates) sent
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict:
     if args.postgres:
         url, cluster = os.environ.get("PASTO_BENCH_POSTGRES_URL"), None
         if url is None:
-            pgcluster = _load("pasto_tests_pgcluster", ROOT / "tests" / "pgcluster.py")
+            pgcluster = _load("pasto_bench_pgcluster", ROOT / "bench" / "pgcluster.py")
             bin_dir = pgcluster.postgres_bin_dir()
             if bin_dir is None:
                 raise SystemExit("No PostgreSQL: set PASTO_BENCH_POSTGRES_URL or install Debian's postgresql.")

@@ -2,7 +2,7 @@
 
 PostgreSQL: ``PASTO_TEST_POSTGRES_URL`` (a server URL such as
 ``postgresql+psycopg://user@127.0.0.1:5432/postgres``) is used when set; otherwise, when Debian's
-``postgresql`` package is installed, a private cluster (``tests/pgcluster.py``) is created in a temporary
+``postgresql`` package is installed, a private cluster (``bench/pgcluster.py``) is created in a temporary
 folder, listening on loopback only, and removed at the end of the session. Each test gets a fresh database.
 
 Timing, in every suite: no test asserts how fast something ran (bench/ measures that, as ratios). A
@@ -15,16 +15,17 @@ next to the bound, with the reason for the figure.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+
+from bench.pgcluster import Cluster as _Cluster
+from bench.pgcluster import postgres_bin_dir as _postgres_bin_dir
 
 BACKEND_MARKERS = ("postgres", "chromium", "spark")
 
@@ -49,19 +50,6 @@ def pytest_runtest_makereport(item, call):
         )
 
 
-def _load_pgcluster():
-    # Loaded by path: with --import-mode=importlib the tests folder is not on sys.path, and
-    # bench/serve.py loads the same file the same way.
-    spec = importlib.util.spec_from_file_location("pasto_tests_pgcluster", Path(__file__).with_name("pgcluster.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_pgcluster = _load_pgcluster()
-_free_port = _pgcluster.free_port
-_postgres_bin_dir = _pgcluster.postgres_bin_dir
-_Cluster = _pgcluster.Cluster
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@ The layers (docs/architecture.md) point one way: ``service`` -> ``pasto_client``
 or process I/O, except in its CLI module (``pasto/cli.py``), which reads scenario files and writes
 results. Each :class:`Rule` below is checked on the source tree by reading every file's syntax tree (imports
 anywhere in a file, including inside functions, and calls), so the contract holds without importing
-anything. To add a rule, append one to ``RULES``, for example::
+anything. Loading a file by path (``importlib.util.spec_from_file_location``, ``runpy.run_path``, a folder put on
+``sys.path``) is an import too: a rule's ``forbidden_paths`` catches the folder named in a path. To add a rule,
+append one to ``RULES``, for example::
 
     Rule("a blueprint imports no SQLAlchemy", files=("service/routes/*.py",), forbidden_imports=("sqlalchemy",))
 
@@ -15,6 +17,7 @@ A rule whose ``files`` match nothing fails too, so a moved package cannot turn i
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -77,6 +80,10 @@ class Rule:
         When given, the only modules these files may import (relative imports are resolved first).
     no_io : bool
         Forbid the I/O builtins, methods and numpy functions above.
+    forbidden_paths : tuple of str
+        Repository folders these files must not name in a path (a string, other than a docstring, that
+        is the folder's name or starts with ``<folder>/`` or ``<folder>.``, or has ``/<folder>/`` in it):
+        how a script loads a module by path, which no import statement shows.
     """
 
     name: str
@@ -85,6 +92,7 @@ class Rule:
     forbidden_imports: tuple[str, ...] = ()
     allowed_imports: tuple[str, ...] | None = None
     no_io: bool = False
+    forbidden_paths: tuple[str, ...] = ()
 
 
 RULES = (
@@ -125,6 +133,13 @@ RULES = (
         "client works without it)",
         files=("pasto_client/exposure.py",),
         allowed_imports=(*CLIENT_IMPORTS, "pyarrow"),
+    ),
+    Rule(
+        "bench/ imports nothing from tests/, neither by an import nor by loading a file or folder by path: "
+        "what both use lives in bench/ (bench/pgcluster.py), and the tests import it from there",
+        files=("bench/**/*.py",),
+        forbidden_imports=("tests",),
+        forbidden_paths=("tests",),
     ),
 )
 
@@ -193,6 +208,24 @@ def _io_uses(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
+def _path_uses(tree: ast.Module, folders: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, what) of every string in ``tree``, docstrings and other bare string statements aside, that
+    names one of ``folders`` as a path or a dotted module name (``ROOT / "tests" / "x.py"``,
+    ``"tests/x.py"``, ``f"{ROOT}/tests/x.py"``, ``import_module("tests.x")``)."""
+    if not folders:
+        return []
+    pattern = re.compile(r"(^|/)(" + "|".join(map(re.escape, folders)) + r")([./]|$)")
+    statements = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in statements:
+            match = pattern.search(node.value)
+            if match:
+                found.append((node.lineno, f"names the path {match.group(2)}/ ({node.value!r})"))
+    return found
+
+
 def _matches(name: str, modules: tuple[str, ...]) -> bool:
     return any(name == module or name.startswith(module + ".") for module in modules)
 
@@ -223,6 +256,7 @@ def violations(root: Path, rules: tuple[Rule, ...] = RULES) -> list[str]:
                     breaches.append((line, f"imports {name}, which is not in its allowed list"))
             if rule.no_io:
                 breaches.extend(_io_uses(tree))
+            breaches.extend(_path_uses(tree, rule.forbidden_paths))
             found.extend(f"{where}:{line}: {rule.name}: {what}" for line, what in sorted(breaches))
     return found
 
@@ -273,7 +307,7 @@ PLANTED = [
 
 
 def test_the_checker_catches_planted_violations(tmp_path):
-    for package in ("pasto", "pasto_client"):
+    for package in ("pasto", "pasto_client", "bench"):
         shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     assert violations(tmp_path) == [], "the unchanged copy must be clean"
     expected = set()
@@ -310,3 +344,35 @@ def test_a_rule_that_matches_no_file_fails(tmp_path):
     assert violations(tmp_path, (rule,)) == [
         "service/routes/rounds.py:1: a blueprint imports no SQLAlchemy: imports sqlalchemy"
     ]
+
+
+#: (a line appended to a bench script, how many violations it must produce).
+BENCH_PLANTED = [
+    ("import tests.migrated", 1),
+    ("from tests.pgcluster import free_port", 1),
+    ("from tests import signals", 1),
+    ("_spec = importlib.util.spec_from_file_location('m', ROOT / 'tests' / 'pgcluster.py')", 1),
+    ("_spec = importlib.util.spec_from_file_location('m', Path(__file__).parents[1] / 'tests/migrated.py')", 1),
+    ("_spec = importlib.util.spec_from_file_location('m', f'{ROOT}/tests/migrated.py')", 1),
+    ("_module = runpy.run_path(str(ROOT / 'tests' / 'signals.py'))", 1),
+    ("sys.path.insert(0, str(ROOT / 'tests'))", 1),
+    ("_module = importlib.import_module('tests.round_counts')", 1),
+    ("_spec = importlib.util.spec_from_file_location('m', ROOT / 'bench' / 'pgcluster.py')", 0),  # bench/ itself
+    ("'''A bare string may say what tests/service/test_demo.py checks.'''", 0),
+    ("_message = 'the bounds of the tests/ folder'", 0),  # prose, not a path
+    ("_latest = 'latests/x.py'", 0),  # another folder whose name ends in tests
+]
+
+
+def test_the_checker_catches_bench_loading_tests(tmp_path):
+    rule = next(rule for rule in RULES if rule.files == ("bench/**/*.py",))
+    (tmp_path / "bench").mkdir()
+    expected = {}
+    for position, (code, count) in enumerate(BENCH_PLANTED):
+        (tmp_path / "bench" / f"script_{position}.py").write_text(
+            f'"""A bench script."""\nimport importlib.util\n{code}\n', encoding="utf-8")
+        expected[f"bench/script_{position}.py"] = count
+    found = dict.fromkeys(expected, 0)
+    for violation in violations(tmp_path, (rule,)):
+        found[violation.split(":")[0]] += 1
+    assert found == expected

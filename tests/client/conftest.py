@@ -28,7 +28,7 @@ import requests
 from tests.migrated import upgrade_to_head
 
 from pasto_client import Client
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 
 
 @dataclass

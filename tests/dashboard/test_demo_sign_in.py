@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 from tests.signals import as_in_a_terminal
 
 pytestmark = pytest.mark.chromium

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 
 #: The installed console script, beside the interpreter running the tests.
 PASTO_COMMAND = Path(sys.executable).parent / "pasto"

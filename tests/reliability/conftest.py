@@ -28,7 +28,7 @@ import migrations
 from tests.migrated import upgrade_to_head
 from service.db import make_engine
 from tests.service.conftest import ADMIN_TOKEN
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 
 PYTHON = sys.executable
 #: How long a starting process may take to answer /healthz (interpreter start, imports, migrations check).

@@ -2,7 +2,7 @@
 ``Retry-After`` (never a 500), a handful of log lines per outage, ``/healthz`` within its deadline,
 no gunicorn worker killed by its timeout, and every observation counted exactly once afterwards.
 
-Each test runs its own PostgreSQL cluster (``tests/pgcluster.py``), since it kills or stops it; the
+Each test runs its own PostgreSQL cluster (``bench/pgcluster.py``), since it kills or stops it; the
 SQLite case holds the database's write lock from the test.
 
 The client of the stream is the behaviour the 503 asks for: an answer 503 with ``Retry-After`` is
@@ -26,7 +26,7 @@ import requests
 
 import migrations
 from service.config import load_config
-from tests.pgcluster import Cluster, postgres_bin_dir
+from bench.pgcluster import Cluster, postgres_bin_dir
 from tests.reliability.harness import (
     ADMIN_TOKEN, MEANS, NAME, assert_same_statistics, create_experiment, expected_statistics,
     stored_statistics, wait_until,

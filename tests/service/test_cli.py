@@ -15,7 +15,7 @@ import migrations
 from pasto.cli import discover_commands
 from pasto.cli import main as pasto_main
 from service.cli import SERVICE_COMMANDS
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 
 PASTO = [sys.executable, "-m", "pasto.cli"]
 

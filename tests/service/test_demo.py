@@ -34,7 +34,7 @@ from service.demo.groundtruth import (
     true_means,
 )
 from service.demo.setup import prepare_database
-from tests.pgcluster import free_port
+from bench.pgcluster import free_port
 from tests.signals import as_in_a_terminal
 
 

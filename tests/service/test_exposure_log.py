@@ -101,7 +101,7 @@ def test_pasto_serve_writes_the_queue_when_it_stops(tmp_path, setup_a, admin_tok
     import requests
 
     import migrations
-    from tests.pgcluster import free_port
+    from bench.pgcluster import free_port
 
     database_url = f"sqlite:///{tmp_path / 'pasto.sqlite'}"
     migrations.upgrade(database_url)

@@ -1,8 +1,9 @@
 """A private, throwaway PostgreSQL cluster on loopback, for the test suite and the benchmarks.
 
-Used by ``tests/conftest.py`` (the ``postgres_server_url`` fixture) and ``bench/serve.py``, which load
-this file by path, so it imports nothing beyond the standard library; the tests that start servers
-take ``free_port`` from here too. The cluster lives in a temporary folder, listens on 127.0.0.1 only,
+Used by ``bench/serve.py`` and ``bench/statistics_push.py``, which load this file by path, and by the
+test suite (``tests/conftest.py``'s ``postgres_server_url`` fixture; the tests that start servers take
+``free_port`` from here too), which imports it as ``bench.pgcluster``: it lives in bench/ because bench/
+imports nothing from tests/ (tests/test_layers.py). It imports nothing beyond the standard library. The cluster lives in a temporary folder, listens on 127.0.0.1 only,
 trusts local connections, runs without fsync (nothing in it outlives the process that made it) and
 is removed by :meth:`Cluster.stop`.
 """
