@@ -3,6 +3,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
+# Worker processes of `make test` (pytest-xdist); tests sharing an expensive fixture stay in one worker
+# (tests/conftest.py). `make test PYTEST_WORKERS=0` runs the suite in this one process.
+PYTEST_WORKERS ?= 4
 # `make run PORT=8001` when 8000 is taken.
 PORT   ?= 8000
 
@@ -29,7 +32,7 @@ run: install
 	PASTO_DEMO_COMMAND="make run$(if $(filter-out 8000,$(PORT)), PORT=$(PORT))" $(BIN)/pasto demo --port $(PORT)
 
 test: install-test
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[service,warehouse,bench]'

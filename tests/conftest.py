@@ -50,6 +50,29 @@ def pytest_runtest_makereport(item, call):
         )
 
 
+#: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker.
+SHARED_SESSION_FIXTURES = ("spark",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), tests that share an expensive
+    fixture run in the same worker, so that it is built once: the tests of a module with a module-scoped
+    fixture (a seeded live server, a browser) form one group, and those using a fixture of
+    :data:`SHARED_SESSION_FIXTURES` another. Every other test goes to whichever worker is free. Runs before
+    xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change nothing."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        if definitions is None:
+            continue
+        used = definitions.name2fixturedefs
+        shared = [name for name in SHARED_SESSION_FIXTURES if name in used]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))
+        elif any(fixturedefs[-1].scope == "module" for fixturedefs in used.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(scope="session")

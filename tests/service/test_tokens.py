@@ -108,8 +108,10 @@ def test_durations_of_the_cli(text, seconds):
     ("admin-token", True),
     ("a" * 64, True),
     ("0123456789012345678901234", True),  # digits only: 25 x log2(10) = 83 bits
-    (secrets.token_urlsafe(32), False),
-    (secrets.token_hex(32), False),
+    # Named: a random token as the test id would differ between pytest-xdist's workers, which must
+    # collect the same tests.
+    pytest.param(secrets.token_urlsafe(32), False, id="token_urlsafe(32)"),
+    pytest.param(secrets.token_hex(32), False, id="token_hex(32)"),
 ])
 def test_admin_token_strength(token, weak):
     assert (admin_token_weakness(token) is not None) == weak
