@@ -38,17 +38,18 @@ def _pasto(environment: dict[str, str], *args: str) -> str:
     return completed.stdout.strip()
 
 
-@pytest.fixture
-def doc_server(tmp_path: Path) -> Iterator[DocServer]:
+@contextlib.contextmanager
+def running_doc_server(folder: Path) -> Iterator[DocServer]:
+    """``pasto serve`` on a new database in ``folder``, set up with the installed commands; stopped on exit."""
     port = free_port()
     admin = secrets.token_urlsafe(24)
     base = {key: value for key, value in os.environ.items() if not key.startswith("PASTO")}
-    server_environment = {**base, "PASTO_DATABASE_URL": f"sqlite:///{tmp_path / 'docs.sqlite'}",
+    server_environment = {**base, "PASTO_DATABASE_URL": f"sqlite:///{folder / 'docs.sqlite'}",
                           "PASTO_ADMIN_TOKEN": admin, "PASTO_SCHEDULER_INTERVAL": "0.5"}
     _pasto(server_environment, "db", "upgrade")
     tokens = {role: _pasto(server_environment, "tokens", "create", "--role", role, "--name", f"docs-{role}")
               for role in ("ingest", "read")}
-    log_path = tmp_path / "server.log"
+    log_path = folder / "server.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([str(PASTO_COMMAND), "serve", "--host", "127.0.0.1", "--port", str(port)],
                                    env=server_environment, stdout=log, stderr=subprocess.STDOUT,
@@ -74,6 +75,21 @@ def doc_server(tmp_path: Path) -> Iterator[DocServer]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def doc_server(tmp_path: Path) -> Iterator[DocServer]:
+    """A server of the test's own: a documentation page's examples run against a new database, as a
+    reader's would (pages create experiments of the same names)."""
+    with running_doc_server(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def harness_server(tmp_path_factory) -> Iterator[DocServer]:
+    """One server for the tests of the harness itself: each uses its own experiment names or only reads."""
+    with running_doc_server(tmp_path_factory.mktemp("harness")) as server:
+        yield server
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -77,23 +77,24 @@ def test_every_example_runs(document, request, tmp_path):
     assert not failures, "\n\n".join(failures)
 
 
-def test_a_planted_error_in_the_client_page_fails(doc_server, tmp_path):
+def test_a_planted_error_in_the_client_page_fails(harness_server, tmp_path):
     """docs/client.md's recommender example with the experiment's name misspelt: the run reports it."""
     text = (REPOSITORY / "docs/client.md").read_text()
     planted = text.replace('LocalAssigner(client, "demo-ranking")', 'LocalAssigner(client, "demo-rankin")', 1)
     assert planted != text
-    create_the_demo_experiment(doc_server)
+    create_the_demo_experiment(harness_server)
     examples = extract_examples(planted, "docs/client.md")
     assert any(example.language == "python" and example.runnable for example in examples)
-    _, failures = run_examples(examples, doc_server, tmp_path)
+    _, failures = run_examples(examples, harness_server, tmp_path)
     assert failures and "demo-rankin" in failures[0] and "PastoAPIError" in failures[0], failures
 
 
-def test_a_python_block_shares_names_with_the_next_and_reports_its_exception(doc_server, tmp_path):
+def test_a_python_block_shares_names_with_the_next_and_reports_its_exception(harness_server, tmp_path):
     page = ("```python\nfrom pasto_client import Client\nclient = Client('http://127.0.0.1:8000', token='<read token>')\n```\n\n"
             "```python\nprint(client.health()['status'])\n```\n\n```python\nundefined_name\n```\n")
     examples = extract_examples(page, "page.md")
-    with DocRunner(REPOSITORY, tmp_path / "run", doc_server.environment, doc_server.url, bin_dirs=[BIN]) as runner:
+    with DocRunner(REPOSITORY, tmp_path / "run", harness_server.environment, harness_server.url,
+                   bin_dirs=[BIN]) as runner:
         first, second, third = (runner.run(example) for example in examples)
     assert first.ok and second.ok and "ok" in second.output, second.describe()
     assert not third.ok and "NameError" in third.output
@@ -134,10 +135,10 @@ open http://127.0.0.1:8000/
 '''
 
 
-def test_a_drifted_example_fails_and_a_good_one_passes(doc_server, tmp_path):
+def test_a_drifted_example_fails_and_a_good_one_passes(harness_server, tmp_path):
     from pasto_client import Client
 
-    with Client(doc_server.url, doc_server.environment["ADMIN"]) as client:
+    with Client(harness_server.url, harness_server.environment["ADMIN"]) as client:
         client.create_experiment(name="doc-harness", arms=[{"name": "a"}, {"name": "b"}], metrics=["x"],
                                  objective={"primary": "x"}, round_seconds=3600)
     page = tmp_path / "broken.md"
@@ -146,19 +147,21 @@ def test_a_drifted_example_fails_and_a_good_one_passes(doc_server, tmp_path):
     assert [(example.language, example.runnable) for example in examples] == [
         ("sh", True), ("sh", True), ("console", True), ("http", True), ("sh", False)]
     assert examples[-1].skip_reason == "shows what a reader would type into a browser"
-    runner = DocRunner(REPOSITORY, tmp_path / "run", doc_server.environment, doc_server.url, bin_dirs=[BIN])
+    runner = DocRunner(REPOSITORY, tmp_path / "run", harness_server.environment, harness_server.url,
+                       bin_dirs=[BIN])
     good, drifted_curl, bad_command, forbidden_http = (runner.run(example) for example in examples[:4])
     assert good.ok, good.describe()
     assert not drifted_curl.ok and "status >= 400" in drifted_curl.describe()  # inside a pipeline, too
     assert not bad_command.ok and bad_command.returncode != 0
     assert not forbidden_http.ok and "answered 403" in forbidden_http.describe()
-    _, failures = run_examples(examples, doc_server, tmp_path / "all")
+    _, failures = run_examples(examples, harness_server, tmp_path / "all")
     assert len(failures) == 3
 
 
-def test_the_documented_port_goes_to_the_live_server(doc_server, tmp_path):
+def test_the_documented_port_goes_to_the_live_server(harness_server, tmp_path):
     example = Example("inline.md", 1, "sh", "curl -s http://127.0.0.1:8000/healthz\n")
-    result = DocRunner(REPOSITORY, tmp_path, doc_server.environment, doc_server.url, bin_dirs=[BIN]).run(example)
+    runner = DocRunner(REPOSITORY, tmp_path, harness_server.environment, harness_server.url, bin_dirs=[BIN])
+    result = runner.run(example)
     assert result.ok and '"status"' in result.output, result.describe()
 
 
