@@ -91,6 +91,7 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
 
     stop_traffic = threading.Event()
     stop_scheduler = threading.Event()
+    spanned = threading.Event()  # set once a unit is served in round `closes`: the traffic spans closes
     exposed: dict[int, set[str]] = defaultdict(set)
     failures: list[BaseException] = []
 
@@ -107,6 +108,8 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
                 exposures, events = [], []
                 for assignment in answer.get_json()["assignments"]:
                     exposed[assignment["round"]].add(assignment["unit"])
+                    if assignment["round"] >= closes:
+                        spanned.set()
                     exposures.append((NAME, assignment["unit"], assignment["round"], served_at, assignment["arm"]))
                     events.append((assignment["unit"], served_at, 1.0, 0.5))
                 landing.land(exposures, events)
@@ -127,6 +130,11 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
         thread.start()
     try:
         time.sleep(traffic_seconds)
+        # The traffic goes on until it spans `closes` closes, which traffic_seconds allows on a quiet
+        # machine; a loaded one can take longer over a close (a Spark query). Hang guard, not a tolerance.
+        deadline = time.monotonic() + 300
+        while not spanned.wait(timeout=0.5) and not failures and time.monotonic() < deadline:
+            pass
         stop_traffic.set()
         threads[0].join(timeout=60)
         last_served = max(exposed)
