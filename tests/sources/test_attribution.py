@@ -133,8 +133,9 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
         # The traffic goes on until it spans `closes` closes, which traffic_seconds allows on a quiet
         # machine; a loaded one can take longer over a close (a Spark query). Hang guard, not a tolerance.
         deadline = time.monotonic() + 300
-        while not spanned.wait(timeout=0.5) and not failures and time.monotonic() < deadline:
-            pass
+        while not failures and time.monotonic() < deadline:
+            if spanned.wait(timeout=0.5):
+                break
         stop_traffic.set()
         threads[0].join(timeout=60)
         last_served = max(exposed)
