@@ -58,6 +58,11 @@ def test_a_hung_source_delays_no_other_experiment(tmp_path, postgres_url, monkey
     scheduler = start_scheduler(app)
     reports = []
     try:
+        # The scheduler is alive from its first heartbeat (its first tick, which a loaded machine can
+        # delay past the first poll); every report from then on must say so.
+        started = time.monotonic() + 30
+        while not client.get("/healthz").get_json()["scheduler"]["alive"] and time.monotonic() < started:
+            time.sleep(0.05)
         ends = time.monotonic() + RUN_SECONDS
         while time.monotonic() < ends:
             reports.append(client.get("/healthz").get_json())
