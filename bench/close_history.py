@@ -26,8 +26,10 @@ serve = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(serve)
 
 
-def full_aggregate(database, session, experiment_id: int, round_index: int, n_metrics: int, n_arms: int):
-    """``update_statistics`` before running totals (commit 13360da): one aggregate over all rows of rounds <= r."""
+def full_aggregate(database, session, experiment_id: int, round_index: int, n_segments: int, n_metrics: int,
+                   n_arms: int):
+    """``update_statistics`` before running totals (commit 13360da): one aggregate over all rows of rounds <= r
+    (an unsegmented experiment's: segment 0, shape (1, M, K))."""
     from pasto.estimators import Statistics
 
     connection = session.connection()
@@ -49,10 +51,10 @@ def full_aggregate(database, session, experiment_id: int, round_index: int, n_me
         cursor.close()
 
     def statistics(columns):
-        arrays = [np.zeros((n_metrics, n_arms)) for _ in range(3)]
+        arrays = [np.zeros((n_segments, n_metrics, n_arms)) for _ in range(3)]
         metric, arm = data[:, 0].astype(np.int64), data[:, 1].astype(np.int64)
         for array, column in zip(arrays, columns):
-            array[metric, arm] = data[:, column]
+            array[0, metric, arm] = data[:, column]
         return Statistics(*arrays)
 
     return statistics((2, 3, 4)), statistics((5, 6, 7))

@@ -674,8 +674,8 @@ def measure_round_close(app, n_arms: int, preset: str, rounds: int, seed: int = 
     for round_index in range(rounds):
         statistics_ = synthetic_statistics(rng, means, 3)
         rows = [
-            {"experiment_id": experiment_id, "round_index": round_index, "arm_index": k, "metric_index": m,
-             "count": int(statistics_.counts[m, k]), "sum": float(statistics_.sums[m, k]),
+            {"experiment_id": experiment_id, "round_index": round_index, "segment_index": 0, "arm_index": k,
+             "metric_index": m, "count": int(statistics_.counts[m, k]), "sum": float(statistics_.sums[m, k]),
              "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
             for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0
         ]
@@ -724,7 +724,7 @@ def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int,
     from service.bootstrap import get_uow
     from service.controller.rounds import close_round
     from service.db import get_db
-    from service.models import Experiment, RoundStatistic, SegmentRoundStatistic
+    from service.models import Experiment, RoundStatistic
 
     migrations.upgrade(url)
     app = create_app({"PASTO_DATABASE_URL": url, "PASTO_ADMIN_TOKEN": ADMIN_TOKEN})
@@ -751,22 +751,24 @@ def measure_segmented_close(url: str, n_arms: int, n_segments: int, rounds: int,
         per_segment = synthetic_statistics(rng, means, 3)  # (S, M, K)
         pooled = [per_segment.counts.sum(0), per_segment.sums.sum(0), per_segment.sums_of_squares.sum(0)]
         for kind, experiment_id in ids.items():
-            aggregate = [
-                {"experiment_id": experiment_id, "round_index": round_index, "arm_index": k, "metric_index": m,
-                 "count": int(pooled[0][m, k]), "sum": float(pooled[1][m, k]), "sum_of_squares": float(pooled[2][m, k])}
-                for m in range(len(METRICS)) for k in range(n_arms) if pooled[0][m, k] > 0
-            ]
+            if kind == "plain":  # the same observations in its one segment
+                rows = [
+                    {"experiment_id": experiment_id, "round_index": round_index, "segment_index": 0, "arm_index": k,
+                     "metric_index": m, "count": int(pooled[0][m, k]), "sum": float(pooled[1][m, k]),
+                     "sum_of_squares": float(pooled[2][m, k])}
+                    for m in range(len(METRICS)) for k in range(n_arms) if pooled[0][m, k] > 0
+                ]
+            else:
+                rows = [
+                    {"experiment_id": experiment_id, "round_index": round_index, "segment_index": s,
+                     "arm_index": k, "metric_index": m, "count": int(per_segment.counts[s, m, k]),
+                     "sum": float(per_segment.sums[s, m, k]),
+                     "sum_of_squares": float(per_segment.sums_of_squares[s, m, k])}
+                    for s in range(n_segments) for m in range(len(METRICS)) for k in range(n_arms)
+                    if per_segment.counts[s, m, k] > 0
+                ]
             with database.write() as session:
-                session.execute(sa.insert(RoundStatistic.__table__), aggregate)
-                if kind == "segmented":
-                    session.execute(sa.insert(SegmentRoundStatistic.__table__), [
-                        {"experiment_id": experiment_id, "round_index": round_index, "segment_index": s,
-                         "arm_index": k, "metric_index": m, "count": int(per_segment.counts[s, m, k]),
-                         "sum": float(per_segment.sums[s, m, k]),
-                         "sum_of_squares": float(per_segment.sums_of_squares[s, m, k])}
-                        for s in range(n_segments) for m in range(len(METRICS)) for k in range(n_arms)
-                        if per_segment.counts[s, m, k] > 0
-                    ])
+                session.execute(sa.insert(RoundStatistic.__table__), rows)
             started = time.perf_counter()
             advance = close_round(get_uow(app), experiment_id, round_index)
             times[kind]["total"][round_index + 1] = (time.perf_counter() - started) * 1000
@@ -1207,9 +1209,10 @@ def build_history(url: str, n_arms: int, n_rounds: int, units: int) -> tuple[str
                 'closed_at, applied_at, probabilities, deployed, summary FROM rounds '
                 'WHERE experiment_id = :e AND "index" = 0'), shifted)
             session.execute(sa.text(
-                "INSERT INTO round_statistics (experiment_id, round_index, arm_index, metric_index, count, sum, "
-                "sum_of_squares) SELECT experiment_id, round_index + :k, arm_index, metric_index, count, sum, "
-                "sum_of_squares FROM round_statistics WHERE experiment_id = :e AND round_index = 0"), shifted)
+                "INSERT INTO round_statistics (experiment_id, round_index, segment_index, arm_index, metric_index, "
+                "count, sum, sum_of_squares) SELECT experiment_id, round_index + :k, segment_index, arm_index, "
+                "metric_index, count, sum, sum_of_squares FROM round_statistics WHERE experiment_id = :e "
+                "AND round_index = 0"), shifted)
             session.execute(sa.text(
                 "INSERT INTO arm_round_counts (experiment_id, round_index, arm_index, observations, units, "
                 "late_observations) SELECT experiment_id, round_index + :k, arm_index, observations, units, "
@@ -1665,21 +1668,22 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
         (_, state), = cursor.fetchall()
         state = state if isinstance(state, str) else json.dumps(state)  # psycopg parses a json column
         cursor.execute(
-            "INSERT INTO pooled_statistics (experiment_id, metric_index, arm_index, count, sum, sum_of_squares) "
-            f"SELECT {p}, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
-            "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
-            f"WHERE experiment_id = {p} AND round_index = {p} UNION ALL "
-            f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics WHERE experiment_id = {p}"
-            ") AS cells GROUP BY metric_index, arm_index ORDER BY metric_index, arm_index "
-            "ON CONFLICT (experiment_id, metric_index, arm_index) DO UPDATE SET count = pooled_statistics.count "
+            "INSERT INTO pooled_statistics (experiment_id, segment_index, metric_index, arm_index, count, sum, "
+            f"sum_of_squares) SELECT {p}, segment_index, metric_index, arm_index, SUM(count), SUM(sum), "
+            "SUM(sum_of_squares) FROM (SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+            f"FROM round_statistics WHERE experiment_id = {p} AND round_index = {p} UNION ALL "
+            "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
+            f"WHERE experiment_id = {p}) AS cells GROUP BY segment_index, metric_index, arm_index "
+            "ORDER BY segment_index, metric_index, arm_index "
+            "ON CONFLICT (experiment_id, segment_index, metric_index, arm_index) DO UPDATE SET count = pooled_statistics.count "
             "+ excluded.count, sum = pooled_statistics.sum + excluded.sum, "
             "sum_of_squares = pooled_statistics.sum_of_squares + excluded.sum_of_squares",
             (experiment_id, experiment_id, round_index, experiment_id))
         cursor.execute(f"DELETE FROM late_statistics WHERE experiment_id = {p}", (experiment_id,))
         for sql, parameters in (
-            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+            (f"SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
              f"WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index)),
-            (f"SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+            (f"SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
              f"WHERE experiment_id = {p}", (experiment_id,)),
         ):
             cursor.execute(sql, parameters)
@@ -1789,8 +1793,8 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                         row = {"created_s": created, "close_ms": [], "bare_ms": [], "error": None, "parts_ms": []}
                         for round_index in range(args.rounds + 1):
                             statistics_ = synthetic_statistics(rng, means, 3)
-                            rows = [{"experiment_id": experiment_id, "round_index": round_index, "arm_index": k,
-                                     "metric_index": m, "count": int(statistics_.counts[m, k]),
+                            rows = [{"experiment_id": experiment_id, "round_index": round_index, "segment_index": 0,
+                                     "arm_index": k, "metric_index": m, "count": int(statistics_.counts[m, k]),
                                      "sum": float(statistics_.sums[m, k]),
                                      "sum_of_squares": float(statistics_.sums_of_squares[m, k])}
                                     for m in range(len(METRICS)) for k in range(n_arms) if statistics_.counts[m, k] > 0]

@@ -85,9 +85,9 @@ def round_cells(rng: np.random.Generator) -> tuple[list[dict], list[dict]]:
 
 def raw_upsert_sql(paramstyle: str) -> str:
     mark = "%s" if paramstyle in ("format", "pyformat") else "?"
-    return ("INSERT INTO round_statistics (experiment_id, round_index, arm_index, metric_index, count, sum, "
-            f"sum_of_squares) VALUES ({', '.join([mark] * 7)}) ON CONFLICT (experiment_id, round_index, arm_index, "
-            "metric_index) DO UPDATE SET count = round_statistics.count + excluded.count, "
+    return ("INSERT INTO round_statistics (experiment_id, round_index, segment_index, arm_index, metric_index, "
+            f"count, sum, sum_of_squares) VALUES ({', '.join([mark] * 8)}) ON CONFLICT (experiment_id, round_index, "
+            "segment_index, arm_index, metric_index) DO UPDATE SET count = round_statistics.count + excluded.count, "
             "sum = round_statistics.sum + excluded.sum, "
             "sum_of_squares = round_statistics.sum_of_squares + excluded.sum_of_squares")
 
@@ -131,7 +131,7 @@ def measure(url: str, repeats: int) -> dict:
         cells, units = round_cells(np.random.default_rng(1))
         arm_index = {f"arm-{k}": k for k in range(N_ARMS)}
         metric_index = {metric: m for m, metric in enumerate(METRICS)}
-        rows = [(raw_id, 0, arm_index[c["arm"]], metric_index[c["metric"]], c["count"], c["sum"], c["sum_of_squares"])
+        rows = [(raw_id, 0, 0, arm_index[c["arm"]], metric_index[c["metric"]], c["count"], c["sum"], c["sum_of_squares"])
                 for c in cells]
         pushed, raw, ratios = [], [], []
         for repeat in range(repeats + 1):  # the first pair warms both paths up and is not counted

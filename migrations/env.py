@@ -21,11 +21,28 @@ def run_migrations_online() -> None:
         _run(connection)
         return
     engine = sa.create_engine(config.get_main_option("sqlalchemy.url"), poolclass=sa.pool.NullPool)
+    if engine.dialect.name == "sqlite":
+        _transactional_ddl(engine)
     try:
         with engine.connect() as connection:
             _run(connection)
     finally:
         engine.dispose()
+
+
+def _transactional_ddl(engine: sa.Engine) -> None:
+    """SQLite: the migrations' DDL inside their transaction too, so that a failed upgrade or downgrade
+    leaves the database as it was (SQLite's DDL is transactional, but pysqlite only opens a transaction
+    before a data statement: an ALTER TABLE or a batch operation's table rebuild run before one would
+    stay). SQLAlchemy's recipe for pysqlite: the driver opens no transaction, the "begin" event does."""
+
+    @sa.event.listens_for(engine, "connect")
+    def on_connect(dbapi_connection, _record):
+        dbapi_connection.isolation_level = None
+
+    @sa.event.listens_for(engine, "begin")
+    def on_begin(connection):
+        connection.exec_driver_sql("BEGIN")
 
 
 def _run(connection: sa.Connection) -> None:

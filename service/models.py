@@ -231,7 +231,9 @@ class ExperimentEvent(Base):
 
 
 class RoundStatistic(Base):
-    """Sufficient statistics of one metric for one arm in one round."""
+    """Sufficient statistics of one metric for one arm in one segment and round. An unsegmented
+    experiment has segment 0 only; a segmented experiment's totals over segments are sums of its rows
+    (migration 0017: one set of statistics tables, no summed copy)."""
 
     __tablename__ = "round_statistics"
 
@@ -239,6 +241,7 @@ class RoundStatistic(Base):
         sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
     )
     round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     count: Mapped[int] = mapped_column(sa.BigInteger)
@@ -247,11 +250,13 @@ class RoundStatistic(Base):
 
 
 class _ArmMetricTotals:
-    """Columns of a table of per-(metric, arm) totals of an experiment: count, sum, sum of squares."""
+    """Columns of a table of per-(segment, metric, arm) totals of an experiment: count, sum, sum of
+    squares (segment 0 only for an unsegmented experiment)."""
 
     experiment_id: Mapped[int] = mapped_column(
         sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
     )
+    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     count: Mapped[int] = mapped_column(sa.BigInteger)
@@ -260,62 +265,19 @@ class _ArmMetricTotals:
 
 
 class PooledStatistic(_ArmMetricTotals, Base):
-    """Running totals per metric and arm: every :class:`RoundStatistic` row of the applied rounds,
-    late data included up to the last update (the rest of it waits in :class:`LateStatistic`)."""
+    """Running totals per segment, metric and arm: every :class:`RoundStatistic` row of the applied
+    rounds, late data included up to the last update (the rest of it waits in :class:`LateStatistic`)."""
 
     __tablename__ = "pooled_statistics"
 
 
 class LateStatistic(_ArmMetricTotals, Base):
-    """Per metric and arm, the statistics of late observations (for rounds whose update already ran)
-    accepted since the last update; that update adds them into :class:`PooledStatistic` and empties
-    this table. Ingestion writes them in the same transaction as their :class:`RoundStatistic` rows."""
+    """Per segment, metric and arm, the statistics of late observations (for rounds whose update
+    already ran) accepted since the last update; that update adds them into :class:`PooledStatistic`
+    and empties this table. Ingestion writes them in the same transaction as their
+    :class:`RoundStatistic` rows."""
 
     __tablename__ = "late_statistics"
-
-
-class SegmentRoundStatistic(Base):
-    """Segmented experiments: sufficient statistics of one metric for one arm in one segment and round
-    (migration 0009; the unsegmented tables hold the same observations summed over segments)."""
-
-    __tablename__ = "segment_round_statistics"
-
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
-    round_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    count: Mapped[int] = mapped_column(sa.BigInteger)
-    sum: Mapped[float] = mapped_column(sa.Double)
-    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
-
-
-class _SegmentArmMetricTotals:
-    """Columns of a table of per-(segment, metric, arm) totals of a segmented experiment."""
-
-    experiment_id: Mapped[int] = mapped_column(
-        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
-    )
-    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    arm_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    count: Mapped[int] = mapped_column(sa.BigInteger)
-    sum: Mapped[float] = mapped_column(sa.Double)
-    sum_of_squares: Mapped[float] = mapped_column(sa.Double)
-
-
-class SegmentPooledStatistic(_SegmentArmMetricTotals, Base):
-    """:class:`PooledStatistic` with a segment axis."""
-
-    __tablename__ = "segment_pooled_statistics"
-
-
-class SegmentLateStatistic(_SegmentArmMetricTotals, Base):
-    """:class:`LateStatistic` with a segment axis."""
-
-    __tablename__ = "segment_late_statistics"
 
 
 class SegmentValueUnit(Base):

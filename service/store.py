@@ -8,11 +8,14 @@ here imports Flask or knows about HTTP; failures the controller must turn into a
 exceptions defined below.
 
 Statistics (see ``service.controller.rounds`` for the timeline): ``round_statistics`` holds one row
-per (round, arm, metric); ``pooled_statistics`` the running totals of every applied round;
-``late_statistics`` the cells of observations accepted for a round already applied, until the next
-update folds them into the totals. Pooled statistics are running totals, so a close costs the same in
-round 1,000 as in round 1. Float sums are accumulated update by update, so they can differ in the last
-bits from one aggregate over all rows.
+per (round, segment, arm, metric); ``pooled_statistics`` the running totals of every applied round
+per (segment, metric, arm); ``late_statistics`` the cells of observations accepted for a round
+already applied, until the next update folds them into the totals. An unsegmented experiment has
+segment 0 only; a segmented experiment's totals over its segments are sums of its rows, read as such
+(nothing is stored twice). The functions take the number of segments S and give (S, M, K)
+:class:`Statistics`. Pooled statistics are running totals, so a close costs the same in round 1,000 as
+in round 1. Float sums are accumulated update by update, so they can differ in the last bits from one
+aggregate over all rows.
 
 The ingestion statements are plain SQL on the DBAPI cursor (:func:`insert_new`, :func:`add_rows`,
 :func:`_read_statistics`): on that path they are several times faster than SQLAlchemy's per-row
@@ -41,8 +44,8 @@ from .db import Database
 from .responses import RoundSummary
 from .models import (ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
                      LateStatistic, ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit,
-                     SchedulerHeartbeat, SegmentLateStatistic, SegmentPooledStatistic, SegmentRoundStatistic,
-                     SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch, Token, utcnow)
+                     SchedulerHeartbeat, SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch,
+                     Token, utcnow)
 
 if TYPE_CHECKING:
     from .cache import ExperimentCache
@@ -407,30 +410,32 @@ def insert_observation_ids(session: Session, experiment_id: int, rows: list[tupl
 
 
 def add_statistics(connection: sa.Connection, experiment_id: int, cells: list[tuple], applied_rounds: int) -> None:
-    """Add ``cells`` (``(round_index, arm_index, metric_index, count, sum, sum_of_squares)``, one per
-    key, sorted by key) to the round statistics, and the cells of rounds already applied (late data)
-    to ``late_statistics`` too, where the next round update finds them (:func:`update_statistics`).
+    """Add ``cells`` (``(round_index, segment_index, arm_index, metric_index, count, sum,
+    sum_of_squares)``, one per key, sorted by key; segment 0 for an unsegmented experiment) to the round
+    statistics, and the cells of rounds already applied (late data) to ``late_statistics`` too, where
+    the next round update finds them (:func:`update_statistics`).
 
     ``applied_rounds`` must have been read under the share lock on the experiment's row that this
     transaction holds (:func:`lock_for_ingestion`): a round update, which empties ``late_statistics``,
     waits for it.
     """
     add_rows(
-        connection, RoundStatistic.__table__, ("experiment_id", "round_index", "arm_index", "metric_index"),
+        connection, RoundStatistic.__table__,
+        ("experiment_id", "round_index", "segment_index", "arm_index", "metric_index"),
         ("count", "sum", "sum_of_squares"), [(experiment_id, *cell) for cell in cells],
     )
-    late: dict[tuple[int, int], list] = {}
-    for round_index, arm, metric, count, total, total_of_squares in cells:
+    late: dict[tuple[int, int, int], list] = {}
+    for round_index, segment, arm, metric, count, total, total_of_squares in cells:
         if round_index < applied_rounds:
-            sums = late.setdefault((metric, arm), [0, 0.0, 0.0])
+            sums = late.setdefault((segment, metric, arm), [0, 0.0, 0.0])
             sums[0] += count
             sums[1] += total
             sums[2] += total_of_squares
     if late:
         add_rows(
-            connection, LateStatistic.__table__, ("experiment_id", "metric_index", "arm_index"),
+            connection, LateStatistic.__table__, ("experiment_id", "segment_index", "metric_index", "arm_index"),
             ("count", "sum", "sum_of_squares"),
-            [(experiment_id, metric, arm, *sums) for (metric, arm), sums in sorted(late.items())],
+            [(experiment_id, *key, *sums) for key, sums in sorted(late.items())],
         )
 
 
@@ -663,121 +668,15 @@ def pending_summaries(database: Database, applied_before: datetime, limit: int =
 
 def fold_statistics(database: Database, session: Session, experiment_id: int, round_index: int) -> int:
     """Add round ``round_index``'s rows and the late cells into ``pooled_statistics`` and empty
-    ``late_statistics``; returns the number of (metric, arm) cells of the totals added to.
+    ``late_statistics``; returns the number of (segment, metric, arm) cells of the totals added to.
 
     Work proportional to one round: the round's rows are found by the primary key, the late cells
-    are at most K x M. Must run in the close transaction, after the experiment row was locked
+    are at most S x M x K. Must run in the close transaction, after the experiment row was locked
     exclusively, for the rounds in order: ingestion holds that lock shared (:func:`lock_for_ingestion`),
     so no observation lands between reading the late cells and deleting them, and the round's rows
     are final (later observations for it are late, and go to ``late_statistics`` too).
     """
     table, late, pooled = RoundStatistic.__table__, LateStatistic.__table__, PooledStatistic.__table__
-    cells = sa.union_all(
-        sa.select(table.c.metric_index, table.c.arm_index, table.c.count, table.c.sum, table.c.sum_of_squares)
-        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index),
-        sa.select(late.c.metric_index, late.c.arm_index, late.c.count, late.c.sum, late.c.sum_of_squares)
-        .where(late.c.experiment_id == experiment_id),
-    ).subquery()
-    additions = (
-        sa.select(sa.literal(experiment_id), cells.c.metric_index, cells.c.arm_index, sa.func.sum(cells.c.count),
-                  sa.func.sum(cells.c.sum), sa.func.sum(cells.c.sum_of_squares))
-        .group_by(cells.c.metric_index, cells.c.arm_index)
-        .order_by(cells.c.metric_index, cells.c.arm_index)  # one lock order
-    )
-    upsert = database.insert(pooled).from_select(
-        ["experiment_id", "metric_index", "arm_index", "count", "sum", "sum_of_squares"], additions)
-    upsert = upsert.on_conflict_do_update(
-        index_elements=[pooled.c.experiment_id, pooled.c.metric_index, pooled.c.arm_index],
-        set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
-    )
-    cells_added = session.execute(upsert).rowcount
-    session.execute(sa.delete(late).where(late.c.experiment_id == experiment_id))
-    return cells_added
-
-
-def update_statistics(database: Database, session: Session, experiment_id: int, round_index: int, n_metrics: int,
-                      n_arms: int) -> tuple[Statistics, Statistics]:
-    """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``, for
-    its update: adds the round and the late data into the totals (:func:`fold_statistics`), then reads
-    round ``round_index``'s rows and the K x M running totals. Nothing here grows with the number of
-    rounds."""
-    fold_statistics(database, session, experiment_id, round_index)
-    this_round = _read_statistics(
-        session, "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
-                 "WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index), n_metrics, n_arms)
-    pooled = _read_statistics(
-        session, "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
-                 "WHERE experiment_id = {p}", (experiment_id,), n_metrics, n_arms)
-    return this_round, pooled
-
-
-def pooled_statistics(session: Session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int) -> Statistics:
-    """Statistics summed over rounds <= ``last_round`` without writing (for reports): the running
-    totals, the late cells, and the rows of the rounds from the first one not applied up to
-    ``last_round``. One statement (``applied_rounds`` read inside it), so a close committing meanwhile
-    cannot make a row count twice or not at all."""
-    return _read_statistics(
-        session,
-        "SELECT metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
-        "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
-        "WHERE experiment_id = {p} "
-        "UNION ALL SELECT metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
-        "WHERE experiment_id = {p} "
-        "UNION ALL SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
-        "WHERE experiment_id = {p} AND round_index <= {p} "
-        "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})"
-        ") AS cells GROUP BY metric_index, arm_index",
-        (experiment_id, experiment_id, experiment_id, last_round, experiment_id), n_metrics, n_arms)
-
-
-def _read_statistics(session: Session, sql: str, parameters: tuple, n_metrics: int, n_arms: int) -> Statistics:
-    """Rows (metric_index, arm_index, count, sum, sum_of_squares) of ``sql`` -> M x K :class:`Statistics`.
-
-    Plain SQL on the DBAPI cursor (``{p}`` marks the parameters), straight into one float64 array: at
-    K = 10,000 there are 50,000 rows, and SQLAlchemy row objects cost more than the query.
-    """
-    data = _fetch_array(session.connection(), sql, parameters, 5, np.float64)
-    counts = np.zeros((n_metrics, n_arms))
-    sums = np.zeros((n_metrics, n_arms))
-    sums_of_squares = np.zeros((n_metrics, n_arms))
-    metric, arm = data[:, 0].astype(np.int64), data[:, 1].astype(np.int64)
-    counts[metric, arm] = data[:, 2]
-    sums[metric, arm] = data[:, 3]
-    sums_of_squares[metric, arm] = data[:, 4]
-    return Statistics(counts=counts, sums=sums, sums_of_squares=sums_of_squares)
-
-
-# ------------------------------------------------------------------------------ segments
-# Segmented experiments keep the unsegmented tables above (every segment summed) and, in the same
-# transactions, the same cells with a segment axis in the three segment_* tables (migration 0009).
-def add_segment_statistics(connection: sa.Connection, experiment_id: int, cells: list[tuple],
-                           applied_rounds: int) -> None:
-    """:func:`add_statistics` with a segment axis: ``cells`` are ``(round_index, segment_index,
-    arm_index, metric_index, count, sum, sum_of_squares)``, one per key, sorted by key."""
-    add_rows(
-        connection, SegmentRoundStatistic.__table__,
-        ("experiment_id", "round_index", "segment_index", "arm_index", "metric_index"),
-        ("count", "sum", "sum_of_squares"), [(experiment_id, *cell) for cell in cells],
-    )
-    late: dict[tuple[int, int, int], list] = {}
-    for round_index, segment, arm, metric, count, total, total_of_squares in cells:
-        if round_index < applied_rounds:
-            sums = late.setdefault((segment, metric, arm), [0, 0.0, 0.0])
-            sums[0] += count
-            sums[1] += total
-            sums[2] += total_of_squares
-    if late:
-        add_rows(
-            connection, SegmentLateStatistic.__table__, ("experiment_id", "segment_index", "metric_index", "arm_index"),
-            ("count", "sum", "sum_of_squares"),
-            [(experiment_id, *key, *sums) for key, sums in sorted(late.items())],
-        )
-
-
-def fold_segment_statistics(database: Database, session: Session, experiment_id: int, round_index: int) -> int:
-    """:func:`fold_statistics` with a segment axis (same locking rules)."""
-    table, late, pooled = (SegmentRoundStatistic.__table__, SegmentLateStatistic.__table__,
-                           SegmentPooledStatistic.__table__)
     keys = ("segment_index", "metric_index", "arm_index")
     cells = sa.union_all(
         sa.select(*(table.c[key] for key in keys), table.c.count, table.c.sum, table.c.sum_of_squares)
@@ -791,8 +690,8 @@ def fold_segment_statistics(database: Database, session: Session, experiment_id:
         .group_by(*(cells.c[key] for key in keys))
         .order_by(*(cells.c[key] for key in keys))  # one lock order
     )
-    upsert = database.insert(pooled).from_select(
-        ["experiment_id", *keys, "count", "sum", "sum_of_squares"], additions)
+    upsert = database.insert(pooled).from_select(["experiment_id", *keys, "count", "sum", "sum_of_squares"],
+                                                 additions)
     upsert = upsert.on_conflict_do_update(
         index_elements=[pooled.c.experiment_id, *(pooled.c[key] for key in keys)],
         set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
@@ -802,53 +701,50 @@ def fold_segment_statistics(database: Database, session: Session, experiment_id:
     return cells_added
 
 
-def update_segment_statistics(database: Database, session: Session, experiment_id: int, round_index: int,
-                              n_segments: int, n_metrics: int, n_arms: int) -> tuple[Statistics, Statistics]:
-    """:func:`update_statistics` with a segment axis: round ``round_index``'s and the pooled statistics,
-    each of shape (S, M, K), after folding the round and the late cells into the totals."""
-    fold_segment_statistics(database, session, experiment_id, round_index)
+def update_statistics(database: Database, session: Session, experiment_id: int, round_index: int, n_segments: int,
+                      n_metrics: int, n_arms: int) -> tuple[Statistics, Statistics]:
+    """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``, each
+    (S, M, K) with S = ``n_segments`` (1 for an unsegmented experiment), for its update: adds the round
+    and the late data into the totals (:func:`fold_statistics`), then reads round ``round_index``'s
+    rows and the running totals. Nothing here grows with the number of rounds."""
+    fold_statistics(database, session, experiment_id, round_index)
     shape = (n_segments, n_metrics, n_arms)
-    this_round = _read_segment_statistics(
-        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
-                 "FROM segment_round_statistics WHERE experiment_id = {p} AND round_index = {p}",
-        (experiment_id, round_index), shape)
-    pooled = _read_segment_statistics(
-        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
-                 "FROM segment_pooled_statistics WHERE experiment_id = {p}", (experiment_id,), shape)
+    this_round = _read_statistics(
+        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+                 "WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index), shape)
+    pooled = _read_statistics(
+        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
+                 "WHERE experiment_id = {p}", (experiment_id,), shape)
     return this_round, pooled
 
 
-def segment_pooled_statistics(session: Session, experiment_id: int, last_round: int, n_segments: int,
-                              n_metrics: int, n_arms: int) -> Statistics:
-    """:func:`pooled_statistics` with a segment axis: (S, M, K), without writing, one statement."""
-    return _read_segment_statistics(
+def pooled_statistics(session: Session, experiment_id: int, last_round: int, n_segments: int, n_metrics: int,
+                      n_arms: int) -> Statistics:
+    """Statistics summed over rounds <= ``last_round`` without writing (for reports), (S, M, K): the
+    running totals, the late cells, and the rows of the rounds from the first one not applied up to
+    ``last_round``. One statement (``applied_rounds`` read inside it), so a close committing meanwhile
+    cannot make a row count twice or not at all."""
+    return _read_statistics(
         session,
         "SELECT segment_index, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
-        "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM segment_pooled_statistics "
+        "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
         "WHERE experiment_id = {p} "
-        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
-        "FROM segment_late_statistics WHERE experiment_id = {p} "
-        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
-        "FROM segment_round_statistics WHERE experiment_id = {p} AND round_index <= {p} "
+        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
+        "WHERE experiment_id = {p} "
+        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
+        "WHERE experiment_id = {p} AND round_index <= {p} "
         "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})"
         ") AS cells GROUP BY segment_index, metric_index, arm_index",
-        (experiment_id, experiment_id, experiment_id, last_round, experiment_id),
-        (n_segments, n_metrics, n_arms))
+        (experiment_id, experiment_id, experiment_id, last_round, experiment_id), (n_segments, n_metrics, n_arms))
 
 
-def segment_round_traffic(session: Session, experiment_id: int, since: int, last: int) -> list[tuple]:
-    """``(round_index, segment_index, metric_index, count)`` of rounds ``since..last``: observations per
-    round, segment and metric, summed over arms (the traffic shares of the round history)."""
-    table = SegmentRoundStatistic.__table__
-    return [tuple(row) for row in session.execute(
-        sa.select(table.c.round_index, table.c.segment_index, table.c.metric_index, sa.func.sum(table.c.count))
-        .where(table.c.experiment_id == experiment_id, table.c.round_index >= since, table.c.round_index <= last)
-        .group_by(table.c.round_index, table.c.segment_index, table.c.metric_index)
-    )]
+def _read_statistics(session: Session, sql: str, parameters: tuple, shape: tuple[int, int, int]) -> Statistics:
+    """Rows (segment_index, metric_index, arm_index, count, sum, sum_of_squares) of ``sql`` -> (S, M, K)
+    :class:`Statistics` of ``shape``.
 
-
-def _read_segment_statistics(session: Session, sql: str, parameters: tuple, shape: tuple[int, int, int]) -> Statistics:
-    """Rows (segment_index, metric_index, arm_index, count, sum, sum_of_squares) -> S x M x K :class:`Statistics`."""
+    Plain SQL on the DBAPI cursor (``{p}`` marks the parameters), straight into one float64 array: at
+    K = 10,000 there are 50,000 rows per segment, and SQLAlchemy row objects cost more than the query.
+    """
     data = _fetch_array(session.connection(), sql, parameters, 6, np.float64)
     arrays = [np.zeros(shape) for _ in range(3)]
     index = tuple(data[:, column].astype(np.int64) for column in range(3))
@@ -857,6 +753,19 @@ def _read_segment_statistics(session: Session, sql: str, parameters: tuple, shap
     return Statistics(counts=arrays[0], sums=arrays[1], sums_of_squares=arrays[2])
 
 
+def segment_round_traffic(session: Session, experiment_id: int, since: int, last: int) -> list[tuple]:
+    """``(round_index, segment_index, metric_index, count)`` of rounds ``since..last``: observations per
+    round, segment and metric, summed over arms (the traffic shares of a segmented experiment's round
+    history)."""
+    table = RoundStatistic.__table__
+    return [tuple(row) for row in session.execute(
+        sa.select(table.c.round_index, table.c.segment_index, table.c.metric_index, sa.func.sum(table.c.count))
+        .where(table.c.experiment_id == experiment_id, table.c.round_index >= since, table.c.round_index <= last)
+        .group_by(table.c.round_index, table.c.segment_index, table.c.metric_index)
+    )]
+
+
+# ------------------------------------------------------------------------------ segments
 def add_segment_value_units(connection: sa.Connection, experiment_id: int, rows: list[tuple[str, str]]) -> None:
     """Record ``(value, unit)`` pairs of an open segment set (sorted; existing pairs ignored)."""
     if rows:
@@ -895,22 +804,27 @@ def write_segment_state(session: Session, experiment_id: int, segment_state: dic
 
 
 # ------------------------------------------------------------------------------ reports
-def round_history(session: Session, experiment_id: int, since: int, last: int
+def round_history(session: Session, experiment_id: int, since: int, last: int, *, segmented: bool
                   ) -> tuple[list[Round], np.ndarray, np.ndarray]:
     """Rounds ``since..last`` (ORM objects), their statistics rows ``(round_index, metric_index,
-    arm_index, count, sum)`` as float64, shape (N, 5), and their count rows ``(round_index, arm_index,
-    observations, units, late_observations)`` as int64, shape (N', 5).
+    arm_index, count, sum)`` as float64, shape (N, 5), summed over the segments of a ``segmented``
+    experiment (one row per key), and their count rows ``(round_index, arm_index, observations, units,
+    late_observations)`` as int64, shape (N', 5).
 
     The rows are read on the DBAPI cursor straight into numpy: a page of rounds at K = 100,000 has
-    500,000 statistics rows per round, and SQLAlchemy row objects cost more than the query."""
+    500,000 statistics rows per round, and SQLAlchemy row objects cost more than the query. An
+    unsegmented experiment's rows (segment 0 only) are read as they are, without a GROUP BY."""
     round_rows = session.execute(
         sa.select(Round).where(Round.experiment_id == experiment_id, Round.index >= since, Round.index <= last)
         .order_by(Round.index)
     ).scalars().all()
-    statistics = _rows_array(
-        session, "SELECT round_index, metric_index, arm_index, count, sum FROM round_statistics "
-                 "WHERE experiment_id = {p} AND round_index >= {p} AND round_index <= {p}",
-        (experiment_id, since, last), np.float64)
+    where = "WHERE experiment_id = {p} AND round_index >= {p} AND round_index <= {p}"
+    if segmented:
+        sql = (f"SELECT round_index, metric_index, arm_index, SUM(count), SUM(sum) FROM round_statistics {where} "
+               "GROUP BY round_index, metric_index, arm_index")
+    else:
+        sql = f"SELECT round_index, metric_index, arm_index, count, sum FROM round_statistics {where}"
+    statistics = _rows_array(session, sql, (experiment_id, since, last), np.float64)
     counts = _rows_array(
         session, "SELECT round_index, arm_index, observations, units, late_observations FROM arm_round_counts "
                  "WHERE experiment_id = {p} AND round_index >= {p} AND round_index <= {p}",

@@ -217,18 +217,14 @@ def _write_batch(uow: UnitOfWork, snapshot: Snapshot, batch: list[Observation], 
         arm_counts: dict[int, int] = {}
         if new_positions:
             connection = session.connection()
-            store.add_statistics(connection, snapshot.id, statistics_cells(snapshot, batch, arm_indices, new_positions),
+            store.add_statistics(connection, snapshot.id,
+                                 statistics_cells(snapshot, batch, arm_indices, new_positions, segments),
                                  row.applied_rounds)
-            if snapshot.segmented:
-                store.add_segment_statistics(
-                    connection, snapshot.id,
-                    segment_statistics_cells(snapshot, batch, arm_indices, new_positions, segments),
-                    row.applied_rounds)
-                if snapshot.segment_open:
-                    # Units of values without a mixture of their own: counted toward min_units.
-                    store.add_segment_value_units(connection, snapshot.id, sorted({
-                        (batch[p].segment, batch[p].unit) for p in new_positions
-                        if batch[p].segment is not None and batch[p].segment not in snapshot.segment_positions}))
+            if snapshot.segmented and snapshot.segment_open:
+                # Units of values without a mixture of their own: counted toward min_units.
+                store.add_segment_value_units(connection, snapshot.id, sorted({
+                    (batch[p].segment, batch[p].unit) for p in new_positions
+                    if batch[p].segment is not None and batch[p].segment not in snapshot.segment_positions}))
             arm_counts = dict(store.add_units_and_counts(
                 connection, snapshot.id, ((batch[p].round, batch[p].unit, arms[p]) for p in new_positions),
                 row.applied_rounds))
@@ -236,16 +232,20 @@ def _write_batch(uow: UnitOfWork, snapshot: Snapshot, batch: list[Observation], 
                         arm_counts=arm_counts)
 
 
-def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray,
-                     positions: list[int]) -> list[tuple[int, int, int, int, float, float]]:
-    """The sufficient statistics of ``batch[positions]`` as ``(round, arm, metric, count, sum,
-    sum_of_squares)`` rows, one per cell with data, sorted by (round, arm, metric): every transaction
-    upserts (and locks) rows in the same order.
+def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray, positions: list[int],
+                     segment_positions: np.ndarray | None = None
+                     ) -> list[tuple[int, int, int, int, int, float, float]]:
+    """The sufficient statistics of ``batch[positions]`` as ``(round, segment, arm, metric, count, sum,
+    sum_of_squares)`` rows, one per cell with data, sorted by (round, segment, arm, metric): every
+    transaction upserts (and locks) rows in the same order. ``segment_positions`` (N,) are the
+    observations' segments (:func:`resolve_segments`); None for an unsegmented experiment, whose
+    observations are all in segment 0.
 
-    Each (round, arm) pair of the batch is one "arm" of ``Statistics.from_observations``, whose
-    values matrix (N, M) holds nan where an observation lacks a metric.
+    Each (round, segment, arm) triple of the batch is one "arm" of ``Statistics.from_observations``,
+    whose values matrix (N, M) holds nan where an observation lacks a metric.
     """
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
+    n_segments = 1 if segment_positions is None else len(snapshot.segment_names)
     metric_positions = snapshot.metric_positions
     rows: list[int] = []
     columns: list[int] = []
@@ -258,32 +258,13 @@ def statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndar
     values = np.full((len(positions), n_metrics), np.nan)
     values[rows, columns] = observed
     rounds = np.fromiter((batch[position].round for position in positions), dtype=np.int64, count=len(positions))
-    pairs, pair_of = np.unique(rounds * n_arms + arms[positions], return_inverse=True)  # sorted (round, arm)
-    statistics = Statistics.from_observations(pair_of, values, pairs.size)  # (M, pairs)
-    pair, metric = np.nonzero(statistics.counts.T)  # pair-major: (round, arm, metric) order
-    return list(zip((pairs[pair] // n_arms).tolist(), (pairs[pair] % n_arms).tolist(), metric.tolist(),
-                    statistics.counts.T[pair, metric].astype(np.int64).tolist(),
-                    statistics.sums.T[pair, metric].tolist(), statistics.sums_of_squares.T[pair, metric].tolist()))
-
-
-def segment_statistics_cells(snapshot: Snapshot, batch: list[Observation], arms: np.ndarray,
-                             positions: list[int], segment_positions: np.ndarray
-                             ) -> list[tuple[int, int, int, int, int, float, float]]:
-    """:func:`statistics_cells` with a segment axis (``segment_positions`` (N,) from :func:`resolve_arms`):
-    ``(round, segment, arm, metric, count, sum, sum_of_squares)`` rows sorted by key (each (round,
-    segment, arm) triple is one "arm" of ``Statistics.from_observations``)."""
-    n_arms, n_metrics, n_segments = snapshot.n_arms, len(snapshot.metrics), len(snapshot.segment_names)
-    metric_positions = snapshot.metric_positions
-    values = np.full((len(positions), n_metrics), np.nan)
-    for row, position in enumerate(positions):
-        for metric, value in batch[position].values.items():
-            values[row, metric_positions[metric]] = value
-    rounds = np.fromiter((batch[p].round for p in positions), dtype=np.int64, count=len(positions))
-    segments = segment_positions[positions]
-    keys = (rounds * n_segments + segments) * n_arms + arms[positions]
+    keys = rounds * n_segments
+    if segment_positions is not None:
+        keys += segment_positions[positions]
+    keys = keys * n_arms + arms[positions]
     triples, triple_of = np.unique(keys, return_inverse=True)  # sorted (round, segment, arm)
     statistics = Statistics.from_observations(triple_of, values, triples.size)  # (M, triples)
-    triple, metric = np.nonzero(statistics.counts.T)
+    triple, metric = np.nonzero(statistics.counts.T)  # triple-major: (round, segment, arm, metric) order
     key = triples[triple]
     return list(zip((key // (n_segments * n_arms)).tolist(), (key // n_arms % n_segments).tolist(),
                     (key % n_arms).tolist(), metric.tolist(),

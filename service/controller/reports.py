@@ -24,7 +24,7 @@ from pasto.diagnostics import sample_ratio_mismatch
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.report import Optimum, RoundReport, round_report, solve_optimum
-from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, segment_report
+from pasto.segments import SegmentedConfig, SegmentedState, measured_shares, pool_segments, segment_report
 
 from .. import store
 from ..cache import Snapshot
@@ -207,18 +207,19 @@ def diagnostics(uow: UnitOfWork, name: str) -> Diagnostics:
     n_arms, n_metrics = snapshot.n_arms, len(snapshot.metrics)
     with uow.read() as session:
         algorithm, objective = algorithm_and_objective(uow, session, snapshot.id, snapshot.config)
-        pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index, n_metrics, n_arms)
+        segmented = segmented_config(snapshot.config, algorithm)
+        if segmented is not None:
+            # The stored state, read in this transaction (an open set may have grown since the snapshot).
+            loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
+        # (S, M, K), one segment for an unsegmented experiment; the experiment's totals are their sums.
+        segment_pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index,
+                                                 1 if segmented is None else loaded.n_segments, n_metrics, n_arms)
         forget_gone_experiments(uow, session, snapshot.id)
         regret_per_round = stored_regrets(uow, session, snapshot.id, snapshot.name)
         units, late, srm = running_traffic(uow, session, snapshot.id, n_arms,
                                            (snapshot.round_index, snapshot.probabilities))
         source_error = source_error_view(store.source_error(session, snapshot.id))
-        segmented = segmented_config(snapshot.config, algorithm)
-        if segmented is not None:
-            # The stored state, read in this transaction (an open set may have grown since the snapshot).
-            loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
-            segment_pooled = store.segment_pooled_statistics(session, snapshot.id, snapshot.round_index,
-                                                             loaded.n_segments, n_metrics, n_arms)
+    pooled = pool_segments(segment_pooled)
     state = ControllerState.from_dict(snapshot.state)
     segments = None
     if segmented is not None:
@@ -422,7 +423,8 @@ def round_history(uow: UnitOfWork, name: str, since: int, limit: int | None) -> 
     snapshot = uow.cache.get(name)
     last = snapshot.round_index if limit is None else min(snapshot.round_index, since + limit - 1)
     with uow.read() as session:
-        round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last)
+        round_rows, statistics, counts = store.round_history(session, snapshot.id, since, last,
+                                                             segmented=snapshot.segmented)
         source_error = source_error_view(store.source_error(session, snapshot.id))
         traffic = store.segment_round_traffic(session, snapshot.id, since, last) if snapshot.segmented else None
     n_rounds, n_arms, n_metrics = max(0, last - since + 1), snapshot.n_arms, len(snapshot.metrics)

@@ -51,7 +51,7 @@ from pasto.algorithm import AlgorithmConfig, ControllerState, EstimationConfig, 
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
-                            segmented_update)
+                            pool_segments, segmented_update)
 
 from .. import events, store
 from ..cache import Snapshot
@@ -308,18 +308,18 @@ def _advance_in(uow: UnitOfWork, session, experiment_id: int, now: datetime, man
             segment_state = add_segments(segment_state, len(graduated), template=0)
             segment_names = segment_names + graduated
         for index in due:
-            round_statistics, pooled = store.update_statistics(uow.database, session, experiment_id, index,
-                                                               objective.n_metrics, state.n_arms)
+            # (S, M, K): one segment for an unsegmented experiment.
+            segment_round, segment_pooled = store.update_statistics(
+                uow.database, session, experiment_id, index, 1 if segmented is None else segment_state.n_segments,
+                objective.n_metrics, state.n_arms)
+            pooled = pool_segments(segment_pooled)  # over segments: the aggregate's pooled statistics
             propensities = np.asarray(rounds[index].probabilities, dtype=np.float64)
             if segmented is None:
-                state = update(algorithm, objective, state, round_statistics, pooled, propensities=propensities,
-                               rng=round_generator(experiment.seed, index + 1))
+                state = update(algorithm, objective, state, pool_segments(segment_round), pooled,
+                               propensities=propensities, rng=round_generator(experiment.seed, index + 1))
                 summaries.append(_PendingSummary(index, algorithm, objective, state, pooled, propensities))
                 store.record_summary_input(rounds[index], _summary_input(summaries[-1]))
             else:
-                segment_round, segment_pooled = store.update_segment_statistics(
-                    uow.database, session, experiment_id, index, segment_state.n_segments, objective.n_metrics,
-                    state.n_arms)
                 shares = measured_shares(segment_observations(segment_pooled),
                                          expected_shares(config, segment_state.n_segments))
                 served = np.asarray(rounds[index].segment_probabilities, dtype=np.float64)

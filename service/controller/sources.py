@@ -171,7 +171,7 @@ def apply_results(uow: UnitOfWork, session, experiment, work: DueWork, results: 
     if newest is not None and newest >= results.started_at:
         return False
     applied_rounds = experiment.applied_rounds
-    cell_changes: list[tuple[int, int, int, int, float, float]] = []
+    cell_changes: list[tuple[int, int, int, int, int, float, float]] = []  # segment 0: a source feeds no segments
     count_changes: list[tuple[int, int, int, int, int]] = []
     for index in sorted(results.rounds):
         result = results.rounds[index]
@@ -190,7 +190,7 @@ def apply_results(uow: UnitOfWork, session, experiment, work: DueWork, results: 
             old = old_cells.get(key, (0, 0.0, 0.0))
             new = new_cells.get(key, (0, 0.0, 0.0))
             if old != new:
-                cell_changes.append((index, key[0], key[1], new[0] - old[0], new[1] - old[1], new[2] - old[2]))
+                cell_changes.append((index, 0, key[0], key[1], new[0] - old[0], new[1] - old[1], new[2] - old[2]))
         for arm_index in sorted(set(old_units) | set(new_units)):
             old_unit_count, old_observations = old_units.get(arm_index, (0, 0))
             unit_count, observation_count = new_units.get(arm_index, (0, 0))

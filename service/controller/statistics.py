@@ -72,14 +72,16 @@ def content_hash(cells: list[tuple], units: list[tuple[int, int, int]]) -> str:
     return hashlib.sha256(repr((cells, units)).encode()).hexdigest()
 
 
-def resolve(cache: ExperimentCache, snapshot: Snapshot, batch: StatisticsBatch,
-            segment_cells: list[tuple] | None = None) -> tuple[list[tuple], list[tuple[int, int, int]]]:
-    """The batch as positions: cells ``(round, arm, metric, count, sum, sum_of_squares)`` sorted by key
-    (every transaction upserts rows in one order) and units ``(round, arm, units)`` sorted by key.
+def resolve(cache: ExperimentCache, snapshot: Snapshot, batch: StatisticsBatch
+            ) -> tuple[list[tuple], list[tuple], list[tuple[int, int, int]]]:
+    """The batch as positions: cells ``(round, arm, metric, count, sum, sum_of_squares)`` sorted by key,
+    the same cells per segment ``(round, segment, arm, metric, count, sum, sum_of_squares)`` sorted by
+    key (what is stored: every transaction upserts rows in one order), and units ``(round, arm, units)``
+    sorted by key.
 
-    Segmented experiments: every cell names its segment as an observation does (``ingestion.segment_problem``),
-    ``segment_cells`` receives ``(round, segment, arm, metric, count, sum, sum_of_squares)`` sorted by key, and
-    the returned cells are their sums over segments.
+    Unsegmented experiments: every cell is in segment 0. Segmented experiments: every cell names its
+    segment as an observation does (``ingestion.segment_problem``), and the first cells are the sums
+    over segments (the arm round counts and the content hash read them).
 
     Every problem (unknown arm, metric or segment, a round that has not started, a second entry for a
     key) is reported in one 422, in body order."""
@@ -133,23 +135,23 @@ def resolve(cache: ExperimentCache, snapshot: Snapshot, batch: StatisticsBatch,
     if problems:
         problems.sort(key=lambda problem: problem[:2])  # stable: within an item, in the order checked
         raise problems_error([{"location": location, "message": message} for _, _, location, message in problems])
-    if snapshot.segmented:
-        summed: dict[tuple, list] = {}
-        for round_index, segment, arm, metric, count, total, total_of_squares in by_segment:
-            sums = summed.setdefault((round_index, segment, arm, metric), [0, 0.0, 0.0])
-            sums[0] += count
-            sums[1] += total
-            sums[2] += total_of_squares
-        if segment_cells is not None:
-            segment_cells[:] = [(*key, *sums) for key, sums in sorted(summed.items())]
-        aggregate: dict[tuple, list] = {}
-        for round_index, arm, metric, count, total, total_of_squares in cells:
-            sums = aggregate.setdefault((round_index, arm, metric), [0, 0.0, 0.0])
-            sums[0] += count
-            sums[1] += total
-            sums[2] += total_of_squares
-        cells = [(*key, *sums) for key, sums in aggregate.items()]
-    return sorted(cells), sorted(units)
+    if not snapshot.segmented:
+        cells.sort()
+        return cells, [(round_index, 0, *rest) for round_index, *rest in cells], sorted(units)
+    summed: dict[tuple, list] = {}
+    for round_index, segment, arm, metric, count, total, total_of_squares in by_segment:
+        sums = summed.setdefault((round_index, segment, arm, metric), [0, 0.0, 0.0])
+        sums[0] += count
+        sums[1] += total
+        sums[2] += total_of_squares
+    aggregate: dict[tuple, list] = {}
+    for round_index, arm, metric, count, total, total_of_squares in cells:
+        sums = aggregate.setdefault((round_index, arm, metric), [0, 0.0, 0.0])
+        sums[0] += count
+        sums[1] += total
+        sums[2] += total_of_squares
+    return (sorted((*key, *sums) for key, sums in aggregate.items()),
+            [(*key, *sums) for key, sums in sorted(summed.items())], sorted(units))
 
 
 def _conflicting_batch(batch_id: str) -> ApiError:
@@ -164,8 +166,7 @@ def ingest_statistics(uow: UnitOfWork, snapshot: Snapshot, batch: StatisticsBatc
     last_round = max([cell.round for cell in batch.cells] + [entry.round for entry in batch.units])
     if last_round > snapshot.round_index:
         snapshot = uow.cache.get(snapshot.name, fresh=True)  # another worker may have started a newer round
-    segment_cells: list[tuple] = []
-    cells, units = resolve(uow.cache, snapshot, batch, segment_cells)
+    cells, segment_cells, units = resolve(uow.cache, snapshot, batch)
     first_round = min([cell[0] for cell in cells] + [entry[0] for entry in units])
     digest = content_hash(segment_cells if snapshot.segmented else cells, units)
     with uow.write() as session:
@@ -187,9 +188,7 @@ def ingest_statistics(uow: UnitOfWork, snapshot: Snapshot, batch: StatisticsBatc
                 raise _conflicting_batch(batch.batch_id)
             return StatisticsResult(batch.batch_id, duplicate=True, cells=0, units=0, late_cells=0)
         connection = session.connection()
-        store.add_statistics(connection, snapshot.id, cells, row.applied_rounds)
-        if snapshot.segmented:
-            store.add_segment_statistics(connection, snapshot.id, segment_cells, row.applied_rounds)
+        store.add_statistics(connection, snapshot.id, segment_cells, row.applied_rounds)
         counts = arm_round_counts(cells, units, row.applied_rounds)
         store.add_arm_round_counts(connection, snapshot.id, counts)
     late_cells = sum(1 for cell in cells if cell[0] < row.applied_rounds)

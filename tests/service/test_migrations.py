@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
@@ -14,9 +15,11 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
+#: The per-segment statistics tables of 0009, which 0017 folds into the statistics tables (a
+#: ``segment_index`` in their keys): present only between the two.
+SEGMENT_STATISTICS_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics"}
 #: Added by 0009 (per-segment statistics): absent after any downgrade below it.
-SEGMENT_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics",
-                  "segment_value_units"}
+SEGMENT_TABLES = SEGMENT_STATISTICS_TABLES | {"segment_value_units"}
 #: Tables of revisions after 0006 (0007 statistics batches, 0008 metric sources, 0009 segments, 0010 deleted
 #: experiments, 0011 experiment events, 0012 round counts): gone whenever the round trip below downgrades to
 #: 0006 or earlier.
@@ -54,7 +57,7 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0009")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0009
+        assert _tables(url) == (EXPECTED_TABLES - TABLES_AFTER_0009) | SEGMENT_STATISTICS_TABLES
         assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
         with engine.begin() as connection:
             assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
@@ -100,8 +103,8 @@ def _check_round_trip(url: str) -> None:
         inspector = sa.inspect(engine)
         assert inspector.get_pk_constraint("observation_ids")["constrained_columns"] == ["experiment_id", "client_id"]
         assert inspector.get_pk_constraint("round_statistics")["constrained_columns"] == [
-            "experiment_id", "round_index", "arm_index", "metric_index"]
-        _check_late_schema(inspector)
+            "experiment_id", "round_index", "segment_index", "arm_index", "metric_index"]
+        _check_late_schema(inspector, segmented=True)
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
         _check_retention_schema(inspector)
     finally:
@@ -177,16 +180,23 @@ def _check_fold_schema(inspector, dialect: str) -> None:
     assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
 
 
-def _check_late_schema(inspector) -> None:
-    """Revision 0004: ``late_statistics``; ``round_statistics`` without ``folded_*`` or a second index."""
+def _check_late_schema(inspector, segmented: bool) -> None:
+    """Revision 0004: ``late_statistics``; ``round_statistics`` without ``folded_*`` or a second index.
+    ``segmented``: revision 0017 too, ``segment_index`` (NOT NULL, no default) in every statistics key."""
+    segment = ["segment_index"] if segmented else []
     assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
-        "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
+        "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares", *segment]
     assert inspector.get_indexes("round_statistics") == []
     for table in ("pooled_statistics", "late_statistics"):
-        assert inspector.get_pk_constraint(table)["constrained_columns"] == ["experiment_id", "metric_index",
-                                                                             "arm_index"]
+        assert inspector.get_pk_constraint(table)["constrained_columns"] == ["experiment_id", *segment,
+                                                                             "metric_index", "arm_index"]
         (foreign_key,) = inspector.get_foreign_keys(table)
         assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
+    for table in ("round_statistics", "pooled_statistics", "late_statistics"):
+        assert inspector.get_pk_constraint(table)["name"] == f"pk_{table}"
+        for column in inspector.get_columns(table):
+            if column["name"] == "segment_index":
+                assert column["nullable"] is False and column["default"] is None, (table, column)
 
 
 def _check_ingestion_keys(inspector, dialect: str, migrated: bool) -> None:
@@ -416,5 +426,207 @@ def test_packed_documents_are_stored_uncompressed_on_postgres_after_0016(postgre
         assert set(storage().values()) == {"e"}
         with engine.connect() as connection:
             assert connection.execute(sa.select(Experiment.state)).scalar_one() == state
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------------------ 0017: one set of statistics
+#: Before 0017: an unsegmented experiment (1, ``segment_state`` SQL NULL), one whose ``segment_state`` is
+#: JSON null (2: unsegmented too) and a segmented one (3, three segments); M = 2 metrics, K = 4 arms,
+#: rounds 0..3 with 0..2 applied (late cells waiting). Values are multiples of 1/4, so sums are exact in
+#: any order and the totals can be compared exactly.
+STATISTICS_SHAPE = {1: (1, 2, 4), 2: (1, 2, 4), 3: (3, 2, 4)}
+ROUND_KEYS = ("round_index", "arm_index", "metric_index")
+TOTAL_KEYS = ("metric_index", "arm_index")
+VALUE_COLUMNS = ("count", "sum", "sum_of_squares")
+
+
+def _old_shape_rows(seed: int) -> dict[int, dict[str, np.ndarray]]:
+    """Per experiment: its per-segment round rows (R, S, M, K, 3), applied totals and late cells (S, M, K, 3)."""
+    rng = np.random.default_rng(seed)
+    data = {}
+    for experiment_id, shape in STATISTICS_SHAPE.items():
+        counts = rng.integers(0, 4, (4, *shape)) * (rng.random((4, *shape)) < 0.8)  # some cells empty
+        sums = rng.integers(-40, 40, counts.shape) / 4 * (counts > 0)
+        squares = rng.integers(0, 80, counts.shape) / 4 * (counts > 0)
+        rounds = np.stack([counts, sums, squares], axis=-1).astype(np.float64)
+        late = rounds[0] * (rng.random(shape)[..., None] < 0.3)  # late cells of round 0, not folded yet
+        data[experiment_id] = {"rounds": rounds, "pooled": rounds[:3].sum(axis=0), "late": late}
+    return data
+
+
+def _insert_old_shape(connection, data) -> None:
+    """The rows as 0016's code wrote them: an unsegmented experiment's in the statistics tables; a segmented
+    one's per segment in the ``segment_*`` tables and summed over segments in the statistics tables."""
+    for experiment_id, stored in ((1, None), (2, "null"), (3, json.dumps({"names": ["a", "b", "c"]}))):
+        connection.execute(sa.text(
+            "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, pruned_rounds, "
+            "state, segment_state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, 3, 3, "
+            "0, '{}', :stored, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
+            {"id": experiment_id, "name": f"e{experiment_id}", "stored": stored})
+
+    def insert(table, keys, rows):
+        columns = ("experiment_id", *keys, *VALUE_COLUMNS)
+        statement = sa.text(f"INSERT INTO {table} ({', '.join(columns)}) "
+                            f"VALUES ({', '.join(':' + column for column in columns)})")
+        if rows:
+            connection.execute(statement, [dict(zip(columns, row)) for row in rows])
+
+    for experiment_id, arrays in data.items():
+        segmented = STATISTICS_SHAPE[experiment_id][0] > 1
+        rounds, pooled, late = arrays["rounds"], arrays["pooled"], arrays["late"]
+        summed = {"rounds": rounds.sum(axis=1), "pooled": pooled.sum(axis=0), "late": late.sum(axis=0)}
+        insert("round_statistics", ROUND_KEYS, [
+            (experiment_id, r, k, m, int(v[0]), v[1], v[2]) for (r, m, k), v in _cells(summed["rounds"])])
+        insert("pooled_statistics", TOTAL_KEYS, [
+            (experiment_id, m, k, int(v[0]), v[1], v[2]) for (m, k), v in _cells(summed["pooled"])])
+        insert("late_statistics", TOTAL_KEYS, [
+            (experiment_id, m, k, int(v[0]), v[1], v[2]) for (m, k), v in _cells(summed["late"])])
+        if segmented:
+            insert("segment_round_statistics", ("round_index", "segment_index", "arm_index", "metric_index"), [
+                (experiment_id, r, s, k, m, int(v[0]), v[1], v[2]) for (r, s, m, k), v in _cells(rounds)])
+            for table, cells in (("segment_pooled_statistics", pooled), ("segment_late_statistics", late)):
+                insert(table, ("segment_index", "metric_index", "arm_index"), [
+                    (experiment_id, s, m, k, int(v[0]), v[1], v[2]) for (s, m, k), v in _cells(cells)])
+
+
+def _cells(array: np.ndarray):
+    """``(index, values)`` of the cells of ``array`` (..., 3) with a count."""
+    return [(tuple(int(i) for i in index), array[index].tolist()) for index in zip(*np.nonzero(array[..., 0] > 0))]
+
+
+def _old_shape_tables(engine) -> dict[str, set[tuple]]:
+    """Every row of the statistics tables as 0016 has them (the ``segment_*`` ones included)."""
+    tables = ("round_statistics", "pooled_statistics", "late_statistics", "segment_round_statistics",
+              "segment_pooled_statistics", "segment_late_statistics")
+    with engine.connect() as connection:
+        return {table: {tuple(row) for row in connection.execute(sa.text(f"SELECT * FROM {table}"))}
+                for table in tables}
+
+
+def _old_unsegmented_totals(before: dict[str, set[tuple]], experiment_id: int) -> np.ndarray:
+    """(M, K, 3) pooled statistics after round 3 as 0016 read them (``pooled_statistics`` of 0016's store):
+    its totals, late cells and the rows of round 3 (applied_rounds = 3), all summed over segments."""
+    totals = np.zeros((*STATISTICS_SHAPE[experiment_id][1:], 3))
+    for table in ("pooled_statistics", "late_statistics"):
+        for e, m, k, *values in before[table]:
+            if e == experiment_id:
+                totals[m, k] += values
+    for e, r, k, m, *values in before["round_statistics"]:
+        if e == experiment_id and r == 3:
+            totals[m, k] += values
+    assert totals[..., 0].sum() > 0
+    return totals
+
+
+def _read_totals(url: str):
+    """What the service reads back, through the store: per experiment its per-segment pooled statistics
+    (S, M, K) after round 3 (totals, late cells, the unapplied round 3), their sums over segments, and the
+    round history's per-round cells summed over segments."""
+    from service import store
+    from service.db import open_database
+
+    database = open_database(url)
+    try:
+        with database.read() as session:
+            read = {}
+            for experiment_id, shape in STATISTICS_SHAPE.items():
+                pooled = store.pooled_statistics(session, experiment_id, 3, *shape)
+                _, history, _ = store.round_history(session, experiment_id, 0, 3, segmented=shape[0] > 1)
+                read[experiment_id] = (pooled, sorted(map(tuple, history.tolist())))
+        return read
+    finally:
+        database.engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0017_keeps_every_total_and_the_downgrade_restores_the_old_rows(backend, request):
+    """0017 on a database holding statistics in the old shape: an unsegmented experiment's rows become
+    segment 0, a segmented one keeps its per-segment rows and loses the summed copies; the totals read
+    back (per segment, over segments, per round) equal those of the old rows exactly; the downgrade
+    gives back exactly the old rows."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0016")
+    data = _old_shape_rows(seed=17)
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            _insert_old_shape(connection, data)
+        before = _old_shape_tables(engine)
+        migrations.upgrade(url)
+        assert not _tables(url) & SEGMENT_STATISTICS_TABLES
+        for experiment_id, (pooled, history) in _read_totals(url).items():
+            arrays = data[experiment_id]
+            expected = arrays["pooled"] + arrays["late"] + arrays["rounds"][3]  # (S, M, K, 3)
+            got = np.stack([pooled.counts, pooled.sums, pooled.sums_of_squares], axis=-1)
+            assert np.array_equal(got, expected), experiment_id
+            # The totals over segments equal those 0016 read from its summed rows.
+            assert np.array_equal(got.sum(axis=0), _old_unsegmented_totals(before, experiment_id)), experiment_id
+            old_rounds = sorted((r, m, k, c, s) for e, r, k, m, c, s, _ in before["round_statistics"] if e == experiment_id)
+            assert history == [tuple(float(v) for v in row) for row in old_rounds], experiment_id
+        with engine.connect() as connection:
+            per_experiment = dict(connection.execute(sa.text(
+                "SELECT experiment_id, COUNT(*) FROM round_statistics GROUP BY experiment_id")).all())
+            segments = dict(connection.execute(sa.text(
+                "SELECT experiment_id, MAX(segment_index) FROM pooled_statistics GROUP BY experiment_id")).all())
+        old_round_rows = {e: sum(1 for row in before["round_statistics"] if row[0] == e) for e in (1, 2)}
+        assert per_experiment == {**old_round_rows, 3: len(before["segment_round_statistics"])}  # no summed copy
+        assert segments == {1: 0, 2: 0, 3: 2}
+        migrations.downgrade(url, "0016")
+        assert _old_shape_tables(engine) == before
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0017_refuses_summed_rows_that_are_not_the_sums_of_the_segments(backend, request):
+    """A segmented experiment whose summed rows differ from its per-segment rows (a count off by one) is not
+    migrated: the upgrade stops naming the key, and the database stays at 0016 with every row."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0016")
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            _insert_old_shape(connection, _old_shape_rows(seed=3))
+            connection.execute(sa.text(
+                "UPDATE round_statistics SET count = count + 1 WHERE experiment_id = 3 AND round_index = 2 "
+                "AND arm_index = (SELECT MIN(arm_index) FROM round_statistics WHERE experiment_id = 3 "
+                "AND round_index = 2 AND metric_index = 0) AND metric_index = 0"))
+        before = _old_shape_tables(engine)
+        with pytest.raises(RuntimeError, match="differ from the sums of their per-segment rows") as raised:
+            migrations.upgrade(url)
+        assert "'round_statistics'" in str(raised.value) and "(3, 2, " in str(raised.value)
+        assert migrations.current_revision(engine) == "0016"
+        assert _old_shape_tables(engine) == before
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_a_failure_late_in_0017_leaves_the_database_as_it_was(backend, request, monkeypatch):
+    """The upgrade is one transaction on both backends (SQLite's DDL included, ``migrations/env.py``): when
+    it fails at its last step (the drop of the ``segment_*`` tables), after the column, the rebuilt keys
+    and the moved rows, the database is at 0016 with its old tables and rows, no table left half-built."""
+    from alembic.operations import Operations
+
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0016")
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            _insert_old_shape(connection, _old_shape_rows(seed=5))
+        before = _old_shape_tables(engine)
+        tables = _tables(url)
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("planted: the drop fails")
+
+        monkeypatch.setattr(Operations, "drop_table", fail)
+        with pytest.raises(RuntimeError, match="planted"):
+            migrations.upgrade(url)
+        assert migrations.current_revision(engine) == "0016"
+        assert _tables(url) == tables
+        assert "segment_index" not in [c["name"] for c in sa.inspect(engine).get_columns("round_statistics")]
+        assert _old_shape_tables(engine) == before
     finally:
         engine.dispose()

@@ -15,7 +15,9 @@ from service.controller.rounds import close_due_rounds, close_round
 from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, LateStatistic, Round, RoundStatistic
-from service.store import UnitOfWork, pooled_statistics
+from pasto.segments import pool_segments
+from service.store import UnitOfWork
+from service.store import pooled_statistics as stored_pooled_statistics
 
 EXPERIMENT = "/api/v1/experiments/setup-a"
 ARMS = [{"name": name} for name in ("a", "b", "c")]
@@ -36,6 +38,13 @@ def observe(api, round_index: int, prefix: str, n: int, seed: int) -> None:
                          {"x": float(rng.normal(1, 3)), "y": float(rng.normal(-2, 1))})} for i in range(n)]
     response = api("POST", f"{EXPERIMENT}/observations", role="ingest", json={"observations": batch})
     assert response.status_code == 202, response.get_json()
+
+
+def pooled_statistics(session, experiment_id: int, last_round: int, n_metrics: int, n_arms: int):
+    """The store's read-only pooled statistics of an unsegmented experiment (one segment), M x K."""
+    got = stored_pooled_statistics(session, experiment_id, last_round, 1, n_metrics, n_arms)
+    assert got.shape == (1, n_metrics, n_arms)
+    return pool_segments(got)
 
 
 def full_aggregate(engine: sa.Engine, experiment_id: int, last_round: int):
@@ -217,7 +226,7 @@ def test_no_backfill_after_upgrading_a_database_with_data(backend_url, app_facto
     with engine.begin() as connection:  # ... plus data written under 0001: a row of round 4, late data
         connection.execute(sa.text(
             "INSERT INTO round_statistics (experiment_id, round_index, arm_index, metric_index, count, sum, "
-            "sum_of_squares) VALUES (:e, 4, 0, 0, 2, -1.0, 0.5)"), {"e": experiment_id})
+            "sum_of_squares) VALUES (:e, 4, 0, 0, 2, -1.0, 0.5)"), {"e": experiment_id})  # 0001's columns
         connection.execute(sa.text(
             "UPDATE round_statistics SET count = count + 1, sum = sum + 2.0, sum_of_squares = sum_of_squares + 4.0 "
             "WHERE experiment_id = :e AND round_index <= 1"), {"e": experiment_id})

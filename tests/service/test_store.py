@@ -229,7 +229,7 @@ def test_statistics_rows_read_into_numpy_are_the_rows_values(backend, tmp_path, 
     rng = np.random.default_rng(7)
     values = np.concatenate([rng.standard_normal(300) * 10.0 ** rng.integers(-300, 200, 300),
                              [0.0, -0.0, 5e-324, -1.5e200, 2.0 ** 53]])
-    rows = [(1, 0, index % 4, index, int(rng.integers(0, 2**40)), float(value), float(-value))
+    rows = [(1, 0, 0, index % 4, index, int(rng.integers(0, 2**40)), float(value), float(-value))
             for index, value in enumerate(values)]
     try:
         with engine.begin() as connection:
@@ -238,8 +238,9 @@ def test_statistics_rows_read_into_numpy_are_the_rows_values(backend, tmp_path, 
                                        "VALUES (1, 'e', '{}', 'running', 1, 0, 0, 0, '{}', 1, "
                                        "'2026-01-01 00:00:00', '2026-01-01 00:00:00')")
             connection.exec_driver_sql(
-                "INSERT INTO round_statistics (experiment_id, round_index, metric_index, arm_index, count, sum, "
-                f"sum_of_squares) VALUES ({', '.join(['%s' if backend == 'postgres' else '?'] * 7)})", rows)
+                "INSERT INTO round_statistics (experiment_id, round_index, segment_index, metric_index, arm_index, "
+                f"count, sum, sum_of_squares) VALUES ({', '.join(['%s' if backend == 'postgres' else '?'] * 8)})",
+                rows)
             plain = "SELECT metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics " \
                     "WHERE experiment_id = {p} AND round_index = {p} ORDER BY arm_index"
             summed = "SELECT metric_index, 0, SUM(count), SUM(sum), 0.0 FROM round_statistics " \
@@ -257,6 +258,6 @@ def test_statistics_rows_read_into_numpy_are_the_rows_values(backend, tmp_path, 
                     assert _copy_array(connection, sql, parameters, 5, np.dtype(np.float64)) is not None
             counts = _fetch_array(connection, "SELECT round_index, arm_index, count, metric_index, arm_index "
                                               "FROM round_statistics WHERE experiment_id = {p}", (1,), 5, np.int64)
-            assert counts.dtype == np.int64 and sorted(counts[:, 2].tolist()) == sorted(row[4] for row in rows)
+            assert counts.dtype == np.int64 and sorted(counts[:, 2].tolist()) == sorted(row[5] for row in rows)
     finally:
         engine.dispose()

@@ -12,6 +12,7 @@ from pasto.algorithm import AlgorithmConfig, ControllerState, initial_state, rou
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.optimum import best_mixture
+from pasto.segments import pool_segments
 from service import store
 from service.controller import assignment, experiments, reports, rounds
 from service.errors import ApiError
@@ -38,7 +39,7 @@ def test_the_admins_close_applies_the_update_of_the_round(uow):
         {"metric": "y", "threshold": 0.0, "penalty": 5.0}]})
     config = AlgorithmConfig()
     with uow.read() as session:
-        round_statistics = store.pooled_statistics(session, fresh.id, 0, 2, 2)
+        round_statistics = pool_segments(store.pooled_statistics(session, fresh.id, 0, 1, 2, 2))  # (1, M, K) -> (M, K)
     expected = update(config, objective, initial_state(config, 2, 2, objective=objective), round_statistics,
                       round_statistics, propensities=np.array([0.5, 0.5]), rng=round_generator(7, 1))
     assert np.allclose(fresh.probabilities, expected.probabilities)
@@ -99,8 +100,8 @@ def test_late_observations_count_as_late_and_enter_the_next_update(uow):
     diagnostics = reports.diagnostics(uow, "feed")
     assert diagnostics.late_observations == 10
     with uow.read() as session:
-        pooled = store.pooled_statistics(session, diagnostics.snapshot.id, 1, 2, 2)
-    assert isinstance(pooled, Statistics) and int(pooled.counts[0].sum()) == 50
+        pooled = store.pooled_statistics(session, diagnostics.snapshot.id, 1, 1, 2, 2)
+    assert isinstance(pooled, Statistics) and pooled.shape == (1, 2, 2) and int(pooled.counts[0, 0].sum()) == 50
 
 
 def test_controller_metrics_and_health_read_the_store(uow):
