@@ -420,8 +420,8 @@ def test_an_open_set_gives_a_value_its_own_mixture_after_min_units(backend_api):
 
 def test_statistics_batches_carry_the_segment_of_each_cell(api, setup_a):
     """POST .../statistics: a segmented experiment's cells name their segment (two cells of one round,
-    arm and metric in two segments are summed for the unsegmented tables); a missing or unknown segment,
-    or one sent to an unsegmented experiment, is a 422 naming the cell."""
+    arm and metric in two segments are stored apart and summed for the experiment's round history); a
+    missing or unknown segment, or one sent to an unsegmented experiment, is a 422 naming the cell."""
     assert api("POST", "/api/v1/experiments", json=segmented_body()).status_code == 201
     assert api("POST", "/api/v1/experiments", json=setup_a("plain")).status_code == 201
     cells = [{"round": 0, "arm": "a", "metric": "x", "count": 10, "sum": 20.0, "sum_of_squares": 50.0, "segment": "new"},

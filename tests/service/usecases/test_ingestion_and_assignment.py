@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import sqlalchemy as sa
 
 from pasto.hashing import bucket, choose_arm, cumulative_probabilities
-from service.controller import assignment, reports
+from service.controller import assignment, reports, rounds
 from service.errors import ApiError
 
 from .conftest import create, observe, push_statistics
@@ -102,3 +103,72 @@ def test_a_statistics_batch_is_applied_once_per_id_and_content(uow):
     history = reports.round_history(uow, "feed", 0, None)
     assert history.counts[0].tolist() == [4, 2] and history.units[0].tolist() == [3, 0]
     assert history.means[0, 0].tolist() == [0.5, -0.5]
+
+
+def test_a_segmented_experiment_stores_each_cell_once_and_reads_the_sums_over_segments(backend_uow):
+    """The same statistics pushed per segment to a segmented experiment and summed over segments to an
+    unsegmented one: the segmented one stores one row per (round, segment, arm, metric) cell and nothing
+    summed, and reads back what the unsegmented one does (round history, pooled statistics through a close
+    and late cells), exactly (the sums are multiples of 1/4)."""
+    from pasto.segments import pool_segments
+    from service import store
+
+    uow = backend_uow
+    create(uow, "plain")
+    create(uow, "seg", objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+           segments={"names": ["new", "returning", "mobile"], "shares": [0.5, 0.3, 0.2]})
+    rng = np.random.default_rng(30)
+
+    keys: set[tuple] = set()
+
+    def push(round_index: int, batch: str) -> None:
+        cells = []
+        for segment in ("new", "returning", "mobile"):
+            for arm in ("a", "b"):
+                for metric in ("x", "y"):
+                    if rng.random() < 0.8:
+                        total = float(rng.integers(-40, 40)) / 4
+                        cells.append({"round": round_index, "arm": arm, "metric": metric, "segment": segment,
+                                      "count": 1, "sum": total, "sum_of_squares": total ** 2})
+                        keys.add((round_index, segment, arm, metric))
+        summed: dict[tuple, list] = {}
+        for cell in cells:
+            sums = summed.setdefault((cell["arm"], cell["metric"]), [0, 0.0, 0.0])
+            for position, key in enumerate(("count", "sum", "sum_of_squares")):
+                sums[position] += cell[key]
+        push_statistics(uow, "seg", {"batch_id": batch, "cells": cells})
+        push_statistics(uow, "plain", {"batch_id": batch, "cells": [
+            {"round": round_index, "arm": arm, "metric": metric, "count": count, "sum": total,
+             "sum_of_squares": squares} for (arm, metric), (count, total, squares) in summed.items()]})
+
+    push(0, "r0")
+    push(0, "r0-more")
+    rounds.close_current_round(uow, "plain", 0)
+    rounds.close_current_round(uow, "seg", 0)
+    push(1, "r1")
+    push(0, "late")  # round 0 is applied: late cells, per segment
+    ids = {name: uow.cache.get(name).id for name in ("plain", "seg")}
+    with uow.read() as session:
+        plain = store.pooled_statistics(session, ids["plain"], 1, 1, 2, 2)
+        segmented = store.pooled_statistics(session, ids["seg"], 1, 3, 2, 2)
+        rows = session.execute(sa.text(
+            "SELECT segment_index, COUNT(*) FROM round_statistics WHERE experiment_id = :e GROUP BY segment_index "
+            "ORDER BY segment_index"), {"e": ids["seg"]}).all()
+    assert segmented.shape == (3, 2, 2) and plain.shape == (1, 2, 2)
+    for name in ("counts", "sums", "sums_of_squares"):
+        assert np.array_equal(getattr(pool_segments(segmented), name), getattr(plain, name)[0]), name
+    per_segment = [sum(1 for key in keys if key[1] == segment) for segment in ("new", "returning", "mobile")]
+    assert [tuple(row) for row in rows] == list(enumerate(per_segment))  # one row per cell, nothing summed
+    plain_history, seg_history = (reports.round_history(uow, name, 0, None) for name in ("plain", "seg"))
+    assert np.array_equal(plain_history.means, seg_history.means, equal_nan=True)
+    assert np.isfinite(seg_history.means).sum() >= 4 and np.array_equal(plain_history.counts, seg_history.counts)
+    rounds.close_current_round(uow, "plain", 1)
+    rounds.close_current_round(uow, "seg", 1)
+    with uow.read() as session:  # the late cells folded into the totals of both
+        late = session.execute(sa.text("SELECT COUNT(*) FROM late_statistics")).scalar_one()
+        after = {name: store.pooled_statistics(session, ids[name], 2, shape, 2, 2)
+                 for name, shape in (("plain", 1), ("seg", 3))}
+    assert late == 0  # and the totals read before the close (late cells and round 1 included) stay the same
+    for name in ("counts", "sums", "sums_of_squares"):
+        assert np.array_equal(getattr(after["seg"], name), getattr(segmented, name)), name
+        assert np.array_equal(getattr(after["plain"], name), getattr(plain, name)), name
