@@ -81,7 +81,9 @@ def resolve(cache: ExperimentCache, snapshot: Snapshot, batch: StatisticsBatch
 
     Unsegmented experiments: every cell is in segment 0. Segmented experiments: every cell names its
     segment as an observation does (``ingestion.segment_problem``), and the first cells are the sums
-    over segments (the arm round counts and the content hash read them).
+    over segments (what the arm round counts read; the content hash reads the first cells of an
+    unsegmented batch and the per-segment ones of a segmented batch, as before migration 0017, so that a
+    batch id applied before it is still recognised).
 
     Every problem (unknown arm, metric or segment, a round that has not started, a second entry for a
     key) is reported in one 422, in body order."""

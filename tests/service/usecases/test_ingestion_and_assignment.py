@@ -172,3 +172,24 @@ def test_a_segmented_experiment_stores_each_cell_once_and_reads_the_sums_over_se
     for name in ("counts", "sums", "sums_of_squares"):
         assert np.array_equal(getattr(after["seg"], name), getattr(segmented, name)), name
         assert np.array_equal(getattr(after["plain"], name), getattr(plain, name)), name
+
+
+def test_a_statistics_batchs_content_hash_is_the_one_stored_before_0017(uow):
+    """A batch id applied before migration 0017 is recognised after it: the content hash of a batch is
+    computed from the same cells as before (sums over segments for an unsegmented experiment, per segment
+    for a segmented one). The digests are those the code before 0017 (commit 18cf30f) stored."""
+    import sqlalchemy as sa
+
+    create(uow, "plain")
+    create(uow, "seg", objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]},
+           segments={"names": ["new", "returning"], "shares": [0.5, 0.5]})
+    cells = [{"round": 0, "arm": "b", "metric": "y", "count": 3, "sum": 1.5, "sum_of_squares": 2.25},
+             {"round": 0, "arm": "a", "metric": "x", "count": 2, "sum": 2, "sum_of_squares": 4.5}]
+    push_statistics(uow, "plain", {"batch_id": "b", "cells": cells, "units": [{"round": 0, "arm": "a", "units": 2}]})
+    push_statistics(uow, "seg", {"batch_id": "b", "cells": [{**cell, "segment": segment} for cell in cells
+                                                            for segment in ("returning", "new")]})
+    with uow.read() as session:
+        stored = dict(session.execute(sa.text(
+            "SELECT e.name, b.content_hash FROM statistics_batches b JOIN experiments e ON e.id = b.experiment_id")).all())
+    assert stored == {"plain": "402b1598195212ac074e58ae37c678387d6730dd36061def07fa0a6ac7564f9d",
+                      "seg": "49164768c65f980cca3713ab09975dc2f065eb976ae562d687adc4e587d1a6c0"}
