@@ -179,7 +179,7 @@ def measure(engine: sa.Engine, n_arms: int, n_segments: int, rounds: int, seed: 
                     read("pooled_17", "segment_index, metric_index, arm_index", SEGMENTED)])
                 timed("segmented history", side, [
                     (f"SELECT round_index, metric_index, arm_index, SUM(count), SUM(sum) FROM round_17 WHERE "
-                     f"experiment_id = {SEGMENTED} GROUP BY round_index, metric_index, arm_index", ()),
+                     f"experiment_id = {SEGMENTED} GROUP BY round_index, arm_index, metric_index", ()),
                     (f"SELECT round_index, segment_index, metric_index, SUM(count) FROM round_17 WHERE "
                      f"experiment_id = {SEGMENTED} GROUP BY round_index, segment_index, metric_index", ())])
     # Both layouts hold the same totals.
