@@ -11,6 +11,15 @@ SQLite runs in WAL mode with a busy timeout. Write transactions on SQLite start 
 locked" when another connection committed in between (the busy timeout does not apply to that case),
 so every session opened with :func:`write_session` takes the write lock up front. Reads stay deferred
 and run concurrently with a writer thanks to WAL.
+
+A read transaction (:meth:`Database.read`) sees one snapshot of the database, on both backends: SQLite's
+deferred transaction keeps the snapshot of its first read until it ends (WAL), and on PostgreSQL read
+sessions run at ``REPEATABLE READ`` (the snapshot of their first statement; PostgreSQL's default, READ
+COMMITTED, gives each statement the commits made before it). A use case that reads a segmented
+experiment's state and then its statistics therefore never sees a close committed between the two
+(the state with S segments, statistics with more: an IndexError). Read-only transactions at this level
+never fail with a serialization error. Write transactions stay at READ COMMITTED: they lock the rows
+they change (``store.lock_experiment``) and must see what committed before each statement.
 """
 
 from __future__ import annotations
@@ -242,8 +251,10 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[Session]:
-        """A session for reading; rolled back and closed on exit. :class:`DatabaseFailingFast` at once
-        while this process knows the database is away (:meth:`DatabaseStatus.admit`)."""
+        """A session for reading, one snapshot of the database for all its statements (REPEATABLE READ
+        on PostgreSQL, see the module docstring); rolled back and closed on exit.
+        :class:`DatabaseFailingFast` at once while this process knows the database is away
+        (:meth:`DatabaseStatus.admit`)."""
         probe = self.status.admit()
         try:
             with self.read_sessions() as session:
@@ -415,14 +426,21 @@ def init_app(app: Flask) -> Database:
     return database
 
 
+#: The isolation level of PostgreSQL read transactions: one snapshot for all their statements.
+READ_ISOLATION = "REPEATABLE READ"
+
+
 def open_database(url: str, timeouts: DatabaseTimeouts = DatabaseTimeouts()) -> Database:
     """The :class:`Database` of ``url`` with the deadlines of ``timeouts`` and its outage tracking
     (:class:`DatabaseStatus`), without any application: what :func:`init_app` registers, and what a
     use case test or a script gives ``service.store.UnitOfWork``."""
     engine = make_engine(url, timeouts)
+    # One snapshot per read transaction (see the module docstring): SQLite's deferred BEGIN gives it.
+    reads = engine.execution_options(isolation_level=READ_ISOLATION) if engine.dialect.name == "postgresql" \
+        else engine
     database = Database(
         engine=engine,
-        read_sessions=sessionmaker(bind=engine, expire_on_commit=False),
+        read_sessions=sessionmaker(bind=reads, expire_on_commit=False),
         write_sessions=sessionmaker(bind=engine.execution_options(pasto_write=True), expire_on_commit=False),
         status=DatabaseStatus(timeouts.fail_fast, timeouts.longest_attempt),
     )

@@ -209,7 +209,8 @@ def diagnostics(uow: UnitOfWork, name: str) -> Diagnostics:
         algorithm, objective = algorithm_and_objective(uow, session, snapshot.id, snapshot.config)
         segmented = segmented_config(snapshot.config, algorithm)
         if segmented is not None:
-            # The stored state, read in this transaction (an open set may have grown since the snapshot).
+            # The stored state, read in this transaction (an open set may have grown since the snapshot);
+            # the statistics below are of the same snapshot, so they have no segment the state has not.
             loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
         # (S, M, K), one segment for an unsegmented experiment; the experiment's totals are their sums.
         segment_pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index,
@@ -261,12 +262,14 @@ def stored_regrets(uow: UnitOfWork, session, experiment_id: int, name: str) -> l
     reads the indexes of the summarised rounds, and the summaries only of those it has not seen: a
     poll after 1,000 rounds reads 1,000 integers, not 1,000 summaries.
 
+    Both reads run in the caller's read transaction, one snapshot (``service.db``): a delete committed
+    between them is not seen.
+
     Raises
     ------
     ApiError
-        404 when a summary listed by the first read is gone by the second: only deleting the
-        experiment removes a summary, and on PostgreSQL (read committed) each statement sees what was
-        committed before it, so a delete can land between the two reads.
+        404 when a summary listed by the first read is gone by the second (only deleting the
+        experiment removes a summary): a guard, which a read outside one snapshot would need.
     """
     with _cache_lock:
         cache = _regret_caches.setdefault(uow.database.engine, _RegretCache())
