@@ -792,8 +792,10 @@ def graduate_segment_values(session: Session, experiment_id: int, min_units: int
 
 
 def segment_state(session: Session, experiment_id: int) -> dict[str, Any] | None:
-    """A segmented experiment's stored ``SegmentedState.to_dict()`` (None: unsegmented)."""
-    return session.execute(sa.select(Experiment.segment_state).where(Experiment.id == experiment_id)).scalar_one()
+    """A segmented experiment's stored ``SegmentedState.to_dict()`` (None: unsegmented, or no such
+    experiment: deleted since the caller's snapshot of it)."""
+    return session.execute(
+        sa.select(Experiment.segment_state).where(Experiment.id == experiment_id)).scalar_one_or_none()
 
 
 def write_segment_state(session: Session, experiment_id: int, segment_state: dict[str, Any]) -> None:

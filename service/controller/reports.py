@@ -211,7 +211,11 @@ def diagnostics(uow: UnitOfWork, name: str) -> Diagnostics:
         if segmented is not None:
             # The stored state, read in this transaction (an open set may have grown since the snapshot);
             # the statistics below are of the same snapshot, so they have no segment the state has not.
-            loaded, names = load_segment_state(store.segment_state(session, snapshot.id))
+            stored = store.segment_state(session, snapshot.id)
+            if stored is None:  # a segmented experiment always has one: deleted since the snapshot
+                raise ApiError(404, "not_found", f"There is no experiment named {name!r}: it was deleted while "
+                                                 "its diagnostics were being read.")
+            loaded, names = load_segment_state(stored)
         # (S, M, K), one segment for an unsegmented experiment; the experiment's totals are their sums.
         segment_pooled = store.pooled_statistics(session, snapshot.id, snapshot.round_index,
                                                  1 if segmented is None else loaded.n_segments, n_metrics, n_arms)

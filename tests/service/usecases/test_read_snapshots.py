@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from service import store
 from service.controller import experiments, reports, rounds
+from service.errors import ApiError
 from service.schemas import ExperimentCreate
 
 from .conftest import observe, open_uow
@@ -96,3 +97,21 @@ def test_postgresql_reads_at_repeatable_read_and_writes_at_read_committed(postgr
                 assert session.execute(sa.text("SHOW transaction_isolation")).scalar_one() == "read committed"
     finally:
         uow.database.engine.dispose()
+
+
+def test_a_delete_before_the_diagnostics_read_of_a_segmented_experiment_is_a_404(backend_uow, monkeypatch):
+    """Deleted after the diagnostics took the cached snapshot and before their read transaction: a
+    404, not the 500 of reading a state row that is gone."""
+    uow = backend_uow
+    experiments.create(uow, ExperimentCreate.model_validate(open_set_body()))
+    experiments.archive(uow, NAME)
+    build = reports.algorithm_and_objective
+
+    def delete_then_build(*args, **kwargs):
+        experiments.delete(uow, NAME)  # another connection, committed (no statement of the read yet)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(reports, "algorithm_and_objective", delete_then_build)
+    with pytest.raises(ApiError) as raised:
+        reports.diagnostics(uow, NAME)
+    assert raised.value.status == 404 and raised.value.code == "not_found"
