@@ -34,8 +34,9 @@ on waitress or under ``--server gunicorn --workers N``, loaded by the Python cli
 (Debian's wrk), with the server's CPU time per request (:func:`assign_main`). ``python bench/serve.py
 close``: the round close at large K (``--arms 10000,100000``) beside the SQL it must run written by
 hand, the update alone, the close's peak traced memory and the dashboard's ``?arms=100`` reads
-(:func:`close_main`). Their figures are in docs/benchmarks.md, "## Scale in K and in requests",
-written by hand.
+(:func:`close_main`). ``python bench/serve.py best-arm``: the best-arm draws at large K by levels
+against every arm scored (:func:`best_arm_main`). Their figures are in docs/benchmarks.md, "## Scale
+in K and in requests", written by hand.
 
 History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
 1,000 rounds, on SQLite, served by waitress; the bytes and milliseconds of what the dashboard's page
@@ -1875,6 +1876,58 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     return results
 
 
+def best_arm_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py best-arm``: ``pasto.serving.best_arm_probabilities`` at large K, its draws
+    by levels (the path from ``_BEST_ARM_LEVELS_FROM`` arms on) against every arm scored in every draw
+    (the path below it), on the posterior of the close benchmark's data after ``--rounds`` rounds
+    (K arms, M = 5, the soft-guardrail objective); the two alternate (A/B, then B/A), ratio per pair."""
+    from pasto import serving
+    from pasto.estimators import Statistics
+    from pasto.objectives import Objective
+
+    parser = argparse.ArgumentParser(prog="bench/serve.py best-arm")
+    parser.add_argument("--arms", type=_parse_list, default=[10_000, 100_000])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of synthetic statistics pooled")
+    parser.add_argument("--repeats", type=int, default=4, help="pairs per K")
+    args = parser.parse_args(argv)
+    objective = Objective.from_spec(list(METRICS), OBJECTIVE)
+    results: dict[str, Any] = {}
+    saved = serving._BEST_ARM_LEVELS_FROM
+    try:
+        for n_arms in args.arms:
+            rng = np.random.default_rng(0)
+            means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+            pooled = Statistics.zeros(len(METRICS), n_arms)
+            for _ in range(args.rounds):
+                pooled = pooled + synthetic_statistics(rng, means, 3)
+            posterior = serving.arm_posterior(pooled)
+            thresholds = objective.thresholds(posterior.means)
+            rows = []
+            for repeat in range(args.repeats):
+                times = {}
+                for path in (("every", "levels") if repeat % 2 == 0 else ("levels", "every")):
+                    serving._BEST_ARM_LEVELS_FROM = 10**12 if path == "every" else saved
+                    started = time.perf_counter()
+                    serving.best_arm_probabilities(objective, posterior.means, posterior.standard_errors, thresholds,
+                                                   np.random.default_rng(repeat))
+                    times[path] = (time.perf_counter() - started) * 1000
+                rows.append(times)
+                print(f"K = {n_arms:,} pair {repeat}: every arm {times['every']:,.0f} ms, "
+                      f"levels {times['levels']:,.0f} ms", flush=True)
+            results[n_arms] = rows
+    finally:
+        serving._BEST_ARM_LEVELS_FROM = saved
+    print(f"\nbest_arm_probabilities, M = {len(METRICS)}, {args.rounds} rounds of data; medians over {args.repeats} pairs\n")
+    print("| K | every arm scored, ms | draws by levels, ms | **every arm / levels** (paired) |")
+    print("|---:|---:|---:|---:|")
+    for n_arms, rows in results.items():
+        every = statistics.median(r["every"] for r in rows)
+        levels = statistics.median(r["levels"] for r in rows)
+        ratio = statistics.median(r["every"] / r["levels"] for r in rows)
+        print(f"| {n_arms:,} | {every:,.0f} | {levels:,.0f} | **{ratio:.1f}** |")
+    return results
+
+
 def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_server"]:
@@ -1887,6 +1940,8 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         return assign_main(argv[1:])
     if argv[:1] == ["close"]:
         return close_main(argv[1:])
+    if argv[:1] == ["best-arm"]:
+        return best_arm_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

@@ -746,6 +746,15 @@ def choose(
 
 # Posterior draws per run with which best_arm_probabilities estimates each arm's chance of being best.
 _BEST_ARM_DRAWS = 256
+# From this many arms on, best_arm_probabilities draws each run by levels (:func:`_level_draws`,
+# the same distribution at a cost near K times the ~8 draws that score every arm). Below it every
+# draw scores every arm as it always did, so that the learner's runs (at most a few hundred arms)
+# draw exactly what they drew before.
+_BEST_ARM_LEVELS_FROM = 1024
+# Draws per chunk of the level path at most (the level moves between chunks only).
+_BEST_ARM_LEVEL_CHUNK = 64
+# Bernoulli chances below 2^-_BEST_ARM_HIT_EXPONENT are proposed at that chance (then thinned).
+_BEST_ARM_HIT_EXPONENT = 60
 
 
 def best_arm_probabilities(
@@ -771,6 +780,15 @@ def best_arm_probabilities(
     batch uses the same standard-normal draws, so that a batched call equals per-run calls with
     generators in the same state. Arms not ``allowed`` never win; when no arm of a run is
     allowed, every arm gets 1 / K.
+
+    From ``_BEST_ARM_LEVELS_FROM`` arms on, the runs are drawn one after the other (each from the
+    generator's state at the call) by :func:`_level_draws`: the same draws' distribution, exactly,
+    with most arms of most draws never scored. An arm's score is at most its primary part w . mu_k
+    (the penalties are >= 0), a normal; in a draw, which arms' primary parts reach a level c is
+    drawn first (independent Bernoulli trials), those arms are drawn given that they do and scored,
+    and when one of them scores at least c it is the winner, since no other arm can reach c; only
+    a draw none of whose arms scores c draws every arm (given it stays below c). The level is the
+    lowest winning score of the draws before, so about 8 of the 256 draws score every arm.
 
     Parameters
     ----------
@@ -810,6 +828,16 @@ def best_arm_probabilities(
     arm_means = np.swapaxes(flat_means, -1, -2)  # (R, K, M)
     arm_errors = np.swapaxes(flat_errors, -1, -2)[..., used]  # (R, K, U)
     wins = np.zeros((flat, n_arms))
+    if n_arms >= _BEST_ARM_LEVELS_FROM:
+        state = rng.bit_generator.state
+        for run in range(flat):
+            if flat_allowed[run].any():
+                rng.bit_generator.state = state
+                wins[run] = _level_draws(objective, flat_means[run], flat_errors[run], flat_thresholds[run],
+                                         flat_allowed[run], rng)
+        shares = wins / _BEST_ARM_DRAWS
+        shares = np.where(flat_allowed.any(axis=-1, keepdims=True), shares, 1.0 / n_arms)
+        return shares.reshape(batch + (n_arms,))
     # Draws in chunks and runs in blocks, so that the drawn metric vectors stay near 2^16 values
     # (one draw of K = 10,000 arms and 5 metrics is 50,000); the chunks take the generator's
     # normals in the order one (draws, K, U) call would.
@@ -828,6 +856,127 @@ def best_arm_probabilities(
     shares = wins / _BEST_ARM_DRAWS
     shares = np.where(flat_allowed.any(axis=-1, keepdims=True), shares, 1.0 / n_arms)
     return shares.reshape(batch + (n_arms,))
+
+
+def _bernoulli_hits(chances: np.ndarray, draws: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Independent Bernoulli(``chances``_k) trials for every (draw, arm) of ``draws`` x K; the
+    successes as (draws index, arm index) arrays, at a cost near their number plus 61 groups.
+
+    Arms are grouped by p = 2^-e >= chance > p / 2 (e = floor(-log2 chance), at most
+    ``_BEST_ARM_HIT_EXPONENT``); a group's draws x arms trials at chance p are placed by geometric
+    gaps, and each success is kept with probability chance / p (thinning), which leaves every
+    trial a success with probability chance, independently.
+    """
+    positive = np.flatnonzero(chances > 0)
+    if positive.size == 0:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
+    with np.errstate(divide="ignore"):
+        exponents = np.minimum(np.floor(-np.log2(chances[positive])), _BEST_ARM_HIT_EXPONENT).astype(np.intp)
+    order = np.argsort(exponents, kind="stable")
+    groups, starts = np.unique(exponents[order], return_index=True)
+    ends = np.append(starts[1:], order.size)
+    draw_parts, arm_parts = [], []
+    for exponent, first, last in zip(groups, starts, ends):
+        members = positive[order[first:last]]
+        trials, chance = draws * members.size, 2.0 ** -float(exponent)
+        if exponent == 0:
+            positions = np.arange(trials)
+        else:
+            expected = trials * chance
+            size = int(expected + 6.0 * math.sqrt(expected) + 16.0)
+            # A gap past the last trial ends the group: clipped there, the sums cannot overflow.
+            positions = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) - 1
+            while positions[-1] < trials:
+                more = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) + positions[-1]
+                positions = np.concatenate([positions, more])
+            positions = positions[positions < trials]
+        arms = members[positions % members.size]
+        kept = rng.random(positions.size) * chance < chances[arms]
+        draw_parts.append(positions[kept] // members.size)
+        arm_parts.append(arms[kept])
+    return np.concatenate(draw_parts), np.concatenate(arm_parts)
+
+
+def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, thresholds: np.ndarray,
+                 allowed: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Wins of each arm in ``_BEST_ARM_DRAWS`` draws of one run (means, errors (M, K)); (K,).
+
+    The draws of :func:`best_arm_probabilities` (mu ~ N(means, errors^2), each allowed arm
+    scored by f(mu e_k), the best wins), drawn in another order with the same distribution:
+
+    - Arm k's primary part U_k = w . mu_k is N(a_k, b_k^2), and f(mu e_k) = U_k - (soft
+      penalties) <= U_k; the penalties read metrics U does not sum (a metric is either maximised
+      or guarded), independent of it, so only U_k's distribution changes below.
+    - For a level c fixed before the draw, whether U_k >= c (chance q_k) is drawn for every arm
+      (:func:`_bernoulli_hits`), and the arms where it holds are drawn given it (U_k from its
+      upper tail by the inverse normal CDF) and scored. When the best of them scores c or more,
+      it is the draw's winner: every other arm scores at most U_k < c. Otherwise every other arm
+      is drawn given U_k < c, and the best of all wins.
+    - c is the lowest winning score of the draws before (none at first: the first draw scores
+      every arm), and it moves between chunks of draws that double up to
+      ``_BEST_ARM_LEVEL_CHUNK``; about 8 of the 256 draws score every arm.
+    """
+    arms = np.flatnonzero(allowed)
+    means, errors = means[:, arms], errors[:, arms]
+    weights = objective.primary_weights
+    soft = objective.penalties > 0
+    rows, penalties = objective.guardrail_rows[soft], objective.penalties[soft]
+    levels = np.asarray(thresholds, dtype=float)[soft]
+    guarded = np.unique(rows)  # never a primary metric (Objective refuses a guarded primary metric)
+    primary = np.flatnonzero(weights != 0)
+    upper_means = weights[primary] @ means[primary]
+    upper_errors = np.sqrt(weights[primary] ** 2 @ errors[primary] ** 2)
+
+    def scores(draw_arms: np.ndarray, upper_z: np.ndarray) -> np.ndarray:
+        """Scores of arms ``draw_arms`` given their standardised primary parts ``upper_z``."""
+        b = upper_errors[draw_arms]
+        value = upper_means[draw_arms] + np.where(b > 0, b * upper_z, 0.0)
+        x = {row: means[row, draw_arms] + errors[row, draw_arms] * rng.standard_normal(draw_arms.size)
+             for row in guarded}
+        for row, lam, level in zip(rows, penalties, levels):
+            short = np.minimum(x[row] - level, 0.0)
+            value = value - lam * short * short
+        return value
+
+    def uniform(size: int) -> np.ndarray:
+        return 1.0 - rng.random(size)  # in (0, 1]
+
+    wins = np.zeros(means.shape[1])
+    level, above, below = np.inf, np.zeros(arms.size), np.ones(arms.size)
+    done = 0
+    while done < _BEST_ARM_DRAWS:
+        count = int(min(max(done, 1), _BEST_ARM_LEVEL_CHUNK, _BEST_ARM_DRAWS - done))
+        hit_draws, hit_arms = _bernoulli_hits(above, count, rng)
+        hit_values = scores(hit_arms, -ndtri(uniform(hit_arms.size) * above[hit_arms]))
+        top = np.full(count, -np.inf)
+        winners = np.full(count, -1, dtype=np.intp)
+        if hit_arms.size:
+            order = np.lexsort((hit_values, hit_draws))
+            last = np.flatnonzero(np.append(hit_draws[order][1:] != hit_draws[order][:-1], True))
+            best = order[last]
+            top[hit_draws[best]], winners[hit_draws[best]] = hit_values[best], hit_arms[best]
+        for draw in np.flatnonzero(~(top >= level)):
+            others = np.ones(arms.size, dtype=bool)
+            others[hit_arms[hit_draws == draw]] = False
+            other_arms = np.flatnonzero(others)
+            values = scores(other_arms, ndtri(uniform(other_arms.size) * below[other_arms]))
+            if values.size and not (values.max() <= top[draw]):
+                best_other = int(np.nanargmax(values)) if np.isfinite(values).any() else 0
+                top[draw], winners[draw] = values[best_other], other_arms[best_other]
+        np.add.at(wins, winners[winners >= 0], 1.0)
+        done += count
+        lowest = float(np.min(top))
+        if np.isfinite(lowest) and lowest < level:
+            level = lowest
+            with np.errstate(divide="ignore", invalid="ignore"):
+                standard = (upper_means - level) / upper_errors
+            above = np.where(upper_errors > 0, ndtr(standard), (upper_means >= level).astype(float))
+            below = np.where(upper_errors > 0, ndtr(-standard), (upper_means < level).astype(float))
+            bad = ~np.isfinite(above) | ~np.isfinite(below)
+            above, below = np.where(bad, 0.0, above), np.where(bad, 1.0, below)
+    full = np.zeros(allowed.shape[0])
+    full[arms] = wins
+    return full
 
 
 def drawn_mixture(

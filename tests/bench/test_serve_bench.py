@@ -102,6 +102,18 @@ def test_close_subcommand_measures_the_close_its_bare_sql_and_the_poll():
 
 
 @pytest.mark.timeout(300)
+def test_best_arm_subcommand_times_both_paths_and_restores_the_threshold():
+    from pasto import serving
+
+    threshold = serving._BEST_ARM_LEVELS_FROM
+    with bench_script("serve") as module:
+        results = module.main(["best-arm", "--arms", "1500", "--rounds", "2", "--repeats", "2"])
+    assert list(results) == [1500] and len(results[1500]) == 2
+    assert all(pair["every"] > 0 and pair["levels"] > 0 for pair in results[1500])
+    assert serving._BEST_ARM_LEVELS_FROM == threshold
+
+
+@pytest.mark.timeout(300)
 def test_assign_subcommand_measures_both_endpoints():
     with bench_script("serve") as module:
         results = module.main(["assign", "--backends", "sqlite", "--seconds", "0.3", "--repeats", "1",
