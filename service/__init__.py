@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,7 +76,29 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     exposures.init_app(app)
     monitoring.init_app(app)
     routes.register(app)
+    one_blas_thread()  # after the routes: they load the numerical core and its BLAS libraries
     return app
+
+
+# Variables through which an operator sets the BLAS libraries' thread count.
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def one_blas_thread() -> None:
+    """Run the BLAS libraries loaded in this process (numpy's, scipy's) on one thread each, unless
+    the operator set a count in one of :data:`BLAS_THREAD_VARIABLES`.
+
+    The service's concurrency is its requests (server threads, gunicorn workers) and the round
+    close beside them. The close's products are K x M matrix-vector products, which a second BLAS
+    thread hardly shortens but which stall while BLAS threads wait for busy cores: at K = 100,000
+    the `default` update took 1.1 to 2.4 s with OpenBLAS's default two threads and 0.33 to 0.65 s
+    on one, on the busy 2-core machine of docs/benchmarks.md ("The round close at large K").
+    """
+    if any(os.environ.get(name) for name in BLAS_THREAD_VARIABLES):
+        return
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=1, user_api="blas")
 
 
 def create_command_app(config: Mapping[str, Any] | None = None) -> Flask:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The service's own packages and every third-party package that only the service needs.
 SERVICE_STACK = (
     "service", "migrations", "flask", "werkzeug", "jinja2", "sqlalchemy", "alembic", "psycopg",
-    "pydantic", "waitress", "gunicorn", "apscheduler", "prometheus_client",
+    "pydantic", "waitress", "gunicorn", "apscheduler", "prometheus_client", "threadpoolctl",
     "duckdb", "duckdb_engine", "pyspark", "py4j",  # service/sources (the warehouse extra)
 )
 

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: What the `service` extra brings and a client-only install must not (pip's normalised names).
 SERVICE_ONLY = {
     "flask", "werkzeug", "sqlalchemy", "alembic", "apscheduler", "waitress", "gunicorn",
-    "prometheus-client", "psycopg", "psycopg-binary", "pydantic",
+    "prometheus-client", "psycopg", "psycopg-binary", "pydantic", "threadpoolctl",
 }
 
 CLIENT_SCRIPT = """
