@@ -76,6 +76,9 @@ def create_app(config: Mapping[str, Any] | None = None) -> Flask:
     exposures.init_app(app)
     monitoring.init_app(app)
     routes.register(app)
+    from .routes.assignment import FastAssign
+
+    app.wsgi_app = FastAssign(app, app.wsgi_app)  # assign below Flask's dispatch
     one_blas_thread()  # after the routes: they load the numerical core and its BLAS libraries
     return app
 

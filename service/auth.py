@@ -108,6 +108,18 @@ class _Authenticator:
             self._cache[digest] = (row.role, time.monotonic() + seconds)
         return row.role
 
+    def known_role(self, token: str) -> str | None:
+        """The role of ``token`` when it is the admin token or a valid token looked up in the last
+        ``TOKEN_CACHE_SECONDS``; None otherwise (unknown here: :meth:`role_of` decides). No database
+        read and no failure counted."""
+        digest = hash_token(token)
+        if self.admin_digest is not None and hmac.compare_digest(digest, self.admin_digest):
+            return "admin"
+        cached = self._cache.get(digest)
+        if cached is not None and cached[1] > time.monotonic():
+            return cached[0]
+        return None
+
     def _refuse_if_throttled(self, session, address: str, now: datetime) -> None:
         row = store.auth_failures(session, address)
         if row is None or row.failures < current_app.config["PASTO_AUTH_FAILURE_LIMIT"]:
@@ -168,6 +180,16 @@ def authenticate(required_role: str) -> str:
         raise ApiError(403, "forbidden", f"This endpoint needs the {required_role!r} role; the token has {role!r}.")
     g.token_role = role
     return role
+
+
+def known_role(app: Flask, header: str) -> str | None:
+    """The role of the bearer token in ``header`` (an ``Authorization`` value) when ``app`` knows it
+    without a lookup (:meth:`_Authenticator.known_role`); None when :func:`authenticate` must decide."""
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return app.extensions[_EXTENSION].known_role(token)
 
 
 def anonymous_read_allowed() -> bool:

@@ -128,6 +128,10 @@ class ExperimentCache:
         self._snapshots[name] = (snapshot, now)
         return snapshot
 
+    def holds(self, name: str) -> bool:
+        """Whether a snapshot of ``name`` is cached (:meth:`serve` then answers even during an outage)."""
+        return name in self._snapshots
+
     def forget(self, name: str) -> None:
         """Drop the snapshot of ``name`` (deleted): the next request asks the database."""
         self._snapshots.pop(name, None)

@@ -144,11 +144,13 @@ def _top_arm_mask(snapshot) -> np.ndarray:
     return _assignment_counters(snapshot)[1]
 
 
-def _assignment_counters(snapshot) -> tuple[int, np.ndarray, dict[int, Any]]:
+def _assignment_counters(snapshot, limit: int | None = None) -> tuple[int, np.ndarray, dict[int, Any]]:
     """(limit, top-arm mask (K,), top arm position -> its assignments counter, filled as arms are
-    counted) of ``snapshot``, computed once per snapshot version and limit."""
-    limit = current_app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS) if has_app_context() \
-        else DEFAULT_METRICS_TOP_ARMS
+    counted) of ``snapshot``, computed once per snapshot version and limit (by default the current
+    app's ``PASTO_METRICS_TOP_ARMS``)."""
+    if limit is None:
+        limit = current_app.config.get("PASTO_METRICS_TOP_ARMS", DEFAULT_METRICS_TOP_ARMS) if has_app_context() \
+            else DEFAULT_METRICS_TOP_ARMS
     cached = _top_by_snapshot.get(snapshot)
     if cached is not None and cached[0] == limit:
         return cached
@@ -188,10 +190,11 @@ def record_created(snapshot, **_) -> None:
     start_event_series(snapshot.name, snapshot.arm_names, snapshot.serving, int(limit))
 
 
-def record_assignments(snapshot, *, arms: Sequence[int], **_) -> None:
+def record_assignments(snapshot, *, arms: Sequence[int], top_arms: int | None = None, **_) -> None:
     """``assigned``: count one assign response; ``arms`` holds each unit's arm position. Arms outside
-    the top ``PASTO_METRICS_TOP_ARMS`` add to ``pasto_other_arms_assignments`` (bounded cardinality)."""
-    _, top, counters = _assignment_counters(snapshot)
+    the top ``PASTO_METRICS_TOP_ARMS`` (``top_arms`` when given, else the current app's) add to
+    ``pasto_other_arms_assignments`` (bounded cardinality)."""
+    _, top, counters = _assignment_counters(snapshot, top_arms)
     if len(arms) == 1:  # a single-unit assignment: no need to group
         arm = int(arms[0])
         if top[arm]:
@@ -550,19 +553,25 @@ def _start_timer() -> None:
 def _count_request(response: Response) -> Response:
     current = request._get_current_object()  # one context lookup instead of one per attribute
     started = current.environ.pop(_STARTED, None)
-    # The route template, not the path, keeps the label set bounded; unmatched paths share one label.
     rule = current.url_rule
-    key = (None if rule is None else rule.rule, current.method, response.status_code)
+    count_request(None if rule is None else rule.rule, current.method, response.status_code, started)
+    return response
+
+
+def count_request(route: str | None, method: str, status: int, started: float | None) -> None:
+    """Count one answered request of route template ``route`` (None: no route matched) and observe
+    its duration since ``started`` (``time.perf_counter``; None: not timed)."""
+    # The route template, not the path, keeps the label set bounded; unmatched paths share one label.
+    key = (route, method, status)
     children = _request_children.get(key)
     if children is None:
-        route = "<unmatched>" if rule is None else rule.rule
+        label = "<unmatched>" if route is None else route
         children = _request_children.setdefault(key, (
-            _child(HTTP_REQUESTS, route, current.method, str(response.status_code)),
-            _child(HTTP_REQUEST_DURATION, route, current.method)))
+            _child(HTTP_REQUESTS, label, method, str(status)),
+            _child(HTTP_REQUEST_DURATION, label, method)))
     children[0].inc()
     if started is not None:
         children[1].observe(time.perf_counter() - started)
-    return response
 
 
 _STARTED = "pasto.request_started"

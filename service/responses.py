@@ -562,12 +562,15 @@ def assignment_members(arm_name: str, params: dict[str, Any], round_index: int, 
 def respond_assignments(app, units: Sequence[str], members: Sequence[str], batch: bool) -> Response:
     """``app``'s assign response: one :class:`Assignment` (``batch`` false, one unit) or an
     :class:`AssignmentBatch`, from each unit and its answer's :func:`assignment_members`."""
+    return app.response_class(assignments_text(units, members, batch), mimetype=app.json.mimetype)
+
+
+def assignments_text(units: Sequence[str], members: Sequence[str], batch: bool) -> str:
+    """The body of :func:`respond_assignments`."""
     units_json = map(encode_basestring_ascii, units)
     if batch:
-        text = '{"assignments":[' + ",".join(map(_ANSWER.format, units_json, members)) + "]}\n"
-    else:
-        text = _ANSWER.format(next(units_json), members[0]) + "\n"
-    return app.response_class(text, mimetype=app.json.mimetype)
+        return '{"assignments":[' + ",".join(map(_ANSWER.format, units_json, members)) + "]}\n"
+    return _ANSWER.format(next(units_json), members[0]) + "\n"
 
 
 _ANSWER = '{{"unit":{},{}}}'

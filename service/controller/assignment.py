@@ -35,8 +35,7 @@ def assign_one(uow: UnitOfWork, name: str, unit: str, segment: str | None = None
     if problem is not None:
         raise invalid("segment", problem)
     if not snapshot.segmented:
-        arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
-        probability = float(snapshot.serving[arm])
+        arm, probability = choose_unsegmented(snapshot, unit)
     else:
         position = segment_position(snapshot, segment)
         arm = choose_arm(snapshot.segment_serving_cumulative[position], snapshot.hasher(unit))
@@ -48,6 +47,22 @@ def assign_one(uow: UnitOfWork, name: str, unit: str, segment: str | None = None
     return snapshot, stale, arm, probability, served
 
 
+def choose_unsegmented(snapshot: Snapshot, unit: str) -> tuple[int, float]:
+    """The arm position of ``unit`` in the unsegmented experiment of ``snapshot``, and its propensity."""
+    arm = choose_arm(snapshot.serving_cumulative, snapshot.hasher(unit))
+    return arm, float(snapshot.serving[arm])
+
+
+def choose_many_unsegmented(snapshot: Snapshot, units: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The arm positions of ``units`` in the unsegmented experiment of ``snapshot``, and their
+    propensities; shapes (N,)."""
+    u = buckets(snapshot.seed, units, snapshot.round_index)
+    # choose_arms over the cumulative mixture computed once per snapshot version
+    arms = np.searchsorted(snapshot.serving_cumulative_array, u, side="right")
+    np.minimum(arms, snapshot.n_arms - 1, out=arms)
+    return arms, snapshot.serving[arms]
+
+
 def assign_many(uow: UnitOfWork, name: str, units: list[str], segments: list[str] | None = None,
                 exposures: ExposureRecorder | None = None
                 ) -> tuple[Snapshot, bool, np.ndarray, np.ndarray, list[str] | None]:
@@ -56,14 +71,11 @@ def assign_many(uow: UnitOfWork, name: str, units: list[str], segments: list[str
     serves each unit its segment's mixture (``segments``, one per unit; a 422 naming every missing or
     unknown one, as :func:`assign_one`)."""
     snapshot, stale = uow.cache.serve(name)
-    u = buckets(snapshot.seed, units, snapshot.round_index)
     served = None
     if not snapshot.segmented and segments is None:
-        # choose_arms over the cumulative mixture computed once per snapshot version
-        arms = np.searchsorted(snapshot.serving_cumulative_array, u, side="right")
-        np.minimum(arms, snapshot.n_arms - 1, out=arms)
-        probabilities = snapshot.serving[arms]
+        arms, probabilities = choose_many_unsegmented(snapshot, units)
     else:
+        u = buckets(snapshot.seed, units, snapshot.round_index)
         given = segments if segments is not None else [None] * len(units)
         problems = []
         for position, segment in enumerate(given):
