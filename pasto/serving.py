@@ -748,8 +748,9 @@ def choose(
 _BEST_ARM_DRAWS = 256
 # From this many arms on, best_arm_probabilities draws each run by levels (:func:`_level_draws`,
 # the same distribution at a cost near K times the ~8 draws that score every arm). Below it every
-# draw scores every arm as it always did, so that the learner's runs (at most a few hundred arms)
-# draw exactly what they drew before.
+# draw scores every arm as it always did, which costs no more there (39 ms either way at K = 1,000,
+# against 225 and 27 ms at K = 10,000: ``python bench/serve.py best-arm``), and the learner's runs
+# (at most a few hundred arms) draw exactly what they drew before.
 _BEST_ARM_LEVELS_FROM = 1024
 # Draws per chunk of the level path at most (the level moves between chunks only).
 _BEST_ARM_LEVEL_CHUNK = 64
