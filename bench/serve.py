@@ -35,7 +35,8 @@ on waitress or under ``--server gunicorn --workers N``, loaded by the Python cli
 close``: the round close at large K (``--arms 10000,100000``) beside the SQL it must run written by
 hand, the update alone, the close's peak traced memory and the dashboard's ``?arms=100`` reads
 (:func:`close_main`). ``python bench/serve.py best-arm``: the best-arm draws at large K by levels
-against every arm scored (:func:`best_arm_main`). Their figures are in docs/benchmarks.md, "## Scale
+against every arm scored (:func:`best_arm_main`); ``python bench/serve.py secure-delete``: clearing
+a summary input on SQLite with ``secure_delete`` on and FAST (:func:`secure_delete_main`). Their figures are in docs/benchmarks.md, "## Scale
 in K and in requests", written by hand.
 
 History (``python bench/serve.py history``, apart from the rest): an experiment of K = 10,000 arms after
@@ -1879,6 +1880,47 @@ def close_main(argv: list[str]) -> dict[str, Any]:
     return results
 
 
+def secure_delete_main(argv: list[str]) -> dict[str, Any]:
+    """``python bench/serve.py secure-delete``: on SQLite (WAL, synchronous=NORMAL, as the service opens
+    it), a packed document the size of the round's summary input at ``--arms`` (22 arrays of K
+    float64, base64) written into a row and then cleared, as the close and its summary do, with
+    ``PRAGMA secure_delete`` on (Debian's build default) and FAST (the service's), alternating;
+    milliseconds of the clear per setting and the median paired ratio."""
+    import base64
+    import sqlite3
+
+    parser = argparse.ArgumentParser(prog="bench/serve.py secure-delete")
+    parser.add_argument("--arms", type=int, default=100_000)
+    parser.add_argument("--repeats", type=int, default=6)
+    args = parser.parse_args(argv)
+    text = base64.b64encode(np.random.default_rng(0).random(22 * args.arms).tobytes()).decode()
+    times: dict[str, list[float]] = {"1": [], "FAST": []}
+    with tempfile.TemporaryDirectory(prefix="pasto-bench-secure-delete-") as workdir:
+        for repeat in range(args.repeats):
+            for mode in (("1", "FAST") if repeat % 2 == 0 else ("FAST", "1")):
+                connection = sqlite3.connect(Path(workdir) / f"{mode}-{repeat}.sqlite", isolation_level=None)
+                for pragma in ("journal_mode=WAL", "synchronous=NORMAL", f"secure_delete={mode}"):
+                    connection.execute(f"PRAGMA {pragma}")
+                connection.execute("CREATE TABLE rounds (id INTEGER PRIMARY KEY, summary_input TEXT, summary TEXT)")
+                for statement, parameters in (("INSERT INTO rounds VALUES (1, ?, NULL)", (text,)),
+                                              ("UPDATE rounds SET summary_input = NULL, summary = '{}' WHERE id = 1", ())):
+                    started = time.perf_counter()
+                    connection.execute("BEGIN IMMEDIATE")
+                    connection.execute(statement, parameters)
+                    connection.execute("COMMIT")
+                    seconds = time.perf_counter() - started
+                connection.close()
+                times[mode].append(seconds * 1000)  # the clear
+    ratio = statistics.median(on / fast for on, fast in zip(times["1"], times["FAST"]))
+    print(f"\nSQLite {sqlite3.sqlite_version}, a {len(text) / 2**20:.1f} MB summary input cleared; medians of "
+          f"{args.repeats}\n")
+    print("| K | clear, secure_delete on, ms | clear, FAST, ms | **on / FAST** (paired) |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {args.arms:,} | {statistics.median(times['1']):,.0f} | {statistics.median(times['FAST']):,.0f} | "
+          f"**{ratio:.1f}** |")
+    return {"times": times, "ratio": ratio}
+
+
 def best_arm_main(argv: list[str]) -> dict[str, Any]:
     """``python bench/serve.py best-arm``: ``pasto.serving.best_arm_probabilities`` at large K, its draws
     by levels (the path from ``_BEST_ARM_LEVELS_FROM`` arms on) against every arm scored in every draw
@@ -1945,6 +1987,8 @@ def main(argv: list[str] | None = None, docs: Path = DOCS) -> dict[str, Any]:
         return close_main(argv[1:])
     if argv[:1] == ["best-arm"]:
         return best_arm_main(argv[1:])
+    if argv[:1] == ["secure-delete"]:
+        return secure_delete_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv
     if args.segmented_close:

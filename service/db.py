@@ -410,6 +410,13 @@ def _configure_sqlite(engine: sa.Engine, busy_timeout_ms: int) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
         cursor.execute("PRAGMA foreign_keys=ON")
+        # Freed pages are zeroed only where that writes no extra page. Debian's SQLite zeroes every
+        # freed page (SQLITE_SECURE_DELETE), which at K = 100,000 wrote a page of zeros into the WAL
+        # for each of the thousands of pages the replaced state and the cleared summary input free:
+        # clearing the 17.6 MB summary input of K = 100,000 took 167 ms, against 24 ms with FAST
+        # (``python bench/serve.py secure-delete``; docs/benchmarks.md, "The round close at large K").
+        # Nothing secret is stored in the clear (tokens are kept as hashes).
+        cursor.execute("PRAGMA secure_delete=FAST")
         cursor.close()
 
     @sa.event.listens_for(engine, "begin")

@@ -114,6 +114,14 @@ def test_best_arm_subcommand_times_both_paths_and_restores_the_threshold():
 
 
 @pytest.mark.timeout(300)
+def test_secure_delete_subcommand_times_both_settings():
+    with bench_script("serve") as module:
+        results = module.main(["secure-delete", "--arms", "2000", "--repeats", "2"])
+    assert len(results["times"]["1"]) == len(results["times"]["FAST"]) == 2
+    assert results["ratio"] > 0
+
+
+@pytest.mark.timeout(300)
 def test_assign_subcommand_measures_both_endpoints():
     with bench_script("serve") as module:
         results = module.main(["assign", "--backends", "sqlite", "--seconds", "0.3", "--repeats", "1",

@@ -53,6 +53,7 @@ def test_sqlite_connections_checkpoint_the_wal_every_ten_thousand_pages(tmp_path
                 assert pragma("PRAGMA wal_autocheckpoint").scalar() == SQLITE_WAL_AUTOCHECKPOINT_PAGES == 10_000
                 assert pragma("PRAGMA journal_mode").scalar() == "wal"
                 assert pragma("PRAGMA synchronous").scalar() == 1  # NORMAL
+                assert pragma("PRAGMA secure_delete").scalar() == 2  # FAST
     finally:
         engine.dispose()
 
