@@ -121,15 +121,24 @@ class FastAssign:
     (its counters), the request counter and duration, and the answer with the headers Flask's path
     gives it, the same bytes (``tests/service/test_assign_fast_path.py``). Anything unexpected before
     the event falls back to Flask, which repeats the checks and answers as it always did (401, 404,
-    415, 422, ...); nothing is counted twice.
+    415, 422, ...); nothing is counted twice. It stands in for the service's own request hooks
+    (timer and counter, query check, security headers): made over an app with any other hook, or
+    once one is added, it hands every request to Flask.
     """
 
     def __init__(self, app: Flask, wsgi_app) -> None:
+        from .. import monitoring, params, security
+
         self.app = app
         self.flask = wsgi_app
-        # The request hooks this path stands in for (the request timer and counter, the query check,
-        # the security headers): a hook added later sends every request through Flask.
-        self.hooks = self._hooks()
+        # The request hooks this path stands in for: the request timer and counter, the query check
+        # (no query string here) and the security headers. With any other hook registered, now or
+        # later, every request goes through Flask.
+        stands_in_for = (
+            (), ((None, (params.check_query_strings, monitoring._start_timer)),),
+            ((None, (security.add_security_headers, monitoring._count_request)),), (), (),
+        )
+        self.hooks = self._hooks() if self._hooks() == stands_in_for else None
 
     def _hooks(self) -> tuple:
         app = self.app

@@ -52,6 +52,7 @@ def served(app, api, tokens):
         assert api("POST", "/api/v1/experiments", json=body).status_code == 201
     middleware = app.wsgi_app
     assert isinstance(middleware, FastAssign)
+    assert middleware.hooks is not None, "the service's own hooks are the ones the fast path stands in for"
     for name, payload in (("plain", {"unit": "warm"}), ("segmented", {"unit": "warm", "segment": "s1"})):
         status, _, _ = call(middleware.flask, environ(ASSIGN.format(name), json.dumps(payload), tokens["ingest"]))
         assert status == "200 OK"
@@ -193,4 +194,6 @@ def test_a_request_hook_added_after_the_app_was_made_sends_assign_through_flask(
     seen.clear()
     status, _, _ = call(middleware, env)
     assert status == "200 OK" and len(handed) == 1 and seen == [1]
+    # Made over an app that already has a hook it does not stand in for, it never answers itself.
+    assert FastAssign(application, original).hooks is None
     get_db(application).engine.dispose()
