@@ -26,7 +26,8 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
    Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of E f(mu p)
-   (mirror ascent; a relative threshold's reference arm is uncertain too), reached from the
+   (solved to a certified gap by :func:`pasto.optimum.expected_optimum`, Newton steps that are
+   each an exact QP; a relative threshold's reference arm is uncertain too), reached from the
    starting mixture p0 (the baseline arm, else uniform) only as far as the evidence defends
    (conservative bandits: p0 + a (optimum - p0) with the largest a in {0, 0.1, ..., 1} whose
    expected objective beats p0's by ``deploy_level`` Student-t standard errors on the pooled
@@ -76,7 +77,7 @@ from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
-from pasto.optimum import linear_program, mirror_ascent, solve
+from pasto.optimum import expected_optimum, linear_program, solve
 
 __all__ = [
     "ServingConfig",
@@ -101,7 +102,8 @@ UNDECIDED_RULES = ("conservative", "best_arm")
 _VARIANCE_PRIOR_DF = 5.0
 # A probability below this in a plug-in optimum counts as outside its support.
 _SUPPORT = 1e-3
-# Shares of a mirror-ascent solution below this fraction of its largest are served as 0.
+# Shares of a plug-in solution below this fraction of its largest are served as 0 (a line search's
+# last step can leave such crumbs on an arm that leaves the support).
 _NEGLIGIBLE = 1e-9
 
 
@@ -127,8 +129,6 @@ class ServingConfig:
         never change, in [0, 1) (0 disables detection; :func:`change_detected`).
     change_every : int
         Rounds per change-test block: the detector looks every ``change_every`` rounds.
-    mirror_steps : int
-        Mirror-ascent steps of the plug-in solve (soft guardrails).
     undecided : {"conservative", "best_arm"}
         Where the traffic of an *undecided* run goes (soft guardrails only: its plug-in
         optimum is a mixture the data cannot yet defend against the best single arm).
@@ -157,7 +157,6 @@ class ServingConfig:
     deploy_level: float = 0.95
     change_level: float = 0.01
     change_every: int = 25
-    mirror_steps: int = 50
     undecided: str = "best_arm"
     posterior_draws: int = 1
 
@@ -179,7 +178,7 @@ class ServingConfig:
         for name in ("min_share", "holdout", "change_level"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"Serving option {name!r} must be in [0, 1), got {getattr(self, name)}.")
-        for name in ("change_every", "mirror_steps"):
+        for name in ("change_every",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Serving option {name!r} must be an integer >= 1, got {value!r}.")
@@ -649,18 +648,21 @@ def choose(
                                          known, references, observations_per_round, t, rows)
         log_weights = np.log(np.maximum(plug_in, 1e-300))
     else:
-        lifted = np.maximum(log_weights, log_weights.max(axis=-1, keepdims=True) - 30.0)
         # The expected objective E f(mu p), mu ~ N(V, se^2), hedges against the steep side of a
-        # soft penalty (serving too much of an arm whose guardrail estimate is too optimistic).
-        log_weights = mirror_ascent(
-            objective, flat_means, flat_thresholds, lifted, config.mirror_steps, standard_errors=flat_errors
-        )
-        plug_in = _support(np.exp(log_weights))
+        # soft penalty (serving too much of an arm whose guardrail estimate is too optimistic). Its
+        # maximiser is solved to a certified gap, from the previous round's (:func:`expected_optimum`).
+        previous = np.exp(log_weights - log_weights.max(axis=-1, keepdims=True))
         references = _references(objective, hard=False)
-        if references:
-            known = _support(np.exp(mirror_ascent(
-                objective, flat_means, flat_thresholds, lifted, config.mirror_steps,
-                standard_errors=_known_references(flat_errors, references))))
+        known_errors = _known_references(flat_errors, references) if references else None
+        known = np.empty((flat, n_arms))
+        for run in range(flat):
+            plug_in[run] = expected_optimum(objective, flat_means[run], flat_errors[run], flat_thresholds[run],
+                                            start=previous[run]).probabilities
+            if references:
+                known[run] = expected_optimum(objective, flat_means[run], known_errors[run], flat_thresholds[run],
+                                              start=plug_in[run]).probabilities
+        plug_in = _support(plug_in)
+        log_weights = np.log(np.maximum(plug_in, 1e-300))
         plausible = _plausible_arms(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_optimism)
         plausible &= plug_in < _SUPPORT
         per_round = max(observations_per_round, 1.0)
@@ -1044,8 +1046,7 @@ def _known_references(errors: np.ndarray, references: list[tuple[int, int]]) -> 
 
 
 def _support(mixture: np.ndarray) -> np.ndarray:
-    """A mirror-ascent mixture (R, K) with the shares below its precision set to 0, renormalised."""
-    # Mirror ascent never reaches an exact zero; traffic below this share is noise, not a choice.
+    """A plug-in mixture (R, K) with the shares below its precision set to 0, renormalised."""
     mixture = np.where(mixture < _NEGLIGIBLE * mixture.max(axis=-1, keepdims=True), 0.0, mixture)
     return mixture / mixture.sum(axis=-1, keepdims=True)
 
