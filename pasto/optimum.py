@@ -1018,16 +1018,20 @@ def expected_optimum(
     value, gradient = evaluate(p)
     # Scale-free: a millionth of the spread of the arms' primary values (a metric around 100 with
     # effects of 0.2 and one around 0 with effects of 1 are solved alike).
-    primary = objective.primary_weights @ means
-    tolerance = _NEWTON_TOLERANCE * np.ptp(primary) + 1e-12 * (1.0 + abs(value))
+    scale = float(np.ptp(objective.primary_weights @ means))
+    tolerance = _NEWTON_TOLERANCE * scale + 1e-12 * (1.0 + abs(value))
     steps = 0
     for steps in range(1, _NEWTON_STEPS + 1):
         if frank_wolfe_gap(p, gradient) <= tolerance:
             steps -= 1
             break
-        direction = _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower)
+        direction = _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower,
+                                      scale)
         if direction is None:
-            break
+            # HiGHS could not solve the model: a Frank-Wolfe step (towards the best vertex) instead.
+            vertex = lower.copy()
+            vertex[np.argmax(gradient)] += free
+            direction = vertex - p
         slope = float(gradient @ direction)
         if not slope > 0:
             break
@@ -1053,7 +1057,7 @@ def _on_simplex(mass: np.ndarray) -> np.ndarray:
     return mass / total if total > 0 else np.full(mass.shape, 1.0 / mass.size)
 
 
-def _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower):
+def _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower, scale):
     """q - p for q maximising the second-order model of E f at p over the feasible set; None if HiGHS fails.
 
     The model is g . delta - delta^T H delta / 2 (delta = q - p), H the exact Hessian of the
@@ -1095,9 +1099,14 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
             basis = means[rows[j]][None, :]
             residual = None
         eigenvalues, eigenvectors = np.linalg.eigh(curvature)
-        terms = [(vector @ basis, lam * value) for value, vector in zip(eigenvalues, eigenvectors.T)
-                 if value > 1e-12 * np.abs(curvature).max()]
-        blocks.append((terms, None if residual is None else (lam * residual, c)))
+        # Curvature below 1e-12 of the primary values' spread (per unit of mass moved) is none: a
+        # guardrail 20 standard errors clear has tails of 1e-89, which only unsettle HiGHS.
+        negligible = 1e-12 * scale
+        terms = [(row, lam * value) for value, row in zip(eigenvalues, eigenvectors.T @ basis)
+                 if lam * value * np.max(np.abs(row)) ** 2 > negligible]
+        if residual is not None:
+            residual = np.where(lam * residual > negligible, lam * residual, 0.0)
+        blocks.append((terms, None if residual is None or not residual.any() else (residual, c)))
     # Columns: q (K), then per guardrail its rank-one columns a_e = b_e . (q - p), then r (K) and t
     # with r = q - p - t c.
     n_extra = sum(len(terms) + (0 if residual is None else k + 1) for terms, residual in blocks)
@@ -1108,19 +1117,24 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
     hessian = np.zeros(n)
     row, column = 1, k
     arms = np.arange(k)
+    # Every extra column is scaled to curvature 1 (its row multiplied by the root of its curvature):
+    # a penalty of 1000 on a metric known to 1e-3 puts curvatures from 1e-3 to 1e10 in one model,
+    # which HiGHS's QP solver does not survive.
     for terms, residual in blocks:
         for coefficients, value in terms:
-            entries.append((np.full(k + 1, row), np.append(arms, column), np.append(coefficients, -1.0)))
-            right.append(float(coefficients @ p))
-            hessian[column] = value
+            root = math.sqrt(value)
+            entries.append((np.full(k + 1, row), np.append(arms, column), np.append(root * coefficients, -1.0)))
+            right.append(float(root * coefficients @ p))
+            hessian[column] = 1.0
             row, column = row + 1, column + 1
         if residual is not None:
             weight, c = residual
+            root = np.sqrt(weight)
             lines = row + arms
-            entries += [(lines, arms, np.ones(k)), (lines, column + arms, -np.ones(k)),
-                        (lines, np.full(k, column + k), -c)]
-            right.extend(p)
-            hessian[column:column + k] = weight
+            entries += [(lines, arms, root), (lines, column + arms, -np.ones(k)),
+                        (lines, np.full(k, column + k), -root * c)]
+            right.extend(root * p)
+            hessian[column:column + k] = 1.0
             row, column = row + k, column + k + 1
     rows_, columns_, values_ = (np.concatenate(part) for part in zip(*entries))
     matrix = sparse.csc_matrix((values_, (rows_, columns_)), shape=(row, n))

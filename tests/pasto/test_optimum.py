@@ -202,7 +202,9 @@ def _slsqp_optimum(objective, means, errors, thresholds, rng, starts=4):
         result = minimize(negative, start, jac=True, method="SLSQP", bounds=[(0.0, 1.0)] * k,
                           constraints=[{"type": "eq", "fun": lambda p: p.sum() - 1.0, "jac": lambda p: np.ones(k)}],
                           options={"maxiter": 1000, "ftol": 1e-14})
-        best = max(best, -result.fun)
+        # SLSQP's last iterate can leave the simplex when it fails: judged where it lands on it.
+        mixture = np.clip(result.x, 0.0, None)
+        best = max(best, -negative(mixture / mixture.sum())[0])
     return best
 
 
