@@ -421,8 +421,12 @@ def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_dia
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("threads", 1)
     # HiGHS's QP solver can stall for a long time (with lam in its Hessian it did at K = 100); it
-    # then reports a time limit and the cutting-plane LPs take over.
-    highs.setOptionValue("time_limit", 1.0 if hessian_diagonal is not None else 10.0)
+    # then reports an iteration limit and the cutting-plane LPs take over. The limit counts
+    # iterations, not seconds, so that a result does not depend on the machine's load (a 1 s time
+    # limit made batched and per-run updates differ on a busy machine); the time limit is a net.
+    if hessian_diagonal is not None:
+        highs.setOptionValue("qp_iteration_limit", 10 * (matrix.shape[0] + matrix.shape[1]) + 1000)
+    highs.setOptionValue("time_limit", 60.0)
     highs.passModel(model)
     highs.run()
     solution = highs.getSolution()
