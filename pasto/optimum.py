@@ -947,6 +947,8 @@ class ExpectedSolution:
 
 # Newton steps of expected_optimum at most; each is one convex QP (HiGHS) and a line search.
 _NEWTON_STEPS = 40
+# Arms by gradient that join expected_optimum's working set at each Newton step.
+_WORKING_ARMS = 32
 # Optimality gap at which expected_optimum stops, relative to the spread of the arms' primary values.
 _NEWTON_TOLERANCE = 1e-6
 
@@ -987,7 +989,7 @@ def expected_optimum(
         Per-arm minimum shares (summing to at most 1).
     start : ndarray, shape (K,), optional
         First iterate (e.g. the previous round's optimum); the exact optimum of f(means p)
-        (:func:`solve`) by default.
+        (:func:`solve`) when omitted or spread over more than 32 arms.
     """
     means = np.asarray(means, dtype=float)
     k = means.shape[-1]
@@ -1004,7 +1006,9 @@ def expected_optimum(
         raise ValueError(f"The minimum shares reserve {lower.sum():.6g} of the traffic; they can reserve at most 1.")
     lower = lower / max(1.0, lower.sum())
     free = 1.0 - lower.sum()
-    if start is None:
+    # A start spread over many arms (the uniform first round) would make the first Newton models as
+    # wide as K; the exact optimum of f(means p) is sparse and near the hedged one.
+    if start is None or np.count_nonzero(start) > _WORKING_ARMS:
         p = solve(objective, means, thresholds, min_shares=lower).probabilities
     else:
         p = lower + free * _on_simplex(np.maximum(np.asarray(start, dtype=float) - lower, 0.0))
@@ -1019,6 +1023,7 @@ def expected_optimum(
     def frank_wolfe_gap(q, gradient):
         return float(free * np.max(gradient) + lower @ gradient - q @ gradient)
 
+    working = (lower > 0) | np.any(weights != 0, axis=0)
     value, gradient = evaluate(p)
     # Scale-free: a millionth of the spread of the arms' primary values (a metric around 100 with
     # effects of 0.2 and one around 0 with effects of 1 are solved alike).
@@ -1029,8 +1034,19 @@ def expected_optimum(
         if frank_wolfe_gap(p, gradient) <= tolerance:
             steps -= 1
             break
-        direction = _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower,
-                                      scale)
+        # The model is built over a working set of arms (column generation): those with mass, a
+        # minimum share or a threshold weight, and the best _WORKING_ARMS by gradient. The others
+        # stay at 0 in the step; the gap, over every arm, brings in any that should join. So a
+        # model has O(support) columns, not O(K) (at K = 100,000 a QP over every arm took minutes).
+        working |= p > 0
+        working[np.argpartition(-gradient, min(_WORKING_ARMS, k) - 1)[:_WORKING_ARMS]] = True
+        arms = np.flatnonzero(working)
+        step = _newton_direction(objective, means[:, arms], variances[:, arms], thresholds, weights[:, arms],
+                                 soft, p[arms], gradient[arms], lower[arms], scale)
+        direction = None
+        if step is not None:
+            direction = np.zeros(k)
+            direction[arms] = step
         if direction is None:
             # HiGHS could not solve the model: a Frank-Wolfe step (towards the best vertex) instead.
             vertex = lower.copy()
