@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from service import auth
 from service.db import get_db
 from service.monitoring import PROCESS_REGISTRY
 from service.routes.assignment import FastAssign
@@ -44,9 +45,13 @@ def counted(name: str, **labels) -> float:
 
 
 @pytest.fixture
-def served(app, api, tokens):
+def served(app, api, tokens, monkeypatch):
     """An unsegmented and a segmented experiment, each served once through Flask (their snapshots
     cached, the ingest token looked up), and the middleware."""
+    # A looked-up token is known for TOKEN_CACHE_SECONDS (1 s); on a loaded machine a test's thirty
+    # requests outlast it, and a request just after the expiry rightly goes to Flask. These tests are
+    # about what the fast path answers, so the lookup holds for the whole test.
+    monkeypatch.setattr(auth, "TOKEN_CACHE_SECONDS", 3600.0)
     hard = {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]}
     for body in (setup_a_body("plain"), setup_a_body("segmented", segments=SEGMENTED, objective=hard)):
         assert api("POST", "/api/v1/experiments", json=body).status_code == 201
