@@ -79,12 +79,10 @@ class _Authenticator:
 
     def role_of(self, token: str, address: str) -> str | None:
         """The role of ``token`` (None when it is not valid); 429 when ``address`` is throttled."""
+        known = self.known_role(token)
+        if known is not None:
+            return known
         digest = hash_token(token)
-        if self.admin_digest is not None and hmac.compare_digest(digest, self.admin_digest):
-            return "admin"
-        cached = self._cache.get(digest)
-        if cached is not None and cached[1] > time.monotonic():
-            return cached[0]
         now = utcnow()
         with get_uow().read() as session:
             row = store.token_by_hash(session, digest)
