@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import importlib.util
+import itertools
 import json
 import multiprocessing
 import os
@@ -1076,9 +1077,9 @@ READING = [
     "to the server as the text of one array literal, and new ids skip the conflict check (about 2 ms of "
     "PostgreSQL's time per 1,000).",
     "- **Update.** `pasto.algorithm.update` alone stays well under 100 ms at K = 10,000, solve rounds "
-    "included. A round close in the service costs more, and almost all of it is database work: it adds the "
-    "round's K x M statistics rows and the late cells into K x M running totals (an upsert of K x M rows), "
-    "reads them back, and parses and rewrites the controller state (about 1 MB of JSON at K = 10,000 with "
+    "included. A round close in the service costs more, and almost all of it is database work: it reads the "
+    "round's K x M statistics rows and the late cells, adds them into the running totals (M rows of K-arrays "
+    "since migration 0018, read and written whole), and parses and rewrites the controller state (about 1 MB of JSON at K = 10,000 with "
     "`default`, 3 MB with `paper`, whose IPS history is M x K twice). None of it grows with the number of "
     "rounds (see the by-round line). A close runs once per round, off the request path, and assignment keeps "
     "serving the cached mixture meanwhile; but it holds the experiment's lock (on SQLite the database's write "
@@ -1647,21 +1648,27 @@ def _assign_passes(server: Server, loadgen, token: str, args, kind: str) -> dict
 # ---------------------------------------------------------------------------------- the close at large K
 def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, n_metrics: int) -> float:
     """Seconds of the SQL a round close must run, written by hand on the DBAPI connection and rolled
-    back: lock the experiment row, fold the round's and the late cells into the running totals (the
-    same upsert), read the round's cells and the totals (fetchall into one float64 array each), write
-    back the controller state it read (the stored document, of the size the close writes: its arrays
-    as the service packs them) and the next round's K probabilities. What any implementation of the
-    close pays for its data. The experiment row is read with its state, as the close reads it."""
+    back: lock the experiment row, read the round's cells and the late cells (the statements the
+    service runs: on PostgreSQL packed per segment and metric into bytea by the server, on SQLite one
+    cell index per row flattened into numpy) and the running totals (one row of K-arrays per metric, migration 0018), write
+    the totals back (the same upsert of one row per metric, arrays of K float64), empty the late
+    cells, write back the controller state it read (the stored document, of the size the close
+    writes: its arrays as the service packs them) and the next round's K probabilities. What any
+    implementation of the close pays for its data. The experiment row is read with its state, as the
+    close reads it. (Before 0018 the totals were one row per arm: an upsert of M x K rows from the
+    round's cells in SQL, and a read of M x K rows.)"""
     from service.store import _placeholder
 
     engine = database.engine
     p = _placeholder(engine)
+    postgres = engine.dialect.name == "postgresql"
+    blob = "%b" if postgres else p
     probabilities = json.dumps(np.full(n_arms, 1.0 / n_arms).tolist())
     connection = engine.raw_connection()
     try:
         cursor = connection.cursor()
         started = time.perf_counter()
-        if engine.dialect.name == "sqlite":
+        if not postgres:
             cursor.execute("BEGIN IMMEDIATE")
             lock = f"SELECT id, state FROM experiments WHERE id = {p}"
         else:
@@ -1669,27 +1676,31 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
         cursor.execute(lock, (experiment_id,))
         (_, state), = cursor.fetchall()
         state = state if isinstance(state, str) else json.dumps(state)  # psycopg parses a json column
-        cursor.execute(
-            "INSERT INTO pooled_statistics (experiment_id, segment_index, metric_index, arm_index, count, sum, "
-            f"sum_of_squares) SELECT {p}, segment_index, metric_index, arm_index, SUM(count), SUM(sum), "
-            "SUM(sum_of_squares) FROM (SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares "
-            f"FROM round_statistics WHERE experiment_id = {p} AND round_index = {p} UNION ALL "
-            "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
-            f"WHERE experiment_id = {p}) AS cells GROUP BY segment_index, metric_index, arm_index "
-            "ORDER BY segment_index, metric_index, arm_index "
-            "ON CONFLICT (experiment_id, segment_index, metric_index, arm_index) DO UPDATE SET count = pooled_statistics.count "
-            "+ excluded.count, sum = pooled_statistics.sum + excluded.sum, "
-            "sum_of_squares = pooled_statistics.sum_of_squares + excluded.sum_of_squares",
-            (experiment_id, experiment_id, round_index, experiment_id))
+        for table, where, parameters in (("round_statistics", f"AND round_index = {p}", (experiment_id, round_index)),
+                                         ("late_statistics", "", (experiment_id,))):
+            if postgres:  # each (segment, metric)'s columns packed by the server into bytea, read in binary
+                cursor.execute(
+                    "SELECT segment_index, metric_index, string_agg(int4send(arm_index), ''::bytea), "
+                    "string_agg(int8send(count), ''::bytea), string_agg(float8send(sum), ''::bytea), "
+                    f"string_agg(float8send(sum_of_squares), ''::bytea) FROM {table} WHERE experiment_id = {p} "
+                    f"{where} GROUP BY segment_index, metric_index", parameters, binary=True)
+                for _, _, *columns in cursor.fetchall():
+                    [np.frombuffer(column, dtype=dtype) for column, dtype in zip(columns, (">i4", ">i8", ">f8", ">f8"))]
+            else:  # one cell index per row, flattened into numpy
+                cursor.execute(f"SELECT (segment_index * {n_metrics} + metric_index) * {n_arms} + arm_index, count, "
+                               f"sum, sum_of_squares FROM {table} WHERE experiment_id = {p} {where}", parameters)
+                rows = cursor.fetchall()
+                np.fromiter(itertools.chain.from_iterable(rows), np.float64, count=4 * len(rows))
+        cursor.execute(f"SELECT segment_index, metric_index, count, sum, sum_of_squares FROM pooled_arrays "
+                       f"WHERE experiment_id = {p}", (experiment_id,))
+        totals = {(s, m): [bytes(v) for v in values] for s, m, *values in cursor.fetchall()}
+        zeros = np.zeros(n_arms).tobytes()
+        cursor.executemany(
+            f"INSERT INTO pooled_arrays (experiment_id, segment_index, metric_index, count, sum, sum_of_squares) "
+            f"VALUES ({p}, {p}, {p}, {blob}, {blob}, {blob}) ON CONFLICT (experiment_id, segment_index, metric_index) "
+            "DO UPDATE SET count = excluded.count, sum = excluded.sum, sum_of_squares = excluded.sum_of_squares",
+            [(experiment_id, 0, m, *totals.get((0, m), [zeros] * 3)) for m in range(n_metrics)])
         cursor.execute(f"DELETE FROM late_statistics WHERE experiment_id = {p}", (experiment_id,))
-        for sql, parameters in (
-            (f"SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
-             f"WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index)),
-            (f"SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
-             f"WHERE experiment_id = {p}", (experiment_id,)),
-        ):
-            cursor.execute(sql, parameters)
-            np.array(cursor.fetchall(), dtype=np.float64)
         cursor.execute(f"UPDATE experiments SET state = {p} WHERE id = {p}", (state, experiment_id))
         cursor.execute(f'UPDATE rounds SET probabilities = {p} WHERE experiment_id = {p} AND "index" = {p}',
                        (probabilities, experiment_id, round_index))
@@ -1706,8 +1717,9 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
 #: summary input), and ``commit`` the rest of the flush.
 CLOSE_PARTS = (
     ("service.store", "lock_experiment", "lock and state read"),
-    ("service.store", "fold_statistics", "statistics fold (upsert)"),
-    ("service.store", "_read_statistics", "statistics read (round and totals)"),
+    ("service.store", "_read_cells", "statistics read (round and late cells)"),
+    ("service.store", "_read_pooled_arrays", "totals read"),
+    ("service.store", "_write_pooled_arrays", "totals write"),
     ("service.controller.rounds", "update", "update"),
     ("service.controller.rounds", "_summary_input", "summary input built"),
     ("service.store", "advance_experiment", "state write (with the flush)"),

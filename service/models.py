@@ -4,10 +4,11 @@ Hot-path writes never read-modify-write a row: ingestion aggregates into :class:
 :class:`ArmRoundCount` and its sums over the arms :class:`RoundCount` with
 ``INSERT ... ON CONFLICT DO UPDATE SET count = count + excluded.count``, and idempotency rests on the primary keys of :class:`ObservationId` and :class:`RoundUnit`.
 
-Pooled statistics are kept as running totals, not re-aggregated: :class:`PooledStatistic` holds
-the sums of every applied round's :class:`RoundStatistic` rows, and :class:`LateStatistic` the
-observations ingestion accepted for rounds already applied (late data), which the next round update
-adds into the totals. A round update therefore reads one round's rows and the late cells, never the
+Pooled statistics are kept as running totals, not re-aggregated: :class:`PooledArrays` holds
+the sums of every applied round's :class:`RoundStatistic` rows, one row per (segment, metric) with
+its K arms' totals as arrays (migration 0018), and :class:`LateStatistic` the observations ingestion
+accepted for rounds already applied (late data), which the next round update adds into the totals. A
+round update therefore reads one round's rows, the late cells and S x M rows of totals, never the
 history (``service.controller.rounds``, ``service.store``).
 """
 
@@ -264,16 +265,37 @@ class _ArmMetricTotals:
     sum_of_squares: Mapped[float] = mapped_column(sa.Double)
 
 
-class PooledStatistic(_ArmMetricTotals, Base):
-    """Running totals per segment, metric and arm: every :class:`RoundStatistic` row of the applied
-    rounds, late data included up to the last update (the rest of it waits in :class:`LateStatistic`)."""
+class PooledArrays(Base):
+    """Running totals per segment and metric, for every arm at once: the sums of every
+    :class:`RoundStatistic` row of the applied rounds, late data included up to the last update (the
+    rest of it waits in :class:`LateStatistic`).
 
-    __tablename__ = "pooled_statistics"
+    ``count``, ``sum`` and ``sum_of_squares`` are each K float64 numbers, little-endian, as bytes
+    (:data:`ARRAY_DTYPE`; counts are exact integers below 2^53), indexed by arm position. A round close
+    reads and rewrites these S x M rows whole and adds in numpy (``service.store``): at K = 100,000 a
+    fold into one row per arm was most of the close (migration 0018). A (segment, metric) never
+    observed has no row: its totals are zeros.
+    """
+
+    __tablename__ = "pooled_arrays"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    segment_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    metric_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    count: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    sum: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    sum_of_squares: Mapped[bytes] = mapped_column(sa.LargeBinary)
+
+
+#: The element type of :class:`PooledArrays`' arrays.
+ARRAY_DTYPE = np.dtype("<f8")
 
 
 class LateStatistic(_ArmMetricTotals, Base):
     """Per segment, metric and arm, the statistics of late observations (for rounds whose update
-    already ran) accepted since the last update; that update adds them into :class:`PooledStatistic`
+    already ran) accepted since the last update; that update adds them into :class:`PooledArrays`
     and empties this table. Ingestion writes them in the same transaction as their
     :class:`RoundStatistic` rows."""
 

@@ -8,8 +8,8 @@ here imports Flask or knows about HTTP; failures the controller must turn into a
 exceptions defined below.
 
 Statistics (see ``service.controller.rounds`` for the timeline): ``round_statistics`` holds one row
-per (round, segment, arm, metric); ``pooled_statistics`` the running totals of every applied round
-per (segment, metric, arm); ``late_statistics`` the cells of observations accepted for a round
+per (round, segment, arm, metric); ``pooled_arrays`` the running totals of every applied round, one
+row per (segment, metric) with the K arms' totals as arrays; ``late_statistics`` the cells of observations accepted for a round
 already applied, until the next update folds them into the totals. An unsegmented experiment has
 segment 0 only; a segmented experiment's totals over its segments are sums of its rows, read as such
 (nothing is stored twice). The functions take the number of segments S and give (S, M, K)
@@ -18,7 +18,7 @@ in round 1. Float sums are accumulated update by update, so they can differ in t
 aggregate over all rows.
 
 The ingestion statements are plain SQL on the DBAPI cursor (:func:`insert_new`, :func:`add_rows`,
-:func:`_read_statistics`): on that path they are several times faster than SQLAlchemy's per-row
+:func:`_fetch_array`): on that path they are several times faster than SQLAlchemy's per-row
 parameter processing and row objects.
 """
 
@@ -42,8 +42,8 @@ from pasto.estimators import Statistics
 
 from .db import Database
 from .responses import RoundSummary
-from .models import (ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
-                     LateStatistic, ObservationId, PooledStatistic, Round, RoundCount, RoundStatistic, RoundUnit,
+from .models import (ARRAY_DTYPE, ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
+                     LateStatistic, ObservationId, Round, RoundCount, RoundStatistic, RoundUnit,
                      SchedulerHeartbeat, SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch,
                      Token, utcnow)
 
@@ -666,91 +666,174 @@ def pending_summaries(database: Database, applied_before: datetime, limit: int =
             .limit(limit))]
 
 
-def fold_statistics(database: Database, session: Session, experiment_id: int, round_index: int) -> int:
-    """Add round ``round_index``'s rows and the late cells into ``pooled_statistics`` and empty
-    ``late_statistics``; returns the number of (segment, metric, arm) cells of the totals added to.
-
-    Work proportional to one round: the round's rows are found by the primary key, the late cells
-    are at most S x M x K. Must run in the close transaction, after the experiment row was locked
-    exclusively, for the rounds in order: ingestion holds that lock shared (:func:`lock_for_ingestion`),
-    so no observation lands between reading the late cells and deleting them, and the round's rows
-    are final (later observations for it are late, and go to ``late_statistics`` too).
-    """
-    table, late, pooled = RoundStatistic.__table__, LateStatistic.__table__, PooledStatistic.__table__
-    keys = ("segment_index", "metric_index", "arm_index")
-    cells = sa.union_all(
-        sa.select(*(table.c[key] for key in keys), table.c.count, table.c.sum, table.c.sum_of_squares)
-        .where(table.c.experiment_id == experiment_id, table.c.round_index == round_index),
-        sa.select(*(late.c[key] for key in keys), late.c.count, late.c.sum, late.c.sum_of_squares)
-        .where(late.c.experiment_id == experiment_id),
-    ).subquery()
-    additions = (
-        sa.select(sa.literal(experiment_id), *(cells.c[key] for key in keys), sa.func.sum(cells.c.count),
-                  sa.func.sum(cells.c.sum), sa.func.sum(cells.c.sum_of_squares))
-        .group_by(*(cells.c[key] for key in keys))
-        .order_by(*(cells.c[key] for key in keys))  # one lock order
-    )
-    upsert = database.insert(pooled).from_select(["experiment_id", *keys, "count", "sum", "sum_of_squares"],
-                                                 additions)
-    upsert = upsert.on_conflict_do_update(
-        index_elements=[pooled.c.experiment_id, *(pooled.c[key] for key in keys)],
-        set_={column: pooled.c[column] + upsert.excluded[column] for column in ("count", "sum", "sum_of_squares")},
-    )
-    cells_added = session.execute(upsert).rowcount
-    session.execute(sa.delete(late).where(late.c.experiment_id == experiment_id))
-    return cells_added
-
-
 def update_statistics(database: Database, session: Session, experiment_id: int, round_index: int, n_segments: int,
                       n_metrics: int, n_arms: int) -> tuple[Statistics, Statistics]:
     """Round ``round_index``'s statistics and the pooled statistics of rounds <= ``round_index``, each
-    (S, M, K) with S = ``n_segments`` (1 for an unsegmented experiment), for its update: adds the round
-    and the late data into the totals (:func:`fold_statistics`), then reads round ``round_index``'s
-    rows and the running totals. Nothing here grows with the number of rounds."""
-    fold_statistics(database, session, experiment_id, round_index)
+    (S, M, K) with S = ``n_segments`` (1 for an unsegmented experiment), for its update: reads the
+    round's rows, the late cells and the running totals, adds the round and the late cells into the
+    totals in numpy, writes the totals back and empties ``late_statistics``. Nothing here grows with
+    the number of rounds.
+
+    The totals are one row per (segment, metric) holding the K arms' arrays (``pooled_arrays``,
+    migration 0018): S x M rows read and written instead of an upsert into S x M x K rows. The sums
+    are the ones the per-arm upsert made, bit for bit: per cell, the round's and the late cell's
+    values added first (the upsert's ``SUM`` over those two), then added to the total.
+
+    Must run in the close transaction, after the experiment row was locked exclusively, for the
+    rounds in order: ingestion holds that lock shared (:func:`lock_for_ingestion`), so no observation
+    lands between reading the late cells and deleting them, and the round's rows are final (later
+    observations for it are late, and go to ``late_statistics`` too).
+    """
     shape = (n_segments, n_metrics, n_arms)
-    this_round = _read_statistics(
-        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
-                 "WHERE experiment_id = {p} AND round_index = {p}", (experiment_id, round_index), shape)
-    pooled = _read_statistics(
-        session, "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
-                 "WHERE experiment_id = {p}", (experiment_id,), shape)
-    return this_round, pooled
+    connection = session.connection()
+    this_round, present = _read_cells(connection, "round_statistics", "AND round_index = {p}",
+                                      (experiment_id, round_index), shape)
+    late, late_present = _read_cells(connection, "late_statistics", "", (experiment_id,), shape)
+    additions = this_round.copy()
+    if late_present.any():
+        additions[:, late_present] += late[:, late_present]
+        present |= late_present
+        session.execute(sa.delete(LateStatistic.__table__).where(LateStatistic.__table__.c.experiment_id == experiment_id))
+    pooled = _read_pooled_arrays(session, experiment_id, shape)
+    pooled += additions
+    _write_pooled_arrays(session, experiment_id, pooled, [tuple(map(int, key)) for key in np.argwhere(present.any(axis=2))])
+    return _statistics(this_round), _statistics(pooled)
+
+
+def _read_cells(connection: sa.Connection, table: str, where: str, parameters: tuple, shape: tuple[int, int, int]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The cells of ``table`` (``round_statistics`` or ``late_statistics``) of experiment
+    ``parameters[0]`` (``where``: more conditions, ``{p}`` marking the rest of ``parameters``), at
+    most one row per (segment, metric, arm): an array (3, S, M, K) of count, sum and sum of squares
+    (zeros where there is no row) and the mask (S, M, K) of the cells that have a row.
+
+    At K = 100,000 a round has 500,000 rows, whose Python objects cost more than the query: on
+    PostgreSQL the server packs each (segment, metric)'s column values into one bytea
+    (``string_agg`` of ``int4send`` / ``int8send`` / ``float8send``, the values' binary send form,
+    big-endian: exact), read in the binary result format, so S x M rows come back; on SQLite each
+    row is (one integer cell index, count, sum, sum of squares) flattened into numpy in one pass."""
+    n_segments, n_metrics, n_arms = shape
+    values = np.zeros((3, n_segments * n_metrics * n_arms))
+    present = np.zeros(n_segments * n_metrics * n_arms, dtype=bool)
+    sql = _cells_sql(connection, table, where, shape)
+    cursor = connection.connection.cursor()
+    try:
+        if connection.dialect.name == "postgresql":
+            cursor.execute(sql, parameters, binary=True)
+            for segment, metric, arms, count, total, squares in cursor.fetchall():
+                cells = (segment * n_metrics + metric) * n_arms + np.frombuffer(arms, dtype=">i4").astype(np.int64)
+                values[0, cells] = np.frombuffer(count, dtype=">i8")
+                values[1, cells] = np.frombuffer(total, dtype=">f8")
+                values[2, cells] = np.frombuffer(squares, dtype=">f8")
+                present[cells] = True
+        else:
+            cursor.execute(sql, parameters)
+            rows = cursor.fetchall()
+            data = np.fromiter(itertools.chain.from_iterable(rows), np.float64, count=len(rows) * 4).reshape(-1, 4)
+            cells = data[:, 0].astype(np.int64)
+            values[:, cells] = data[:, 1:].T
+            present[cells] = True
+    finally:
+        cursor.close()
+    return values.reshape(3, *shape), present.reshape(shape)
 
 
 def pooled_statistics(session: Session, experiment_id: int, last_round: int, n_segments: int, n_metrics: int,
                       n_arms: int) -> Statistics:
     """Statistics summed over rounds <= ``last_round`` without writing (for reports), (S, M, K): the
     running totals, the late cells, and the rows of the rounds from the first one not applied up to
-    ``last_round``. One statement (``applied_rounds`` read inside it), so a close committing meanwhile
-    cannot make a row count twice or not at all."""
-    return _read_statistics(
-        session,
-        "SELECT segment_index, metric_index, arm_index, SUM(count), SUM(sum), SUM(sum_of_squares) FROM ("
-        "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM pooled_statistics "
-        "WHERE experiment_id = {p} "
-        "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
+    ``last_round``. In one read transaction (one snapshot: ``applied_rounds`` and the rows it
+    selects come from the same state of the database), so a close committing meanwhile cannot make a
+    row count twice or not at all."""
+    shape = (n_segments, n_metrics, n_arms)
+    connection = session.connection()
+    cells = _fetch_array(
+        connection,
+        "SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM late_statistics "
         "WHERE experiment_id = {p} "
         "UNION ALL SELECT segment_index, metric_index, arm_index, count, sum, sum_of_squares FROM round_statistics "
         "WHERE experiment_id = {p} AND round_index <= {p} "
-        "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})"
-        ") AS cells GROUP BY segment_index, metric_index, arm_index",
-        (experiment_id, experiment_id, experiment_id, last_round, experiment_id), (n_segments, n_metrics, n_arms))
+        "AND round_index >= (SELECT applied_rounds FROM experiments WHERE id = {p})",
+        (experiment_id, experiment_id, last_round, experiment_id), 6, np.float64)
+    totals = _read_pooled_arrays(session, experiment_id, shape)
+    if len(cells):
+        index = _cell_index(cells)
+        for value in range(3):
+            np.add.at(totals[value], index, cells[:, 3 + value])
+    return _statistics(totals)
 
 
-def _read_statistics(session: Session, sql: str, parameters: tuple, shape: tuple[int, int, int]) -> Statistics:
-    """Rows (segment_index, metric_index, arm_index, count, sum, sum_of_squares) of ``sql`` -> (S, M, K)
-    :class:`Statistics` of ``shape``.
+def _cells_sql(connection: sa.Connection, table: str, where: str, shape: tuple[int, int, int]) -> str:
+    """The statement :func:`_read_cells` runs on ``connection``'s backend."""
+    p = _placeholder(connection)
+    where = f"WHERE experiment_id = {p} {where.format(p=p)}"
+    if connection.dialect.name == "postgresql":
+        return ("SELECT segment_index, metric_index, string_agg(int4send(arm_index), ''::bytea), "
+                "string_agg(int8send(count), ''::bytea), string_agg(float8send(sum), ''::bytea), "
+                f"string_agg(float8send(sum_of_squares), ''::bytea) FROM {table} {where} "
+                "GROUP BY segment_index, metric_index")
+    _, n_metrics, n_arms = shape
+    return (f"SELECT (segment_index * {int(n_metrics)} + metric_index) * {int(n_arms)} + arm_index, "
+            f"count, sum, sum_of_squares FROM {table} {where}")
 
-    Plain SQL on the DBAPI cursor (``{p}`` marks the parameters), straight into one float64 array: at
-    K = 10,000 there are 50,000 rows per segment, and SQLAlchemy row objects cost more than the query.
-    """
-    data = _fetch_array(session.connection(), sql, parameters, 6, np.float64)
-    arrays = [np.zeros(shape) for _ in range(3)]
-    index = tuple(data[:, column].astype(np.int64) for column in range(3))
-    for array, column in zip(arrays, (3, 4, 5)):
-        array[index] = data[:, column]
+
+def _cell_index(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (segment, metric, arm) index arrays of rows ``(segment_index, metric_index, arm_index, ...)``."""
+    return tuple(rows[:, column].astype(np.int64) for column in range(3))
+
+
+def _statistics(arrays: np.ndarray) -> Statistics:
     return Statistics(counts=arrays[0], sums=arrays[1], sums_of_squares=arrays[2])
+
+
+def _read_pooled_arrays(session: Session, experiment_id: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """The running totals of experiment ``experiment_id`` as an array (3, S, M, K): count, sum, sum of
+    squares (zeros for a (segment, metric) without a row). Raw DBAPI: the arrays are bytes, read as
+    they are (on PostgreSQL in the binary result format, no hex text)."""
+    connection = session.connection()
+    totals = np.zeros((3, *shape))
+    cursor = connection.connection.cursor()
+    try:
+        sql = (f"SELECT segment_index, metric_index, count, sum, sum_of_squares FROM pooled_arrays "
+               f"WHERE experiment_id = {_placeholder(connection)}")
+        if connection.dialect.name == "postgresql":
+            cursor.execute(sql, (experiment_id,), binary=True)
+        else:
+            cursor.execute(sql, (experiment_id,))
+        rows = cursor.fetchall()
+    finally:
+        cursor.close()
+    for segment, metric, *values in rows:
+        for value, data in enumerate(values):
+            array = np.frombuffer(data, dtype=ARRAY_DTYPE)
+            if array.shape != shape[2:]:
+                raise ValueError(f"The pooled statistics of experiment {experiment_id} (segment {segment}, metric "
+                                 f"{metric}) hold {array.size} arms, not {shape[2]}.")
+            totals[value, segment, metric] = array
+    return totals
+
+
+def _write_pooled_arrays(session: Session, experiment_id: int, totals: np.ndarray,
+                         keys: Sequence[tuple[int, int]]) -> None:
+    """Store the running totals ``totals`` (3, S, M, K) of the (segment, metric) pairs ``keys`` (an
+    upsert of one row per pair, in the order given)."""
+    if not keys:
+        return
+    connection = session.connection()
+    # PostgreSQL: the arrays go as binary parameters (%b), not as hex text twice their size.
+    blob = "%b" if connection.dialect.name == "postgresql" else "?"
+    p = _placeholder(connection)
+    sql = (f"INSERT INTO pooled_arrays (experiment_id, segment_index, metric_index, count, sum, sum_of_squares) "
+           f"VALUES ({p}, {p}, {p}, {blob}, {blob}, {blob}) ON CONFLICT (experiment_id, segment_index, metric_index) "
+           "DO UPDATE SET count = excluded.count, sum = excluded.sum, sum_of_squares = excluded.sum_of_squares")
+    as_bytes = totals.astype(ARRAY_DTYPE, copy=False)
+    cursor = connection.connection.cursor()
+    try:
+        cursor.executemany(sql, [(experiment_id, segment, metric, *(as_bytes[value, segment, metric].tobytes()
+                                                                    for value in range(3)))
+                                 for segment, metric in keys])
+    finally:
+        cursor.close()
 
 
 def segment_round_traffic(session: Session, experiment_id: int, since: int, last: int) -> list[tuple]:

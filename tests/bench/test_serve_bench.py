@@ -96,7 +96,7 @@ def test_close_subcommand_measures_the_close_its_bare_sql_and_the_poll():
     import service.store
 
     assert set(row["parts_ms"][0]) == {label for _, _, label in module.CLOSE_PARTS}
-    assert not hasattr(service.store.fold_statistics, "__wrapped__")
+    assert not hasattr(service.store._write_pooled_arrays, "__wrapped__")
     assert row["peak_mb"] > 0 and row["update_ms"] > 0
     assert row["poll_experiment"][0] == 200 and row["poll_rounds"][0] == 200
 

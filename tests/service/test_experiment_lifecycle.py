@@ -102,7 +102,7 @@ def test_delete_removes_every_row_in_one_go_and_only_once_archived(lifecycle, se
         fill(api, name)
     gone, kept = experiment_id(app, "gone"), experiment_id(app, "kept")
     before = row_counts(app, gone)
-    for table in ("experiments", "arms", "rounds", "round_statistics", "pooled_statistics", "late_statistics",
+    for table in ("experiments", "arms", "rounds", "round_statistics", "pooled_arrays", "late_statistics",
                   "arm_round_counts", "observation_ids", "round_units"):
         assert before[table] > 0, (table, before)
     kept_before = row_counts(app, kept)

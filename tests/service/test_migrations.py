@@ -15,6 +15,8 @@ from service import SchemaOutOfDate, create_app
 from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
+#: The tables below 0018, whose running totals were one row per arm (``pooled_statistics``), not arrays.
+TABLES_BEFORE_0018 = EXPECTED_TABLES - {"pooled_arrays"} | {"pooled_statistics"}
 #: The per-segment statistics tables of 0009, which 0017 folds into the statistics tables (a
 #: ``segment_index`` in their keys): present only between the two.
 SEGMENT_STATISTICS_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics"}
@@ -57,7 +59,7 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0009")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == (EXPECTED_TABLES - TABLES_AFTER_0009) | SEGMENT_STATISTICS_TABLES
+        assert _tables(url) == (TABLES_BEFORE_0018 - TABLES_AFTER_0009) | SEGMENT_STATISTICS_TABLES
         assert "archived_at" not in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
         with engine.begin() as connection:
             assert connection.execute(sa.text("SELECT count(*) FROM arms WHERE experiment_id = 41")).scalar() == 1
@@ -84,7 +86,7 @@ def _check_token_lifecycle_round_trip(url: str) -> None:
     migrations.downgrade(url, "0004")
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures"}
+        assert _tables(url) == TABLES_BEFORE_0018 - TABLES_AFTER_0006 - {"auth_failures"}
         assert "expires_at" not in [column["name"] for column in sa.inspect(engine).get_columns("tokens")]
         with engine.connect() as connection:
             assert connection.execute(sa.text("SELECT name FROM tokens")).scalars().all() == ["kept"]
@@ -104,7 +106,7 @@ def _check_round_trip(url: str) -> None:
         assert inspector.get_pk_constraint("observation_ids")["constrained_columns"] == ["experiment_id", "client_id"]
         assert inspector.get_pk_constraint("round_statistics")["constrained_columns"] == [
             "experiment_id", "round_index", "segment_index", "arm_index", "metric_index"]
-        _check_late_schema(inspector, segmented=True)
+        _check_late_schema(inspector, segmented=True, arrays=True)
         _check_ingestion_keys(inspector, engine.dialect.name, migrated=True)
         _check_retention_schema(inspector)
     finally:
@@ -114,7 +116,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006
+        assert _tables(url) == TABLES_BEFORE_0018 - TABLES_AFTER_0006
         assert "pruned_rounds" not in [column["name"] for column in inspector.get_columns("experiments")]
         assert inspector.get_indexes("observation_ids") == []
     finally:
@@ -123,7 +125,7 @@ def _check_round_trip(url: str) -> None:
     migrations.downgrade(url, "0003")  # 0004 alone: back to folded_* columns and the partial index
     engine = sa.create_engine(url)
     try:
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "late_statistics"}
+        assert _tables(url) == TABLES_BEFORE_0018 - TABLES_AFTER_0006 - {"auth_failures", "late_statistics"}
         _check_fold_schema(sa.inspect(engine), engine.dialect.name)
     finally:
         engine.dispose()
@@ -137,7 +139,7 @@ def _check_round_trip(url: str) -> None:
     engine = sa.create_engine(url)
     try:
         inspector = sa.inspect(engine)
-        assert _tables(url) == EXPECTED_TABLES - TABLES_AFTER_0006 - {"auth_failures", "pooled_statistics",
+        assert _tables(url) == TABLES_BEFORE_0018 - TABLES_AFTER_0006 - {"auth_failures", "pooled_statistics",
                                                                       "late_statistics"}
         assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
             "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares"]
@@ -180,19 +182,32 @@ def _check_fold_schema(inspector, dialect: str) -> None:
     assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
 
 
-def _check_late_schema(inspector, segmented: bool) -> None:
+def _check_late_schema(inspector, segmented: bool, arrays: bool = False) -> None:
     """Revision 0004: ``late_statistics``; ``round_statistics`` without ``folded_*`` or a second index.
-    ``segmented``: revision 0017 too, ``segment_index`` (NOT NULL, no default) in every statistics key."""
+    ``segmented``: revision 0017 too, ``segment_index`` (NOT NULL, no default) in every statistics key.
+    ``arrays``: revision 0018 too, ``pooled_arrays`` (one row per segment and metric) in place of
+    ``pooled_statistics``."""
     segment = ["segment_index"] if segmented else []
     assert [column["name"] for column in inspector.get_columns("round_statistics")] == [
         "experiment_id", "round_index", "arm_index", "metric_index", "count", "sum", "sum_of_squares", *segment]
     assert inspector.get_indexes("round_statistics") == []
-    for table in ("pooled_statistics", "late_statistics"):
+    totals = ("late_statistics",) if arrays else ("pooled_statistics", "late_statistics")
+    if arrays:
+        assert not inspector.has_table("pooled_statistics")
+        key = inspector.get_pk_constraint("pooled_arrays")
+        assert (key["name"], key["constrained_columns"]) == (
+            "pk_pooled_arrays", ["experiment_id", "segment_index", "metric_index"])
+        (foreign_key,) = inspector.get_foreign_keys("pooled_arrays")
+        assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
+        assert {column["name"]: column["nullable"] for column in inspector.get_columns("pooled_arrays")} == {
+            "experiment_id": False, "segment_index": False, "metric_index": False, "count": False, "sum": False,
+            "sum_of_squares": False}
+    for table in totals:
         assert inspector.get_pk_constraint(table)["constrained_columns"] == ["experiment_id", *segment,
                                                                              "metric_index", "arm_index"]
         (foreign_key,) = inspector.get_foreign_keys(table)
         assert foreign_key["referred_table"] == "experiments" and foreign_key["options"].get("ondelete") == "CASCADE"
-    for table in ("round_statistics", "pooled_statistics", "late_statistics"):
+    for table in ("round_statistics", *totals):
         assert inspector.get_pk_constraint(table)["name"] == f"pk_{table}"
         for column in inspector.get_columns(table):
             if column["name"] == "segment_index":
@@ -464,6 +479,9 @@ def _insert_old_shape(connection, data) -> None:
             "state, segment_state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, 3, 3, "
             "0, '{}', :stored, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
             {"id": experiment_id, "name": f"e{experiment_id}", "stored": stored})
+        connection.execute(sa.text("INSERT INTO arms (experiment_id, position, name, params) VALUES (:e, :k, :name, '{}')"),
+                           [{"e": experiment_id, "k": k, "name": f"a{k}"}
+                            for k in range(STATISTICS_SHAPE[experiment_id][2])])
 
     def insert(table, keys, rows):
         columns = ("experiment_id", *keys, *VALUE_COLUMNS)
@@ -568,7 +586,7 @@ def test_0017_keeps_every_total_and_the_downgrade_restores_the_old_rows(backend,
             per_experiment = dict(connection.execute(sa.text(
                 "SELECT experiment_id, COUNT(*) FROM round_statistics GROUP BY experiment_id")).all())
             segments = dict(connection.execute(sa.text(
-                "SELECT experiment_id, MAX(segment_index) FROM pooled_statistics GROUP BY experiment_id")).all())
+                "SELECT experiment_id, MAX(segment_index) FROM pooled_arrays GROUP BY experiment_id")).all())
         old_round_rows = {e: sum(1 for row in before["round_statistics"] if row[0] == e) for e in (1, 2)}
         assert per_experiment == {**old_round_rows, 3: len(before["segment_round_statistics"])}  # no summed copy
         assert segments == {1: 0, 2: 0, 3: 2}
@@ -628,5 +646,124 @@ def test_a_failure_late_in_0017_leaves_the_database_as_it_was(backend, request, 
         assert _tables(url) == tables
         assert "segment_index" not in [c["name"] for c in sa.inspect(engine).get_columns("round_statistics")]
         assert _old_shape_tables(engine) == before
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------------------ 0018: totals as arrays
+def _0017_totals(connection, seed: int) -> dict[tuple[int, int, int], dict[int, tuple]]:
+    """Experiments 1 (K = 5, one segment) and 2 (K = 3, two segments) with per-arm totals as 0017 stores
+    them: floats that are not round numbers (so a value changed in any bit shows), a negative zero, and
+    arms without a row. Returns ``{(experiment, segment, metric): {arm: (count, sum, sum_of_squares)}}``."""
+    rng = np.random.default_rng(seed)
+    rows = {}
+    for experiment_id, (n_segments, n_arms) in ((1, (1, 5)), (2, (2, 3))):
+        connection.execute(sa.text(
+            "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, pruned_rounds, "
+            "state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, 2, 2, 0, '{}', 1, "
+            "'2026-01-01 00:00:00', '2026-01-01 00:00:00')"), {"id": experiment_id, "name": f"e{experiment_id}"})
+        connection.execute(sa.text("INSERT INTO arms (experiment_id, position, name, params) VALUES (:e, :k, :n, '{}')"),
+                           [{"e": experiment_id, "k": k, "n": f"a{k}"} for k in range(n_arms)])
+        for segment in range(n_segments):
+            for metric in range(2):
+                arms = sorted(rng.choice(n_arms, size=n_arms - 1, replace=False).tolist())
+                rows[(experiment_id, segment, metric)] = {
+                    k: (int(rng.integers(1, 1000)), float(rng.normal() * 1e3), float(rng.random() * 1e6)) for k in arms}
+    rows[(1, 0, 0)][min(rows[(1, 0, 0)])] = (2, -0.0, 0.0)
+    connection.execute(sa.text(
+        "INSERT INTO pooled_statistics (experiment_id, segment_index, metric_index, arm_index, count, sum, "
+        "sum_of_squares) VALUES (:e, :s, :m, :k, :c, :x, :xx)"),
+        [{"e": e, "s": s, "m": m, "k": k, "c": c, "x": x, "xx": xx}
+         for (e, s, m), arms in rows.items() for k, (c, x, xx) in arms.items()])
+    return rows
+
+
+def _per_arm_rows(engine) -> set[tuple]:
+    with engine.connect() as connection:
+        return {(row[0], row[1], row[2], row[3], row[4], np.float64(row[5]).tobytes(), np.float64(row[6]).tobytes())
+                for row in connection.execute(sa.text(
+                    "SELECT experiment_id, segment_index, metric_index, arm_index, count, sum, sum_of_squares "
+                    "FROM pooled_statistics"))}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0018_moves_the_totals_into_arrays_bit_for_bit_and_back(backend, request):
+    """0018: each (experiment, segment, metric)'s per-arm totals become one row of K float64 arrays, equal
+    to the rows bit for bit (a negative zero included) with zeros for arms without a row; the store reads
+    them back as the same (S, M, K) statistics; the downgrade gives back exactly the old rows."""
+    from service import store
+    from service.db import open_database
+
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0017")
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            rows = _0017_totals(connection, seed=18)
+        before = _per_arm_rows(engine)
+        # The values as the database holds them (SQLite stores a negative zero REAL as the integer 0).
+        rows = {key: {} for key in rows}
+        for e, s, m, k, c, x, xx in before:
+            rows[(e, s, m)][k] = (c, np.frombuffer(x)[0], np.frombuffer(xx)[0])
+        migrations.upgrade(url, "0018")
+        assert "pooled_statistics" not in _tables(url)
+        with engine.connect() as connection:
+            stored = {(e, s, m): [np.frombuffer(bytes(v), dtype="<f8") for v in values]
+                      for e, s, m, *values in connection.execute(sa.text(
+                          "SELECT experiment_id, segment_index, metric_index, count, sum, sum_of_squares FROM pooled_arrays"))}
+        assert set(stored) == set(rows)
+        for key, arms in rows.items():
+            n_arms = 5 if key[0] == 1 else 3
+            expected = np.zeros((3, n_arms))
+            for k, values in arms.items():
+                expected[:, k] = values
+            assert all(array.shape == (n_arms,) for array in stored[key])
+            assert np.stack(stored[key]).tobytes() == expected.tobytes(), key
+        database = open_database(url)
+        try:
+            with database.read() as session:
+                for experiment_id, shape in ((1, (1, 2, 5)), (2, (2, 2, 3))):
+                    pooled = store.pooled_statistics(session, experiment_id, 1, *shape)
+                    got = np.stack([pooled.counts, pooled.sums, pooled.sums_of_squares])
+                    for (e, s, m), arms in rows.items():
+                        if e == experiment_id:
+                            for k in range(shape[2]):
+                                assert got[:, s, m, k].tobytes() == np.array(arms.get(k, (0, 0.0, 0.0)),
+                                                                             dtype=np.float64).tobytes()
+        finally:
+            database.engine.dispose()
+        if backend == "postgres":  # stored as they are, no compression attempt (as 0016's documents)
+            with engine.connect() as connection:
+                assert set(connection.execute(sa.text(
+                    "SELECT attstorage FROM pg_attribute WHERE attrelid = 'pooled_arrays'::regclass "
+                    "AND attname IN ('count', 'sum', 'sum_of_squares')")).scalars()) == {"e"}
+        migrations.downgrade(url, "0017")
+        assert "pooled_arrays" not in _tables(url)
+        assert _per_arm_rows(engine) == before
+        migrations.upgrade(url)
+        assert _tables(url) == EXPECTED_TABLES
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0018_refuses_totals_of_arms_the_experiment_does_not_have(backend, request):
+    """A per-arm total whose arm is not one of the experiment's arms cannot go into an array of its K arms:
+    the upgrade stops naming it, and the database stays at 0017 with every row."""
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0017")
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            _0017_totals(connection, seed=3)
+            connection.execute(sa.text(
+                "INSERT INTO pooled_statistics (experiment_id, segment_index, metric_index, arm_index, count, sum, "
+                "sum_of_squares) VALUES (2, 1, 0, 7, 1, 0.5, 0.25)"))
+        before = _per_arm_rows(engine)
+        with pytest.raises(RuntimeError, match=r"arms the experiment does not have.*\(2, 1, 0, 7\)"):
+            migrations.upgrade(url)
+        assert migrations.current_revision(engine) == "0017"
+        assert "pooled_arrays" not in _tables(url)
+        assert _per_arm_rows(engine) == before
     finally:
         engine.dispose()

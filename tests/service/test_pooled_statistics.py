@@ -16,6 +16,7 @@ from service.bootstrap import get_uow
 from service.db import get_db
 from service.models import Experiment, LateStatistic, Round, RoundStatistic
 from pasto.segments import pool_segments
+from service import store
 from service.store import UnitOfWork
 from service.store import pooled_statistics as stored_pooled_statistics
 
@@ -129,7 +130,7 @@ def test_every_update_sees_the_pooled_statistics_of_rounds_up_to_its_own(backend
     engine.dispose()
 
 
-def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backend_url, setup_a):
+def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backend_url, setup_a, monkeypatch):
     api = backend_api
     app = api.client.application
     # The bounds below count a full round of cells (every metric of every arm observed in every
@@ -138,12 +139,15 @@ def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backe
     # exploration). What is tested is the fold, whatever serves the traffic.
     experiment_id = create(api, setup_a, algorithm={"preset": "paper"})
     database = get_db(app)
-    folds: list[tuple[str, object]] = []
+    folds: list[tuple[str, object]] = []  # the round's rows read by each close (raw DBAPI: no engine event)
+    read_cells = store._read_cells
 
-    @sa.event.listens_for(database.engine, "after_cursor_execute")
-    def capture(connection, cursor, statement, parameters, context, executemany):
-        if statement.startswith("INSERT INTO pooled_statistics"):
-            folds.append((statement, parameters))
+    def capture(connection, table, where, parameters, shape):
+        if table == "round_statistics":
+            folds.append((store._cells_sql(connection, table, where, shape), parameters))
+        return read_cells(connection, table, where, parameters, shape)
+
+    monkeypatch.setattr(store, "_read_cells", capture)
 
     rows_read = {}
     for c in range(30):
@@ -172,7 +176,6 @@ def test_a_close_reads_only_new_rows_however_long_the_history(backend_api, backe
             plan = [row[-1] for row in connection.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)]
         (round_rows,) = [step for step in plan if "round_statistics" in step]
         assert round_rows.startswith("SEARCH") and "experiment_id=? AND round_index=?" in round_rows, plan
-    sa.event.remove(database.engine, "after_cursor_execute", capture)
 
 
 def test_diagnostics_pool_every_round_so_far(backend_api, backend_url, setup_a):
