@@ -26,7 +26,8 @@ next tick. Experiments with a metric source close in threads of their own, off t
 (:class:`SourceCloses`), so a slow source delays no other experiment.
 
 Pooled statistics (``service.store``) are running totals, so a close costs the same in round 1,000 as in round 1.
-``pooled_statistics`` holds the sums of the rows of every applied round; observations ingestion
+``pooled_arrays`` holds the sums of the rows of every applied round (per segment and metric, the K
+arms' totals as arrays: migration 0018); observations ingestion
 accepts for a round already applied (late data) go to that round's row and, in the same
 transaction, to ``late_statistics``. The update of round r adds round r's rows (read, not written)
 and the late cells into the totals and empties ``late_statistics``: the totals are then exactly the
