@@ -37,7 +37,7 @@ from .config import DEFAULT_METRICS_TOP_ARMS, DEFAULT_METRICS_TOP_SEGMENTS
 from .bootstrap import get_uow
 from .db import Database, get_db, is_unavailable_error
 from .models import STATUSES, utcnow
-from .responses import RoundSummary, StoredLift
+from .responses import RoundSummary, StoredLift, StoredSegments
 
 # Event metrics of this process. A registry of their own rather than the global default, so that
 # several apps in one process (tests) never register anything twice. In multiprocess mode their
@@ -401,7 +401,7 @@ class ControllerCollector:
                     holds_by_mixture.add_metric(labels + ["estimate"], float(bool(report.holds)))
                     holds_by_mixture.add_metric(labels + ["interval"], float(bool(report.confidently_holds)))
 
-            if summary.segments:
+            if summary.segments is not None:
                 _add_segments(segment_families, name, summary.segments, segment_limit)
             _add_lifts(lift, lift_relative, name, summary.lift)
 
@@ -456,35 +456,37 @@ def _add_top_arms(per_arm: GaugeMetricFamily, others: GaugeMetricFamily, experim
     others.add_metric([experiment], float(array[rest].sum()))
 
 
-def _add_segments(families: dict[str, GaugeMetricFamily], experiment: str, report: Mapping[str, Any],
+def _add_segments(families: dict[str, GaugeMetricFamily], experiment: str, report: StoredSegments,
                   limit: int) -> None:
     """Per-segment samples for the ``limit`` segments of largest share and one aggregate for the rest
     (a scrape stays small at hundreds of segments); the platform guardrails and the gain of segmenting."""
-    segments = report["segments"]
-    shares = np.array([entry["share"] or 0.0 for entry in segments], dtype=np.float64)
+    segments = report.segments or []
+    shares = np.array([entry.share or 0.0 for entry in segments], dtype=np.float64)
     top = top_arms(shares, limit)
     for position in top.tolist():
         entry = segments[position]
-        families["share"].add_metric([experiment, entry["name"]], float(shares[position]))
-        if entry.get("objective") is not None:
-            families["objective"].add_metric([experiment, entry["name"]], entry["objective"])
-        for index, guardrail in enumerate(entry.get("guardrails") or []):
-            families["holds"].add_metric([experiment, entry["name"], guardrail["metric"], str(index)],
-                                         float(bool(guardrail.get("holds"))))
+        families["share"].add_metric([experiment, entry.name], float(shares[position]))
+        if entry.objective is not None:
+            families["objective"].add_metric([experiment, entry.name], entry.objective)
+        for index, guardrail in enumerate(entry.guardrails or []):
+            families["holds"].add_metric([experiment, entry.name, guardrail.metric, str(index)],
+                                         float(bool(guardrail.holds)))
     rest = np.ones(len(segments), dtype=bool)
     rest[top] = False
     rest_share = float(shares[rest].sum())
     families["other_share"].add_metric([experiment], rest_share)
-    values = np.array([np.nan if entry.get("objective") is None else entry["objective"] for entry in segments])
+    values = np.array([np.nan if entry.objective is None else entry.objective for entry in segments])
     if rest_share > 0 and np.all(np.isfinite(values[rest])):
         families["other_objective"].add_metric([experiment], float(shares[rest] @ values[rest] / rest_share))
-    for index, guardrail in enumerate(report.get("platform_guardrails") or []):
-        if guardrail.get("estimate") is not None and guardrail.get("threshold") is not None:
-            families["platform"].add_metric([experiment, guardrail["metric"], str(index), guardrail["scope"]],
-                                            guardrail["estimate"] - guardrail["threshold"])
-    gain = report.get("gain") or {}
-    interval = gain.get("interval") or [None, None]
-    for bound, value in (("estimate", gain.get("value")), ("lower", interval[0]), ("upper", interval[1])):
+    for index, guardrail in enumerate(report.platform_guardrails or []):
+        if guardrail.estimate is not None and guardrail.threshold is not None:
+            families["platform"].add_metric([experiment, guardrail.metric, str(index), guardrail.scope],
+                                            guardrail.estimate - guardrail.threshold)
+    gain = report.gain
+    if gain is None:
+        return
+    interval = gain.interval or [None, None]
+    for bound, value in (("estimate", gain.value), ("lower", interval[0]), ("upper", interval[1])):
         if value is not None:
             families["gain"].add_metric([experiment, bound], value)
 

@@ -233,6 +233,58 @@ class StoredLift(_Stored):
     deployed: dict[str, dict[str, Any]]
 
 
+class StoredSegment(_Stored):
+    """One segment of a segmented round summary (``controller.reports.segment_summary``)."""
+
+    name: str | None = None  # None: the segments were not named when the summary was made
+    share: float | None = None  # its measured traffic share
+    observations: int | None = None
+    probabilities: list[float | None] | None = None  # p_t served to the segment in the round (K,)
+    deployed: list[float | None] | None = None  # its deployed mixture after the update (K,)
+    objective: float | None = None  # a . (means_s p_s) of the deployed mixture
+    guardrails: list[StoredGuardrail] | None = None  # of the deployed mixture, on the segment's estimate
+
+
+class StoredPlatformGuardrail(_Stored):
+    """One guardrail over the whole platform (``pasto.segments.segment_report``'s platform_guardrails)."""
+
+    metric: str
+    scope: str | None = None  # "global" or "segment"
+    threshold: float | None = None
+    estimate: float | None = None
+    interval: list[float | None] | None = None
+    holds: bool | None = None
+
+
+class StoredGlobalMixture(_Stored):
+    """The best single mixture for every segment under the same guardrails, and its platform value."""
+
+    probabilities: list[float | None] | None = None
+    objective: float | None = None
+
+
+class StoredGain(_Stored):
+    """What segmenting gains over the global mixture, with its 95% interval."""
+
+    value: float | None = None
+    interval: list[float | None] | None = None
+
+
+class StoredSegments(_Stored):
+    """The per-segment part of a segmented experiment's round summary and of its diagnostics
+    (``controller.reports.segment_summary``)."""
+
+    segments: list[StoredSegment] | None = None
+    objective: float | None = None  # the platform value of the deployed per-segment mixtures
+    platform_guardrails: list[StoredPlatformGuardrail] | None = None
+    global_mixture: StoredGlobalMixture | None = None
+    gain: StoredGain | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As stored (and as the rounds and diagnostics answers send it)."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
 class RoundSummary(_Stored):
     """What the service knows of a round after its update, stored as JSON in ``rounds.summary``: written
     by the close (``service.controller.rounds``, from ``controller.reports.round_summary``) and read
@@ -252,7 +304,7 @@ class RoundSummary(_Stored):
     guardrails: list[StoredGuardrail] | None = None  # under the traffic served in the round
     guardrails_deployed: list[StoredGuardrail] | None = None  # under the recommended mixture
     lift: StoredLift | None = None  # None: the objective has no baseline arm
-    segments: dict[str, Any] | None = None  # segmented experiments: controller.reports.segment_summary
+    segments: StoredSegments | None = None  # segmented experiments: controller.reports.segment_summary
 
     @classmethod
     def load(cls, stored: dict[str, Any] | None) -> RoundSummary | None:

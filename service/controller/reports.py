@@ -31,13 +31,13 @@ from ..cache import Snapshot
 from ..db import DATABASE_ERRORS, is_unavailable_error
 from ..errors import ApiError
 from ..models import utcnow
-from ..responses import RoundSummary, StoredBestSingle, StoredLift
+from ..responses import RoundSummary, StoredBestSingle, StoredLift, StoredSegments
 from ..store import UnitOfWork
 from .experiments import algorithm_and_objective, expected_shares, load_segment_state, segmented_config
 
 
 def round_summary(algorithm: AlgorithmConfig, objective: Objective, state: ControllerState,
-                  pooled: Statistics, propensities: np.ndarray, segments: dict[str, Any] | None = None
+                  pooled: Statistics, propensities: np.ndarray, segments: StoredSegments | None = None
                   ) -> RoundSummary:
     """Estimated quality of a round's mixture, on the estimate available right after its update
     (stored with the round): ``pasto.report.round_report`` with the propensities round t was served;
@@ -66,13 +66,16 @@ def segment_observations(statistics: Statistics) -> np.ndarray:
 
 
 def segment_summary(config: SegmentedConfig, objective: Objective, state: SegmentedState, pooled: Statistics,
-                    shares: np.ndarray, names: list[str] | None = None) -> dict[str, Any]:
+                    shares: np.ndarray, names: list[str] | None = None) -> StoredSegments:
     """The per-segment part of a round summary or of the diagnostics (``pasto.segments.segment_report``
     of the deployed per-segment mixtures): per segment its share, served and deployed mixture, objective
-    and guardrails; the platform-wide guardrails; the gain of segmenting over one global mixture."""
+    and guardrails; the platform-wide guardrails; the gain of segmenting over one global mixture.
+
+    Built as the JSON it is stored as (every key, in this order), then typed: ``to_json()`` gives
+    that JSON back key for key."""
     report = segment_report(config, objective, state.deployed, pooled, shares)
     observations = segment_observations(pooled)
-    return json_safe({
+    return StoredSegments.model_validate(json_safe({
         "segments": [
             {"name": None if names is None else names[s], "share": report.shares[s],
              "observations": int(observations[s]),
@@ -84,7 +87,7 @@ def segment_summary(config: SegmentedConfig, objective: Objective, state: Segmen
         "platform_guardrails": list(report.platform_guardrails),
         "global_mixture": {"probabilities": report.global_mixture, "objective": report.global_value},
         "gain": {"value": report.gain, "interval": report.gain_interval},
-    })
+    }))
 
 
 def lift_summary(report: RoundReport) -> StoredLift | None:
@@ -172,17 +175,21 @@ def select_arms(probabilities: np.ndarray, deployed: np.ndarray, count: int | No
     return ArmSelection(kept=order[:count], rest=np.sort(order[count:]))
 
 
-def segments_kept(segments: dict | None, selection: ArmSelection | None) -> dict | None:
-    """A segment report (:func:`segment_summary`: the diagnostics' or a stored round summary's) with its
-    per-arm arrays (each segment's probabilities and deployed, the global mixture's probabilities, all
-    (K,)) cut to the arms ``selection`` keeps; unchanged when ``selection`` or ``segments`` is None."""
-    if selection is None or segments is None:
-        return segments
-    return {**segments,
-            "segments": [{**segment, "probabilities": selection.keep(segment["probabilities"]),
-                          "deployed": selection.keep(segment["deployed"])} for segment in segments["segments"]],
-            "global_mixture": {**segments["global_mixture"],
-                               "probabilities": selection.keep(segments["global_mixture"]["probabilities"])}}
+def segments_kept(segments: StoredSegments | None, selection: ArmSelection | None) -> dict[str, Any] | None:
+    """The JSON of a segment report (:func:`segment_summary`: the diagnostics' or a stored round
+    summary's) as the API sends it, with its per-arm arrays (each segment's probabilities and deployed,
+    the global mixture's probabilities, all (K,)) cut to the arms ``selection`` keeps (every arm when
+    ``selection`` is None); None when ``segments`` is None."""
+    if segments is None:
+        return None
+    if selection is not None:
+        segments = segments.model_copy(update={
+            "segments": [segment.model_copy(update={"probabilities": selection.keep(segment.probabilities),
+                                                    "deployed": selection.keep(segment.deployed)})
+                         for segment in segments.segments],
+            "global_mixture": segments.global_mixture.model_copy(
+                update={"probabilities": selection.keep(segments.global_mixture.probabilities)})})
+    return segments.to_json()
 
 
 # ------------------------------------------------------------------------------ diagnostics
@@ -198,7 +205,7 @@ class Diagnostics:
     #: estimate's mean is a stand-in (the other arms' average, :func:`pasto.estimators.fill_missing`).
     observed: np.ndarray
     source_error: dict[str, Any] | None = None  # see source_error_view
-    segments: dict[str, Any] | None = None  # segmented experiments: segment_summary on the current data
+    segments: StoredSegments | None = None  # segmented experiments: segment_summary on the current data
 
 
 def diagnostics(uow: UnitOfWork, name: str) -> Diagnostics:

@@ -73,15 +73,15 @@ def test_closes_that_add_a_segment_between_the_diagnostics_reads_are_not_seen(ba
     assert interleaved
     assert diagnostics.snapshot.round_index == 1
     segments = diagnostics.segments
-    assert [entry["name"] for entry in segments["segments"]] == ["(other)", "fr"]
+    assert [entry.name for entry in segments.segments] == ["(other)", "fr"]
     # Round 0's "fr" and round 1's "de" in the long tail's statistics, round 1's "fr" in its own.
-    assert [entry["observations"] for entry in segments["segments"]] == [20, 10]
+    assert [entry.observations for entry in segments.segments] == [20, 10]
 
     monkeypatch.setattr(store, "segment_state", read_state)
     after = reports.diagnostics(uow, NAME)
     assert after.snapshot.round_index == 3
-    assert [entry["name"] for entry in after.segments["segments"]] == ["(other)", "fr", "de"]
-    assert [entry["observations"] for entry in after.segments["segments"]] == [20, 20, 10]
+    assert [entry.name for entry in after.segments.segments] == ["(other)", "fr", "de"]
+    assert [entry.observations for entry in after.segments.segments] == [20, 20, 10]
 
 
 @pytest.mark.postgres
