@@ -104,13 +104,29 @@ def test_paper_preset_on_setup_a_moves_towards_the_mixture_optimum():
     assert 0 < first["cumulative_regret"]["mean"] < last["cumulative_regret"]["mean"]
 
 
-def test_default_preset_on_setup_a_beats_the_paper_preset():
-    scenario = load_scenario("setup-a").with_overrides(runs=40, rounds=300)
-    paper = simulate(scenario, make_policy("paper")).summary["checkpoints"][-1]
-    default = simulate(scenario, make_policy("default")).summary["checkpoints"][-1]
-    assert default["objective"]["mean"] > 0.9
-    assert default["objective"]["mean"] > paper["objective"]["mean"]
-    assert default["cumulative_regret"]["mean"] < paper["cumulative_regret"]["mean"]
+def quiet_setup_a(**changes):
+    """Setup A with noise sigma 0.5 instead of sqrt(5), and a third arm c (x -1, y -1) that loses on the
+    primary and breaks the guardrail: the uniform start is far from the optimum (f -0.22 against 1.0125,
+    still at p = (1/2, 1/2, 0)), and the default preset's mechanism shows in 30 rounds of 10 runs. The
+    claims on setup A itself, at the paper's noise, need hundreds of runs of 300 rounds (each round an
+    exact solve per run): bench/setup_a_claims.py measures them (docs/benchmarks.md)."""
+    document = load_scenario("setup-a").with_overrides(runs=10, rounds=30, noise_std=0.5).to_dict()
+    document["arms"] = {"means": [[2.0, 0.0, -1.0], [-2.0, 2.0, -1.0]]}
+    return scenario_from_dict({**document, **changes})
+
+
+def test_default_preset_beats_the_paper_preset_on_a_quiet_setup_a():
+    # Measured (seeds 0-2): default mean f 0.98-1.00 at round 30 (every run above 0.91), cumulative
+    # regret 11-15; paper 0.23-0.35, regret 21-25.
+    scenario = quiet_setup_a()
+    paper = simulate(scenario, make_policy("paper"))
+    default = simulate(scenario, make_policy("default"))
+    assert default.deployed_values[0].mean() < 0  # the start: a learner that does not move fails below
+    last, paper_last = default.summary["checkpoints"][-1], paper.summary["checkpoints"][-1]
+    assert last["round"] == 30
+    assert last["objective"]["mean"] > 0.9
+    assert last["objective"]["mean"] > paper_last["objective"]["mean"] + 0.3
+    assert last["cumulative_regret"]["mean"] < paper_last["cumulative_regret"]["mean"]
 
 
 def test_same_seed_same_json_and_another_seed_differs():
@@ -162,10 +178,11 @@ def test_delayed_observations_arrive_late_with_the_propensities_they_were_sample
     assert calls[-1]["pooled"].counts.sum() == (40 - delay) * scenario.queries_per_round * 20 * 2
 
 
-def test_delay_still_converges_on_setup_a():
-    scenario = load_scenario("setup-a").with_overrides(runs=40, rounds=300)
-    delayed = scenario_from_dict({**scenario.to_dict(), "delay_rounds": 5})
-    result = simulate(delayed, make_policy("default"))
+def test_delay_still_converges_on_a_quiet_setup_a():
+    # Measured (seeds 0-2): mean f 0.98-1.00 at round 30 with every observation 5 rounds late.
+    result = simulate(quiet_setup_a(delay_rounds=5), make_policy("default"))
+    assert result.deployed_values[:5].mean() < 0  # no observation yet: still the uniform start
+    assert result.summary["checkpoints"][-1]["round"] == 30
     assert result.summary["checkpoints"][-1]["objective"]["mean"] > 0.9
 
 
