@@ -53,6 +53,21 @@ def pytest_runtest_makereport(item, call):
 #: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker.
 SHARED_SESSION_FIXTURES = ("spark",)
 
+#: Tests of a minute or more (``--durations`` of a whole run), sent to the workers first: a long test
+#: that starts last keeps one worker busy after the others are done. Node id prefixes; one that no
+#: longer matches only changes the order.
+LONG_FIRST = (
+    "tests/reliability/test_bad_input.py::test_fuzzed_requests_never_get_a_5xx",
+    "tests/reliability/test_crash.py::test_kills_during_closes_leave_every_applied_round_summarized",
+    "tests/reliability/test_database_outage.py::test_postgres_stalled_healthz_answers_and_no_worker_is_killed",
+    "tests/reliability/test_token_lifecycle.py::test_a_revoked_token_is_refused_by_every_worker_within_one_second",
+    "tests/client/test_ofrep_python_provider.py::test_ten_thousand_units_get_the_arms_assign_gives",
+    "tests/client/test_install.py::",
+    "tests/service/test_assignment_vectors.py::test_the_server_reproduces_every_case",
+    "tests/service/test_demo.py::test_demo_runs_resumes_and_learns_a_winning_mixture",
+    "tests/docs/test_examples.py::test_every_example_runs",
+)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
@@ -63,6 +78,10 @@ def pytest_collection_modifyitems(config, items):
     xdist's own hook, which reads the ``xdist_group`` marks; without xdist the marks change nothing."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
+    if hasattr(config, "workerinput"):  # an xdist worker's collection, which the scheduler queues from
+        # Stable: every other test keeps its place. loadgroup queues the groups of several tests first
+        # (largest first), then single tests in this order.
+        items.sort(key=lambda item: not item.nodeid.startswith(LONG_FIRST))
     for item in items:
         definitions = getattr(item, "_fixtureinfo", None)
         if definitions is None:
