@@ -102,7 +102,8 @@ def render(rows: dict[str, dict], seconds: dict[str, float], command: str, commi
         f"`{command}` at {commit}{note}. Setup A (K = 2, noise N(0, 5), Q = 1; best mixture f = 1.0125, best "
         f"single arm 0), {some['runs']} runs, deployed mixture at round {some['round']}; s.e. = Monte-Carlo "
         "standard error over runs. These claims were tests in tests/pasto/test_simulate.py (40 runs each); the "
-        "suite now checks each mechanism on setup A with noise sigma 0.5 in 30 rounds.", "",
+        "suite now checks each mechanism in 30 rounds on setup A with noise sigma 0.5 and a third, "
+        "guardrail-breaking arm.", "",
         "| row | f mean +- s.e. | f median | cum. regret +- s.e. | seconds |",
         "|---|---:|---:|---:|---:|",
     ]
