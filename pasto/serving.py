@@ -5,8 +5,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
 
 1. **Estimate.** Per arm and metric, the sample mean of the observations since the last detected
    change, shrunk by an empirical-Bayes normal prior centred on the pooled mean across arms (the
-   prior variance is the spread of the arms' means beyond their noise), so that arms with little or
-   no data still get a finite mean and standard error. The noise variance of an arm is its own
+   prior variance is the spread of the arms' means beyond their noise, the Paule-Mandel estimate,
+   which weighs each arm by its own precision), so that arms with little or no data still get a
+   finite mean and standard error. The noise variance of an arm is its own
    sample variance pooled with the metric's within-arm variance over all arms.
 2. **Pessimistic constraints.** Every hard guardrail becomes linear constraints ``A p >= c`` on lower
    confidence bounds L = mean - z se (one-sided level ``level``, 95% by default); for the served
@@ -51,7 +52,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
    standard errors of the difference (delta method, the reference arm of a relative threshold
-   included); otherwise that single arm.
+   included); otherwise that single arm. An undecided run whose test would pass with more
+   observations of a relative threshold's reference arm (the estimates unchanged) observes it that
+   far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
 6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
    the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
    level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
@@ -262,9 +265,9 @@ def _arm_index(objective: Objective, name: str) -> int:
 def arm_posterior(statistics: Statistics) -> Estimate:
     """Empirical-Bayes per-arm means and standard errors; shapes (..., M, K).
 
-    Each metric's arm means get the normal prior N(m, tau^2): m the mean of the observed arms'
-    sample means, tau^2 their variance beyond the average squared standard error (at least 1% of
-    their variance). Arm k's noise variance pools its sample variance (n_k - 1 degrees of freedom)
+    Each metric's arm means get the normal prior N(m, tau^2): tau^2 the Paule-Mandel estimate of
+    the observed arms' spread beyond their own sampling variances, m their mean weighted by
+    1 / (tau^2 + se_k^2) (:func:`_between_arm_variance`; tau^2 at least 1% of their plain variance). Arm k's noise variance pools its sample variance (n_k - 1 degrees of freedom)
     with the metric's within-arm variance (``_VARIANCE_PRIOR_DF``). Posterior precision
     1 / tau^2 + n_k / s_k^2. Entries are infinite (standard error) while fewer than two arms of a
     metric have data or no arm has two observations.
@@ -287,18 +290,18 @@ def arm_posterior(statistics: Statistics) -> Estimate:
         )
     noise_var = np.maximum(noise_var, 1e-300)
     observed_arms = has.sum(axis=-1, keepdims=True)
-    prior_mean = np.divide(
+    plain_mean = np.divide(
         np.where(has, mean, 0.0).sum(axis=-1, keepdims=True), observed_arms,
         out=np.zeros_like(pooled_df), where=observed_arms > 0,
     )
     spread = np.divide(
-        np.where(has, (mean - prior_mean) ** 2, 0.0).sum(axis=-1, keepdims=True), observed_arms - 1.0,
+        np.where(has, (mean - plain_mean) ** 2, 0.0).sum(axis=-1, keepdims=True), observed_arms - 1.0,
         out=np.full_like(pooled_df, np.inf), where=observed_arms > 1,
     )
     with np.errstate(invalid="ignore", divide="ignore"):
         sampling = np.divide(noise_var, n, out=np.zeros_like(noise_var), where=has)
-        average_sampling = np.where(has, sampling, 0.0).sum(axis=-1, keepdims=True) / np.maximum(observed_arms, 1)
-        prior_var = np.maximum(spread - average_sampling, 0.01 * spread)
+        between, prior_mean = _between_arm_variance(mean, sampling, has, spread, plain_mean)
+        prior_var = np.maximum(between, 0.01 * spread)
         prior_var = np.where(np.isfinite(prior_var) & (prior_var > 0), prior_var, np.where(spread == 0, 1e-300, np.inf))
         precision = 1.0 / prior_var + np.where(np.isfinite(noise_var), n / noise_var, 0.0)
         posterior_mean = np.where(
@@ -309,6 +312,43 @@ def arm_posterior(statistics: Statistics) -> Estimate:
         error = np.where(precision > 0, 1.0 / np.sqrt(precision), np.inf)
     error = np.where(np.isfinite(noise_var) | np.isfinite(prior_var), error, np.inf)
     return Estimate(means=posterior_mean, standard_errors=error)
+
+
+# Bisection steps of the Paule-Mandel equation on tau in [0, sqrt(spread)] (precision 2^-40 of it).
+_BETWEEN_STEPS = 40
+
+
+def _between_arm_variance(mean, sampling, has, spread, plain_mean):
+    """Paule-Mandel estimate of the arms' spread tau^2 and the matching prior mean; (..., M, 1) each.
+
+    The observed arms' sample means y_k ~ N(m, tau^2 + v_k) with unequal sampling variances v_k;
+    tau^2 solves sum_k (y_k - m)^2 / (tau^2 + v_k) = (number of arms - 1), m the mean weighted by
+    1 / (tau^2 + v_k) (0 when the left side is already below at tau^2 = 0). Subtracting the
+    *average* v_k from the plain spread instead let a few arms seen once (v_k large) cancel the
+    spread of the well-measured ones: the prior then shrank an unobserved arm so far that its
+    upper bound never reached the best arm's, and it was never tried.
+    """
+    count = has.sum(axis=-1, keepdims=True)
+    variance = np.where(has, sampling, np.inf)
+
+    def excess(tau2):
+        weights = np.where(has, 1.0 / (tau2 + variance), 0.0)
+        total = weights.sum(axis=-1, keepdims=True)
+        centre = np.divide((weights * np.where(has, mean, 0.0)).sum(axis=-1, keepdims=True), total,
+                           out=plain_mean.copy(), where=total > 0)
+        statistic = (weights * np.where(has, mean - centre, 0.0) ** 2).sum(axis=-1, keepdims=True)
+        return statistic - (count - 1.0), centre
+
+    usable = np.isfinite(spread) & (spread > 0) & (count > 1)
+    top = np.sqrt(np.where(usable, spread, 1.0))
+    low, high = np.zeros_like(top), top.copy()
+    for _ in range(_BETWEEN_STEPS):
+        middle = 0.5 * (low + high)
+        above = excess(middle**2)[0] > 0
+        low, high = np.where(above, middle, low), np.where(above, high, middle)
+    tau2 = np.where(usable, (0.5 * (low + high)) ** 2, np.where(np.isfinite(spread), 0.0, np.inf))
+    centre = excess(np.where(np.isfinite(tau2), tau2, 0.0))[1]
+    return tau2, np.where(usable, centre, plain_mean)
 
 
 # --------------------------------------------------------------------------- constraints
@@ -731,8 +771,10 @@ def choose(
         served = (1.0 - outside.sum(axis=-1, keepdims=True)) * own + outside
         served = _exploiting_safely(objective, flat_means, flat_errors, z_safe, served, own_weight * step, plug_in)
         if references:
+            to_defend = _reference_counts_to_defend(objective, flat_means, flat_errors, flat_thresholds, plug_in,
+                                                    chosen, undecided, flat_counts, references, z_deploy)
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
-                                         known, references, observations_per_round, t)
+                                         known, references, observations_per_round, t, to_defend=to_defend)
         served = fixed + (1.0 - fixed.sum()) * served
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
@@ -1051,8 +1093,40 @@ def _support(mixture: np.ndarray) -> np.ndarray:
     return mixture / mixture.sum(axis=-1, keepdims=True)
 
 
+def _reference_counts_to_defend(objective, means, errors, thresholds, mixture, single, undecided, counts,
+                                references, z):
+    """Observations of each reference arm with which an undecided run's mixture would be defended; (R, J).
+
+    An undecided run's plug-in mixture is not yet confidently better than the best single arm
+    (:func:`_defensible`): its advantage a (posterior expected objective) is below ``z`` standard
+    errors of the difference. A relative threshold's reference arm enters that difference's
+    variance through the threshold, with a part P that shrinks like 1 / n in its n observations.
+    If the estimates hold, n' = n P / ((a / z)^2 - V0) observations of it (V0: the variance of
+    the rest) defend the mixture; when the rest alone is too uncertain (V0 >= (a / z)^2) or
+    nothing is undecided, observing the reference cannot decide it: 0 (no demand).
+    Returns (R, J) for the J ``references``, (0 where there is no demand); the advantage a (R,).
+    """
+    x = np.einsum("rmk,rk->rm", means, mixture)
+    value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
+    x_single = np.einsum("rmk,rk->rm", means, single)
+    single_value = _expected_soft_value(objective, x_single, _guardrail_variance(objective, errors, single), thresholds)
+    advantage = value - single_value
+    total = _difference_error(objective, means, errors, thresholds, mixture, single) ** 2
+    target = (np.maximum(advantage, 0.0) / z) ** 2
+    wanted = np.zeros((means.shape[0], len(references)))
+    for j, (row, reference) in enumerate(references):
+        without = errors.copy()
+        without[:, row, reference] = 0.0
+        rest = _difference_error(objective, means, without, thresholds, mixture, single) ** 2
+        part = total - rest
+        n = counts[:, row, reference]
+        possible = undecided & (advantage > 0) & (target > rest) & (part > 0)
+        wanted[:, j] = np.where(possible, n * part / np.where(possible, target - rest, 1.0), 0.0)
+    return wanted, advantage
+
+
 def _observe_references(objective, means, thresholds, counts, served, plug_in, known, references,
-                        observations_per_round, t, rows=None):
+                        observations_per_round, t, rows=None, to_defend=None):
     """``served`` (R, K) with a share moved to the reference arms of relative guardrails.
 
     A relative guardrail's threshold rests on its reference arm's estimate, which the chosen
@@ -1076,6 +1150,14 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
     for row, reference in references:
         price = np.einsum("rm,rm->r", gradient, x - means[..., reference])
         wanted = per_round * t * cost / (2.0 * np.where(price > 0, price, 1.0))
+        if to_defend is not None:
+            # The deploy test's need: observing the reference to n' (the mixture defended) is worth
+            # it when the mixture's advantage over the horizon (t rounds) exceeds what the
+            # observations cost (price / Q each).
+            needed, advantage = to_defend[0][:, references.index((row, reference))], to_defend[1]
+            worth = t * advantage >= (needed - counts[:, row, reference]) * price / per_round
+            wanted = np.where((needed > 0) & worth, np.maximum(wanted, needed), wanted)
+            cost = np.where((needed > 0) & worth, np.maximum(cost, 1e-300), cost)
         share = np.clip((wanted - counts[:, row, reference]) / (per_round * t), 0.0, 1.0)
         # A reference no worse than the chosen mixture (D <= 0) is in its support already.
         share = np.where((cost > 0) & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)

@@ -75,6 +75,49 @@ def test_posterior_is_finite_for_arms_without_data_and_matches_the_sample_mean_w
     assert estimate.means[0, 4] == pytest.approx(np.mean(estimate.means[0, :4]), abs=0.7)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(3, 40))
+def test_the_arms_spread_solves_the_paule_mandel_equation(seed, n_arms):
+    # Oracle: the same equation solved by Brent's method on tau^2 (scipy), arm by arm in Python.
+    from scipy.optimize import brentq
+
+    rng = np.random.default_rng(seed)
+    mean = rng.normal(0.0, rng.uniform(0.1, 3.0), n_arms)[None, :]
+    sampling = rng.uniform(0.01, 4.0, n_arms)[None, :] ** 2
+    has = rng.random((1, n_arms)) < 0.9
+    has[0, :2] = True
+    y, v = mean[has], sampling[has]
+    plain = y.mean()
+    spread = np.sum((y - plain) ** 2) / (y.size - 1)
+
+    def excess(tau2):
+        w = 1.0 / (tau2 + v)
+        return np.sum(w * (y - np.sum(w * y) / np.sum(w)) ** 2) - (y.size - 1)
+
+    expected = 0.0 if excess(0.0) <= 0 else brentq(excess, 0.0, spread, xtol=1e-14, rtol=1e-12)
+    tau2, centre = serving._between_arm_variance(mean, sampling, has, np.array([[spread]]), np.array([[plain]]))
+    assert tau2[0, 0] == pytest.approx(expected, rel=1e-6, abs=1e-9 * spread)
+    w = 1.0 / (tau2[0, 0] + v)
+    assert centre[0, 0] == pytest.approx(np.sum(w * y) / np.sum(w), rel=1e-9, abs=1e-9)
+
+
+def test_arms_seen_once_do_not_shrink_the_spread_of_the_well_measured_ones():
+    # Four arms measured thousands of times spread by about 1; fourteen arms seen once each, whose
+    # single values happen to sit near the centre. The plain spread minus the *average* sampling
+    # variance put the prior's sd at 0.04, so an unobserved arm's upper bound stayed below the
+    # best arm and it was never tried (online-soft-wide, seed 11, run 7); weighting each arm by
+    # 1 / (tau^2 + v_k) keeps the spread the precise arms show.
+    counts = np.array([18000.0, 1100.0, 100.0, 20.0] + [1.0] * 14 + [0.0, 0.0])
+    means = np.array([101.2, 99.35, 99.25, 99.75] + list(100.0 + np.linspace(-0.3, 0.3, 14)) + [0.0, 0.0])
+    statistics = Statistics(counts[None], (counts * means)[None], (counts * (means**2 + 1.0))[None])
+    estimate = serving.arm_posterior(statistics)
+    unobserved_sd = estimate.standard_errors[0, -1]
+    assert unobserved_sd > 0.3
+    # Its upper bound at the optimism width of round 1000 reaches the best arm's estimate.
+    z = np.sqrt(2 * np.log(1000))
+    assert estimate.means[0, -1] + z * unobserved_sd > estimate.means[0, 0]
+
+
 def test_served_lp_meets_the_constraints_and_falls_back_to_the_largest_slack_when_infeasible():
     gains = np.array([3.0, 2.0, 1.0])
     rows = serving.HardConstraints(np.array([[0.0, 1.0, 2.0]]), np.array([1.0]), np.array([1.0]))
@@ -847,3 +890,45 @@ def test_a_relative_guardrails_reference_is_observed_while_its_uncertainty_costs
         shares.append(served[2])
     assert shares[0] > 0.01
     assert shares[1] < 1e-6
+
+
+def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it():
+    # Arms 0 and 1 mixed to y = 0.99 y_2 beat arm 0 alone (its shortfall 0.04 costs 0.08), but with
+    # the reference arm 2 seen 30 or 100 times the threshold is too uncertain for the deploy test:
+    # the run deploys arm 0. Observing the reference is what decides it, so it is observed (before,
+    # its share was 0: the hedge alone cost too little to ask for it); with 300 observations the
+    # mixture is defended and the reference gets no traffic of its own.
+    guardrail = {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 50.0}
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [guardrail]}, ["0", "1", "2"])
+    means = np.array([[1.0, 0.9, 0.2], [0.95, 1.1, 1.0]])
+    config = serving.ServingConfig(posterior_draws=0)
+    for reference_count, undecided in ((30, True), (100, True), (300, False)):
+        evidence = _evidence(means, [[4000, 4000, reference_count]] * 2)
+        served, chosen, _ = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0, np.full(3, 1 / 3),
+                                           round_generator(0, 200))
+        assert (chosen[0] == 1.0) == undecided, reference_count
+        if undecided:
+            assert served[2] > 1e-3, reference_count
+        else:
+            assert served[2] < 1e-9
+    # The count it asks for is where the deploy test's standard error reaches advantage / z (the
+    # estimates unchanged): half of it is not enough.
+    z = 1.6448536269514722
+    evidence = _evidence(means, [[4000, 4000, 30]] * 2)
+    posterior = serving.arm_posterior(evidence)
+    e_means, e_errors = posterior.means[None], posterior.standard_errors[None]
+    thresholds = objective.thresholds(e_means)
+    plug_in = serving.expected_optimum(objective, e_means[0], e_errors[0], thresholds[0]).probabilities[None]
+    single = np.array([[1.0, 0.0, 0.0]])
+    wanted, advantage = serving._reference_counts_to_defend(
+        objective, e_means, e_errors, thresholds, plug_in, single, np.array([True]), evidence.counts[None],
+        [(1, 2)], z)
+    assert 30 < wanted[0, 0] < 300 and advantage[0] > 0
+
+    def difference_error(reference_count):
+        more = serving.arm_posterior(_evidence(means, [[4000, 4000, reference_count]] * 2))
+        return serving._difference_error(objective, more.means[None], more.standard_errors[None],
+                                         objective.thresholds(more.means[None]), plug_in, single)[0]
+
+    assert difference_error(int(np.ceil(wanted[0, 0]))) == pytest.approx(advantage[0] / z, rel=0.02)
+    assert difference_error(int(wanted[0, 0] / 2)) > 1.2 * advantage[0] / z
