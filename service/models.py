@@ -198,7 +198,10 @@ class Round(Base):
     summary: Mapped[dict[str, Any] | None]
     #: What the summary is computed from (state and pooled statistics right after the update), written
     #: with the update and cleared with the summary's write: a summary lost to a crash is repaired from it.
-    #: Its arrays are stored packed (:class:`PackedArraysJSON`): at K = 100,000 it holds the whole state.
+    #: The last round a close applies only refers to the experiment's row (``{"from_experiment":
+    #: {"applied_rounds": n}}``: its state and running totals are the round's until the next update,
+    #: which writes the input in full first if the summary is still missing); other rounds' inputs hold
+    #: the state and the pooled statistics, their arrays packed (:class:`PackedArraysJSON`).
     summary_input: Mapped[dict[str, Any] | None] = mapped_column(PackedArraysJSON, deferred=True)
 
 

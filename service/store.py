@@ -633,25 +633,63 @@ def close_and_start_round(session: Session, current: Round, *, now: datetime, ne
 def store_summaries(database: Database, experiment_id: int, summaries: list[tuple[int, RoundSummary]]) -> None:
     """Store ``(round_index, summary)`` of rounds that have none yet, in one transaction, and clear their
     summary inputs (a round whose summary another process stored first keeps that one)."""
+    r = _rounds.c
     with database.write() as session:
         for round_index, summary in summaries:
+            # One statement: on SQLite an UPDATE rewrites the whole row (its K propensities and deployed
+            # mixture included), so the summary and the cleared input are written together.
             session.execute(
                 sa.update(_rounds)
-                .where(_rounds.c.experiment_id == experiment_id, _rounds.c.index == round_index,
-                       _rounds.c.summary.is_(None))
-                .values(summary=summary.to_json())
-            )
-            session.execute(
-                sa.update(_rounds)
-                .where(_rounds.c.experiment_id == experiment_id, _rounds.c.index == round_index,
-                       _rounds.c.summary_input.is_not(None))
-                .values(summary_input=None)
+                .where(r.experiment_id == experiment_id, r.index == round_index,
+                       sa.or_(r.summary.is_(None), r.summary_input.is_not(None)))
+                .values(summary=sa.func.coalesce(r.summary, sa.bindparam("summary", summary.to_json(),
+                                                                          type_=r.summary.type)),
+                        summary_input=None)
             )
 
 
 def record_summary_input(round_row: Round, summary_input: dict[str, Any]) -> None:
     """Keep what the round's summary is computed from, written with its update (at commit)."""
     round_row.summary_input = summary_input
+
+
+def unsummarized_input(session: Session, experiment_id: int, round_index: int) -> dict[str, Any] | None:
+    """The summary input of round ``round_index`` when its summary is not stored yet (None: stored, or no
+    input). One indexed row; the input itself is read only when the summary is missing."""
+    r = _rounds.c
+    where = (r.experiment_id == experiment_id, r.index == round_index, r.summary.is_(None), r.summary_input.is_not(None))
+    if session.execute(sa.select(sa.literal(1)).where(*where)).first() is None:
+        return None
+    return session.execute(sa.select(Round.summary_input).where(*where)).scalar_one_or_none()
+
+
+def replace_summary_input(session: Session, experiment_id: int, round_index: int, summary_input: dict[str, Any]) -> None:
+    """Replace round ``round_index``'s summary input, unless its summary was stored meanwhile."""
+    session.execute(sa.update(Round)
+                    .where(Round.experiment_id == experiment_id, Round.index == round_index, Round.summary.is_(None),
+                           Round.summary_input.is_not(None))
+                    .values(summary_input=summary_input))
+
+
+def experiment_state(session: Session, experiment_id: int) -> sa.Row | None:
+    """``(applied_rounds, state, segment_state)`` of the experiment, without a lock (None: no such
+    experiment)."""
+    e = _experiments.c
+    return session.execute(sa.select(e.applied_rounds, e.state, e.segment_state).where(e.id == experiment_id)
+                           ).one_or_none()
+
+
+def round_propensities(session: Session, experiment_id: int, round_index: int) -> list[float] | None:
+    """The propensities served in round ``round_index`` (None: no such round), in ``session``."""
+    return session.execute(
+        sa.select(Round.probabilities).where(Round.experiment_id == experiment_id, Round.index == round_index)
+    ).scalar_one_or_none()
+
+
+def pooled_totals(session: Session, experiment_id: int, shape: tuple[int, int, int]) -> Statistics:
+    """The running totals (S, M, K) as they are stored (the pooled statistics of the applied rounds,
+    without the late cells since the last update)."""
+    return _statistics(_read_pooled_arrays(session, experiment_id, shape))
 
 
 def pending_summaries(database: Database, applied_before: datetime, limit: int = 20) -> list[tuple[int, int, dict]]:

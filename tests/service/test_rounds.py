@@ -293,13 +293,22 @@ def test_default_page_size_bounds_the_cells_of_a_page():
     assert default_page_rounds(300_000) == 1
 
 
-def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api, setup_a, monkeypatch):
+@pytest.mark.parametrize("segmented", [False, True], ids=["unsegmented", "open-set"])
+def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api, setup_a, monkeypatch, segmented):
     """The close commits, then the summary's write fails (a crash, a locked SQLite): the round keeps
-    what its summary is computed from, and the next tick stores the very summary the close would have."""
+    what its summary is computed from, and the next tick stores the very summary the close would have.
+    The last applied round's input only refers to the experiment (its state and totals are the round's
+    until the next update); the next close writes it in full before its update changes them. With an
+    open set of segments, a value gets its own segment in between."""
     api = backend_api
     app = api.client.application
     for name in ("lost", "kept"):
-        assert api("POST", "/api/v1/experiments", json=setup_a(name=name, round_seconds=60)).status_code == 201
+        body = setup_a(name=name, round_seconds=60)
+        if segmented:
+            body["objective"] = {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]}
+            body.update(segments={"by": "country", "min_units": 10, "max_segments": 4}, algorithm={"preset": "paper"})
+        created = api("POST", "/api/v1/experiments", json=body)
+        assert created.status_code == 201, created.get_json()
     lost_id, kept_id = experiment_row_named(app, "lost").id, experiment_row_named(app, "kept").id
     real_store = store.store_summaries
 
@@ -312,13 +321,24 @@ def test_a_summary_lost_after_the_close_is_repaired_at_the_next_tick(backend_api
         for name in ("lost", "kept"):
             batch = [{"id": f"{name}{round_index}-{i}", "unit": f"u{round_index}-{i}", "round": round_index,
                       "values": {"x": 1.0 if i % 3 else -1.0, "y": 0.5 - (i % 2)}} for i in range(40)]
+            if segmented:
+                for i, observation in enumerate(batch):
+                    observation["segment"] = ["fr", "de", "jp"][i % 3] if round_index else ["fr", "de"][i % 2]
             response = api("POST", f"/api/v1/experiments/{name}/observations", role="ingest",
                            json={"observations": batch})
-            assert response.status_code == 202
+            assert response.status_code == 202, response.get_json()
         with monkeypatch.context() as patch:
             patch.setattr(store, "store_summaries", failing_store)
             advances = close_due_rounds(get_uow(app), max(row.ends_at for row in round_rows(app)))
         assert sorted(advance.experiment for advance in advances) == ["kept", "lost"]
+        with get_db(app).read() as session:
+            inputs = {index: data for index, data in session.execute(
+                sa.select(Round.index, Round.summary_input).where(Round.experiment_id == lost_id)) if data is not None}
+        # Only the last applied round refers to the experiment; the earlier ones were kept in full.
+        assert sorted(inputs) == list(range(round_index + 1)), inputs
+        assert inputs[round_index] == {"from_experiment": {"applied_rounds": round_index + 1}}
+        assert all({"state", "pooled", "propensities"} <= set(inputs[index]) for index in range(round_index))
+        assert all(("segment_state" in inputs[index]) == segmented for index in range(round_index))
     with get_db(app).read() as session:
         summaries = dict(session.execute(sa.select(Round.experiment_id, sa.func.count(Round.summary))
                                          .group_by(Round.experiment_id)).all())
