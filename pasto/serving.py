@@ -267,7 +267,8 @@ def arm_posterior(statistics: Statistics) -> Estimate:
 
     Each metric's arm means get the normal prior N(m, tau^2): tau^2 the Paule-Mandel estimate of
     the observed arms' spread beyond their own sampling variances, m their mean weighted by
-    1 / (tau^2 + se_k^2) (:func:`_between_arm_variance`; tau^2 at least 1% of their plain variance). Arm k's noise variance pools its sample variance (n_k - 1 degrees of freedom)
+    1 / (tau^2 + se_k^2) (:func:`_between_arm_variance`; tau^2 at least 1% of their plain
+    variance). Arm k's noise variance pools its sample variance (n_k - 1 degrees of freedom)
     with the metric's within-arm variance (``_VARIANCE_PRIOR_DF``). Posterior precision
     1 / tau^2 + n_k / s_k^2. Entries are infinite (standard error) while fewer than two arms of a
     metric have data or no arm has two observations.
@@ -314,40 +315,54 @@ def arm_posterior(statistics: Statistics) -> Estimate:
     return Estimate(means=posterior_mean, standard_errors=error)
 
 
-# Bisection steps of the Paule-Mandel equation on tau in [0, sqrt(spread)] (precision 2^-40 of it).
-_BETWEEN_STEPS = 40
+# Newton steps on the Paule-Mandel equation at most (from the DerSimonian-Laird start: a handful).
+_BETWEEN_STEPS = 50
 
 
 def _between_arm_variance(mean, sampling, has, spread, plain_mean):
     """Paule-Mandel estimate of the arms' spread tau^2 and the matching prior mean; (..., M, 1) each.
 
     The observed arms' sample means y_k ~ N(m, tau^2 + v_k) with unequal sampling variances v_k;
-    tau^2 solves sum_k (y_k - m)^2 / (tau^2 + v_k) = (number of arms - 1), m the mean weighted by
-    1 / (tau^2 + v_k) (0 when the left side is already below at tau^2 = 0). Subtracting the
-    *average* v_k from the plain spread instead let a few arms seen once (v_k large) cancel the
-    spread of the well-measured ones: the prior then shrank an unobserved arm so far that its
-    upper bound never reached the best arm's, and it was never tried.
+    tau^2 solves Q(tau^2) = sum_k (y_k - m)^2 / (tau^2 + v_k) = (number of arms - 1), m the mean
+    weighted by 1 / (tau^2 + v_k) (0 when Q(0) is already below), by Newton's method (Q is convex
+    and decreasing, Q' = -sum_k (y_k - m)^2 / (tau^2 + v_k)^2). Subtracting the *average* v_k from the plain spread instead let a few arms seen once
+    (v_k large) cancel the spread of the well-measured ones: the prior then shrank an unobserved
+    arm so far that its upper bound never reached the best arm's, and it was never tried.
     """
     count = has.sum(axis=-1, keepdims=True)
+    y = np.where(has, mean, 0.0)
     variance = np.where(has, sampling, np.inf)
 
-    def excess(tau2):
-        weights = np.where(has, 1.0 / (tau2 + variance), 0.0)
+    def moments(tau2):
+        weights = 1.0 / (tau2 + variance)  # 0 for arms without data
         total = weights.sum(axis=-1, keepdims=True)
-        centre = np.divide((weights * np.where(has, mean, 0.0)).sum(axis=-1, keepdims=True), total,
-                           out=plain_mean.copy(), where=total > 0)
-        statistic = (weights * np.where(has, mean - centre, 0.0) ** 2).sum(axis=-1, keepdims=True)
-        return statistic - (count - 1.0), centre
+        centre = np.divide((weights * y).sum(axis=-1, keepdims=True), total, out=plain_mean.copy(),
+                           where=total > 0)
+        squares = weights * (y - centre) ** 2  # weight 0 where there is no data
+        return squares.sum(axis=-1, keepdims=True), (squares * weights).sum(axis=-1, keepdims=True), centre
 
     usable = np.isfinite(spread) & (spread > 0) & (count > 1)
-    top = np.sqrt(np.where(usable, spread, 1.0))
-    low, high = np.zeros_like(top), top.copy()
+    # Start at the DerSimonian-Laird estimate (one moment step from the fixed-effect weights):
+    # usually close; a Newton step from above the root lands below it (Q is convex), and from
+    # below the steps climb without passing it.
+    statistic, _, _ = moments(np.zeros_like(spread))
+    weights = 1.0 / variance
+    total = weights.sum(axis=-1, keepdims=True)
+    scale = total - np.divide((weights**2).sum(axis=-1, keepdims=True), total, out=np.zeros_like(total),
+                              where=total > 0)
+    tau2 = np.where(usable, np.maximum(np.divide(statistic - (count - 1.0), scale, out=np.zeros_like(scale),
+                                                 where=scale > 0), 0.0), 0.0)
+    active = usable.copy()
     for _ in range(_BETWEEN_STEPS):
-        middle = 0.5 * (low + high)
-        above = excess(middle**2)[0] > 0
-        low, high = np.where(above, middle, low), np.where(above, high, middle)
-    tau2 = np.where(usable, (0.5 * (low + high)) ** 2, np.where(np.isfinite(spread), 0.0, np.inf))
-    centre = excess(np.where(np.isfinite(tau2), tau2, 0.0))[1]
+        statistic, slope, _ = moments(tau2)
+        step = np.divide(statistic - (count - 1.0), slope, out=np.zeros_like(tau2), where=active & (slope > 0))
+        moved = np.where(active, np.maximum(tau2 + step, 0.0), tau2)
+        active = active & (np.abs(moved - tau2) > 1e-12 * np.maximum(moved, 1e-300))
+        tau2 = moved
+        if not active.any():
+            break
+    tau2 = np.where(usable, tau2, np.where(np.isfinite(spread), 0.0, np.inf))
+    centre = moments(np.where(np.isfinite(tau2), tau2, 0.0))[2]
     return tau2, np.where(usable, centre, plain_mean)
 
 
