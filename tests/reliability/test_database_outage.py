@@ -310,7 +310,8 @@ def test_postgres_stalled_healthz_answers_and_no_worker_is_killed(cluster, clust
     # Tolerance: PASTO_HEALTHZ_TIMEOUT (1.5 s) plus 0.5 s for the request itself on a loaded 2-core machine
     # (a /healthz answer takes ~5 ms idle); a /healthz that waited for the stalled database would take 11 s or
     # more.
-    assert max(seconds for _, seconds in health) < 2.0, health
+    assert max(seconds for _, seconds in health) < 2.0, (
+        f"{health}\naccess log:\n{server.access_log.read_text()[-3000:]}\nserver log:\n{server.log()[-3000:]}")
     thread.join(180)
     assert not thread.is_alive(), "the stream did not finish after the database came back"
     assert stream.error is None, repr(stream.error)
