@@ -791,6 +791,11 @@ def choose(
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
                                          known, references, observations_per_round, t, to_defend=to_defend)
         served = fixed + (1.0 - fixed.sum()) * served
+        # The deployed mixture answers to the served path's test: what the deploy test picked (the
+        # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
+        # evidence defends it. Without it a run whose arms all look alike (an arm never observed
+        # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
+        chosen, _ = _conservative(objective, flat_means, flat_errors, flat_thresholds, chosen, z_student, start)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)

@@ -207,14 +207,15 @@ class ServiceProcesses:
         command line), healthy when returned (if ``wait``).
 
         The access log records the pid of the worker that served each request (``%(p)s``), so a
-        test can tell which of the N workers answered what.
+        test can tell which of the N workers answered what, and the time the worker spent on it in
+        microseconds (``%(D)s``), so a slow answer shows whether the server or the client waited.
         """
         port = free_port()
         access_log = self.log_dir / f"gunicorn-access-{len(self.started)}.log"
         command = [PYTHON, "-m", "gunicorn", "-c", "python:service.gunicorn_conf", "-w", str(workers),
                    "-b", f"127.0.0.1:{port}",
                    "--access-logfile", str(access_log),
-                   "--access-logformat", "%(p)s %(m)s %(U)s %(q)s %(s)s",
+                   "--access-logformat", "%(p)s %(m)s %(U)s %(q)s %(s)s %(D)s",
                    "--graceful-timeout", "5", "--timeout", str(timeout), "service.wsgi:app"]
         process = self._launch("gunicorn", command, database_url, 1.0, port, access_log, settings)
         if wait:

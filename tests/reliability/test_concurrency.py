@@ -111,7 +111,7 @@ def child_pids(parent: int) -> set[int]:
     return children
 
 
-_ACCESS_LINE = re.compile(r"^<(?P<pid>\d+)> (?P<method>\S+) (?P<path>\S+) (?P<query>\S*) (?P<status>\d{3})$")
+_ACCESS_LINE = re.compile(r"^<(?P<pid>\d+)> (?P<method>\S+) (?P<path>\S+) (?P<query>\S*) (?P<status>\d{3}) (?P<microseconds>\d+)$")
 
 
 def access_log(path: Path) -> list[dict[str, str]]:

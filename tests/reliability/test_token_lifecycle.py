@@ -43,7 +43,7 @@ def access_log_entries(server) -> list[tuple[int, str, int]]:
     """(worker pid, path, status) of every request gunicorn logged so far."""
     entries = []
     for line in server.access_log.read_text().splitlines():
-        pid, _method, path, _query, status = line.split(" ", 4)
+        pid, _method, path, _query, status, _microseconds = line.split(" ", 5)
         entries.append((int(pid.strip("<>")), path, int(status)))
     return entries
 
