@@ -1653,7 +1653,8 @@ def bare_close_sql(database, experiment_id: int, round_index: int, n_arms: int, 
     cell index per row flattened into numpy) and the running totals (one row of K-arrays per metric, migration 0018), write
     the totals back (the same upsert of one row per metric, arrays of K float64), empty the late
     cells, write back the controller state it read (the stored document, of the size the close
-    writes: its arrays as the service packs them) and the next round's K probabilities. What any
+    writes: its arrays as the service packs them; the change detector's snapshots, which a close reads
+    and writes only when the detector looks, are not in it) and the next round's K probabilities. What any
     implementation of the close pays for its data. The experiment row is read with its state, as the
     close reads it. (Before 0018 the totals were one row per arm: an upsert of M x K rows from the
     round's cells in SQL, and a read of M x K rows.)"""
@@ -1723,6 +1724,8 @@ CLOSE_PARTS = (
     ("service.controller.rounds", "update", "update"),
     ("service.controller.rounds", "_summary_input", "summary input built"),
     ("service.store", "advance_experiment", "state write (with the flush)"),
+    ("service.store", "read_detector_snapshots", "detector snapshots read"),
+    ("service.store", "write_detector_snapshots", "detector snapshots written"),
     ("sqlalchemy.orm.SessionTransaction", "commit", "commit"),
     ("service.controller.rounds", "_summary", "summary computed"),
     ("service.store", "store_summaries", "summary written"),

@@ -351,6 +351,29 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The change detector's snapshots in a :class:`ControllerState`: 12 M x K of its numbers against
+#: about 7 K for the rest, changed only when the detector looks (:func:`detector_snapshots_read`).
+DETECTOR_SNAPSHOTS = ("change_origin", "window_origins")
+
+
+def detector_snapshots_read(config: AlgorithmConfig, round_index: int, rounds: int) -> tuple[str, ...]:
+    """The snapshots (of :data:`DETECTOR_SNAPSHOTS`) that updating ``rounds`` rounds from a state at
+    ``round_index`` reads, and the only ones it can change.
+
+    Safe serving reads ``change_origin`` (the evidence starts there) in every round and
+    ``window_origins`` only in a round that looks for a change (t a multiple of ``change_every``,
+    detection on); the exploration rule reads neither. An update whose state lacks a snapshot it
+    does not read returns it missing as well, so a caller that keeps the snapshots apart from the
+    state (the service) loads and stores just these.
+    """
+    if not config.safe:
+        return ()
+    rule = config.serving
+    first = round_index + 1
+    looks = rule.change_level > 0 and any(t % rule.change_every == 0 for t in range(first, first + rounds))
+    return DETECTOR_SNAPSHOTS if looks else DETECTOR_SNAPSHOTS[:1]
+
+
 @dataclass(frozen=True)
 class ControllerState:
     """Learned state of the controller.

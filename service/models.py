@@ -9,7 +9,8 @@ the sums of every applied round's :class:`RoundStatistic` rows, one row per (seg
 its K arms' totals as arrays (migration 0018), and :class:`LateStatistic` the observations ingestion
 accepted for rounds already applied (late data), which the next round update adds into the totals. A
 round update therefore reads one round's rows, the late cells and S x M rows of totals, never the
-history (``service.controller.rounds``, ``service.store``).
+history (``service.controller.rounds``, ``service.store``). The change detector's snapshots of the
+totals (:class:`DetectorSnapshot`) are kept apart from the state and rewritten only when it looks.
 """
 
 from __future__ import annotations
@@ -290,6 +291,25 @@ class PooledArrays(Base):
     count: Mapped[bytes] = mapped_column(sa.LargeBinary)
     sum: Mapped[bytes] = mapped_column(sa.LargeBinary)
     sum_of_squares: Mapped[bytes] = mapped_column(sa.LargeBinary)
+
+
+class DetectorSnapshot(Base):
+    """One of the change detector's snapshots of an experiment's pooled statistics
+    (:class:`pasto.algorithm.ControllerState`'s ``change_origin`` or ``window_origins``), as the
+    state's ``to_dict`` writes it: ``{"counts", "sums", "sums_of_squares"}``, packed.
+
+    Kept out of ``experiments.state`` (migration 0019): they are most of a state's numbers, change
+    only when the detector looks, and only a look reads the window origins, so a close reads and
+    writes them only then, and nothing else that reads the experiment parses them.
+    """
+
+    __tablename__ = "detector_snapshots"
+
+    experiment_id: Mapped[int] = mapped_column(
+        sa.ForeignKey("experiments.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    document: Mapped[dict[str, Any]] = mapped_column(PackedArraysJSON)
 
 
 #: The element type of :class:`PooledArrays`' arrays.

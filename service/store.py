@@ -42,7 +42,8 @@ from pasto.estimators import Statistics
 
 from .db import Database
 from .responses import RoundSummary
-from .models import (ARRAY_DTYPE, ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, Experiment, ExperimentEvent,
+from .models import (ARRAY_DTYPE, ROLES, Arm, ArmRoundCount, AuthFailure, Base, DeletedExperiment, DetectorSnapshot,
+                     Experiment, ExperimentEvent,
                      LateStatistic, ObservationId, Round, RoundCount, RoundStatistic, RoundUnit,
                      SchedulerHeartbeat, SegmentValueUnit, SourceCell, SourceStatus, SourceUnits, StatisticsBatch,
                      Token, utcnow)
@@ -612,6 +613,26 @@ def advance_experiment(session: Session, experiment: sa.Row, *, round_index: int
         .values(round_index=round_index, applied_rounds=applied_rounds, state=state,
                 version=_experiments.c.version + 1, updated_at=now)
     ).rowcount == 1
+
+
+def read_detector_snapshots(session: Session, experiment_id: int, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The experiment's stored change-detector snapshots among ``names`` (``change_origin``,
+    ``window_origins``), as ``ControllerState.to_dict`` wrote them; a name without a row is absent."""
+    names = list(names)
+    if not names:
+        return {}
+    d = DetectorSnapshot.__table__.c
+    return {name: document for name, document in session.execute(
+        sa.select(d.name, d.document).where(d.experiment_id == experiment_id, d.name.in_(names)))}
+
+
+def write_detector_snapshots(session: Session, experiment_id: int, documents: dict[str, dict[str, Any] | None]) -> None:
+    """Replace the named snapshots (a None document deletes the row)."""
+    table = DetectorSnapshot.__table__
+    for name, document in documents.items():
+        session.execute(sa.delete(table).where(table.c.experiment_id == experiment_id, table.c.name == name))
+        if document is not None:
+            session.execute(sa.insert(table).values(experiment_id=experiment_id, name=name, document=document))
 
 
 def close_and_start_round(session: Session, current: Round, *, now: datetime, next_index: int,

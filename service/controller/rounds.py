@@ -46,10 +46,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 import numpy as np
 
-from pasto.algorithm import AlgorithmConfig, ControllerState, EstimationConfig, round_generator, update
+from pasto.algorithm import (DETECTOR_SNAPSHOTS, AlgorithmConfig, ControllerState, EstimationConfig,
+                             detector_snapshots_read, round_generator, update)
 from pasto.estimators import Statistics
 from pasto.objectives import Objective
 from pasto.segments import (SegmentedConfig, SegmentedState, add_segments, aggregate_state, measured_shares,
@@ -298,9 +300,18 @@ def _advance_in(uow: UnitOfWork, session, experiment_id: int, now: datetime, man
     segment_state = segment_names = None
     if experiment.segment_state is not None:
         segment_state, segment_names = load_segment_state(experiment.segment_state)
+    snapshots: dict[str, Any] = {}  # the detector's snapshots this close read: name -> value read
     if due:
         algorithm, objective = algorithm_and_objective(uow, session, experiment_id, config)
         segmented = segmented_config(config, algorithm)
+        if segmented is None:
+            # The detector's snapshots live apart from the state (migration 0019): read only those
+            # the update reads (the window origins when it looks), so only those can change.
+            names = detector_snapshots_read(algorithm, state.round_index, len(due))
+            documents = store.read_detector_snapshots(session, experiment_id, names)
+            if documents:
+                state = ControllerState.from_dict({**experiment.state, **documents})
+            snapshots = {name: getattr(state, name) for name in names}
         if experiment.applied_rounds > 0:
             # Before this close changes the state and the totals: the previous round's summary, if still
             # missing, keeps what it is computed from.
@@ -360,10 +371,15 @@ def _advance_in(uow: UnitOfWork, session, experiment_id: int, now: datetime, man
             probabilities=state.probabilities.tolist(),
             segment_probabilities=None if segment_state is None else segment_state.probabilities.tolist(),
             scheduled_at=now)
+    document = state.to_dict(arrays=True)
+    apart = {name: document.pop(name, None) for name in DETECTOR_SNAPSHOTS}
     if not store.advance_experiment(session, experiment, round_index=new_round_index,
-                                    applied_rounds=experiment.applied_rounds + len(due), state=state.to_dict(arrays=True),
-                                    now=now):
+                                    applied_rounds=experiment.applied_rounds + len(due), state=document, now=now):
         raise _LostRace()
+    # A snapshot the update passed on as it was read is not written again (12 M x K numbers).
+    changed = [name for name, read in snapshots.items() if getattr(state, name) is not read]
+    if changed:
+        store.write_detector_snapshots(session, experiment_id, {name: apart[name] for name in changed})
     if segment_state is not None and due:
         store.write_segment_state(session, experiment_id, dump_segment_state(segment_state, segment_names))
     return RoundAdvance(

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from pasto.algorithm import (
+    DETECTOR_SNAPSHOTS,
+    detector_snapshots_read,
     round_generator,
     PRESETS,
     AlgorithmConfig,
@@ -374,3 +376,42 @@ def test_safe_update_without_choosing_mixtures_keeps_them_and_updates_the_rest_a
                 np.testing.assert_array_equal(actual, expected, err_msg=field.name)
         assert not np.array_equal(full.probabilities, state.probabilities)
         state = full
+
+
+def test_an_update_given_only_the_detector_snapshots_it_reads_computes_the_full_update():
+    """The service keeps the change detector's snapshots apart from the state and loads only those
+    :func:`detector_snapshots_read` names (the window origins only when a round looks): run that way,
+    storing a snapshot only when the update returns a new one, every state equals the full update's,
+    through a change the detector finds (so both snapshots move)."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.1, "penalty": 5.0}]})
+    config = AlgorithmConfig.from_preset("default", change_every=2)
+    rng = np.random.default_rng(8)
+    before, after = np.array([[1.0, 0.0, 0.5], [0.5, 0.5, 0.3]]), np.array([[0.0, 1.0, 0.5], [0.5, 0.5, 0.3]])
+    full = initial_state(config, 3, 2, (3,), objective=objective)
+    kept = {name: None for name in DETECTOR_SNAPSHOTS}
+    partial = dataclasses.replace(full, **kept)
+    pooled = Statistics.zeros(2, 3, (3,))
+    looked = 0
+    for round_number in range(40):
+        means = before if round_number < 20 else after
+        arms = rng.integers(0, 3, size=(3, 30))
+        round_stats = Statistics.from_observations(arms, means.T[arms] + 0.3 * rng.normal(size=(3, 30, 2)), 3)
+        pooled = pooled + round_stats
+        full = update(config, objective, full, round_stats, pooled, rng=round_generator(1, round_number + 1))
+        names = detector_snapshots_read(config, partial.round_index, 1)
+        looked += "window_origins" in names
+        given = dataclasses.replace(partial, **{name: kept[name] for name in names})
+        partial = update(config, objective, given, round_stats, pooled, rng=round_generator(1, round_number + 1))
+        for name in names:
+            if getattr(partial, name) is not getattr(given, name):
+                kept[name] = getattr(partial, name)
+        partial = dataclasses.replace(partial, **{name: None for name in DETECTOR_SNAPSHOTS})
+        assembled = dataclasses.replace(partial, **kept)
+        assert json.dumps(assembled.to_dict()) == json.dumps(full.to_dict()), round_number
+    assert looked == 20
+    assert full.changes.max() >= 1 and full.change_origin is not None
+    assert detector_snapshots_read(AlgorithmConfig.from_preset("paper"), 0, 5) == ()
+    assert detector_snapshots_read(config, 0, 1) == ("change_origin",)
+    assert detector_snapshots_read(config, 0, 2) == DETECTOR_SNAPSHOTS
+    assert detector_snapshots_read(AlgorithmConfig.from_preset("default", change_level=0.0, change_every=2), 0, 2) == (
+        "change_origin",)

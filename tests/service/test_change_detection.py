@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import sqlalchemy as sa
 
-from pasto.algorithm import ControllerState
+from pasto.algorithm import DETECTOR_SNAPSHOTS, ControllerState
+from service import store
 from service.db import get_db
-from service.models import Experiment
+from service.models import DetectorSnapshot, Experiment
 
 EXPERIMENT = "/api/v1/experiments/drift"
 
 
 def stored_state(app) -> ControllerState:
+    """The state with the change detector's snapshots, which are stored apart (``detector_snapshots``)."""
     with get_db(app).read() as session:
         row = session.execute(sa.select(Experiment).where(Experiment.name == "drift")).scalar_one()
-        return ControllerState.from_dict(row.state)
+        assert not set(row.state) & set(DETECTOR_SNAPSHOTS)
+        return ControllerState.from_dict({**row.state, **store.read_detector_snapshots(session, row.id, DETECTOR_SNAPSHOTS)})
+
+
+def stored_snapshots(app) -> dict[str, str]:
+    """The stored snapshot documents as JSON text, by name."""
+    with get_db(app).read() as session:
+        return {row.name: json.dumps(row.document, sort_keys=True)
+                for row in session.execute(sa.select(DetectorSnapshot)).scalars()}
 
 
 def play_round(api, rng, means: dict[str, float], units: int, round_number: int) -> None:
@@ -42,8 +54,15 @@ def test_the_default_detects_swapped_means_through_the_controller_and_relearns(a
     assert created.get_json()["algorithm"]["serving"] == "safe"
     rng = np.random.default_rng(5)
     before, after = {"a": 1.0, "b": 0.0}, {"a": 0.0, "b": 1.0}
+    snapshots = stored_snapshots(app)
     for round_number in range(40):
         play_round(api, rng, before, 30, round_number)
+        # The window origins are rewritten when the detector looks (every 10th round) and only then;
+        # no change yet, so no change origin.
+        now = stored_snapshots(app)
+        assert "change_origin" not in now
+        assert (now.get("window_origins") != snapshots.get("window_origins")) == ((round_number + 1) % 10 == 0)
+        snapshots = now
     state = stored_state(app)
     assert state.changes.tolist() == 0
     assert state.deployed[0] > 0.99

@@ -16,7 +16,7 @@ from service.models import Base
 
 EXPECTED_TABLES = {table.name for table in Base.metadata.sorted_tables}
 #: The tables below 0018, whose running totals were one row per arm (``pooled_statistics``), not arrays.
-TABLES_BEFORE_0018 = EXPECTED_TABLES - {"pooled_arrays"} | {"pooled_statistics"}
+TABLES_BEFORE_0018 = EXPECTED_TABLES - {"pooled_arrays", "detector_snapshots"} | {"pooled_statistics"}
 #: The per-segment statistics tables of 0009, which 0017 folds into the statistics tables (a
 #: ``segment_index`` in their keys): present only between the two.
 SEGMENT_STATISTICS_TABLES = {"segment_round_statistics", "segment_pooled_statistics", "segment_late_statistics"}
@@ -765,5 +765,62 @@ def test_0018_refuses_totals_of_arms_the_experiment_does_not_have(backend, reque
         assert migrations.current_revision(engine) == "0017"
         assert "pooled_arrays" not in _tables(url)
         assert _per_arm_rows(engine) == before
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------------------ 0019: detector snapshots apart
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0019_moves_the_detector_snapshots_out_of_the_state_and_back(backend, request):
+    """0019: a state's ``change_origin`` and ``window_origins`` become rows of ``detector_snapshots``
+    holding the same packed documents (the service reads back the same numbers, bit for bit); a state
+    without them is left as it is; the downgrade puts them back into the state unchanged."""
+    from service import store
+    from service.db import open_database
+    from service.models import pack_arrays
+
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0018")
+    rng = np.random.default_rng(19)
+    origin = {key: rng.normal(size=(2, 300)).tolist() for key in ("counts", "sums", "sums_of_squares")}
+    windows = {key: rng.normal(size=(3, 2, 300)).tolist() for key in ("counts", "sums", "sums_of_squares")}
+    rest = {"round_index": 30, "deployed": rng.random(300).tolist(), "changes": 1}
+    states = {1: {**rest, "change_origin": origin, "window_origins": windows}, 2: {**rest, "window_origins": windows},
+              3: dict(rest)}
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for experiment_id, state in states.items():
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, "
+                    "pruned_rounds, state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, "
+                    "30, 30, 0, :state, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
+                    {"id": experiment_id, "name": f"e{experiment_id}", "state": json.dumps(pack_arrays(state))})
+
+        def stored_states():
+            with engine.connect() as connection:
+                return {e: json.loads(text) if isinstance(text, str) else text for e, text in connection.execute(
+                    sa.text("SELECT id, state FROM experiments ORDER BY id"))}
+
+        before = stored_states()
+        migrations.upgrade(url, "0019")
+        after = stored_states()
+        for experiment_id, state in before.items():
+            assert after[experiment_id] == {k: v for k, v in state.items() if k not in ("change_origin", "window_origins")}
+        database = open_database(url)
+        try:
+            with database.read() as session:
+                names = ("change_origin", "window_origins")
+                assert store.read_detector_snapshots(session, 1, names) == {"change_origin": origin,
+                                                                            "window_origins": windows}
+                assert store.read_detector_snapshots(session, 2, names) == {"window_origins": windows}
+                assert store.read_detector_snapshots(session, 3, names) == {}
+        finally:
+            database.engine.dispose()
+        migrations.downgrade(url, "0018")
+        assert "detector_snapshots" not in _tables(url)
+        assert stored_states() == before
+        migrations.upgrade(url)
+        assert _tables(url) == EXPECTED_TABLES
     finally:
         engine.dispose()
