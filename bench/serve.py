@@ -1856,7 +1856,10 @@ def close_main(argv: list[str]) -> dict[str, Any]:
                                 row["close_ms"].append(seconds * 1000)
                                 row["bare_ms"].append(bare * 1000)
                                 row["inner_update_ms"].append(sum(inner_update) * 1000)
-                                row["parts_ms"].append({label: value * 1000 for label, value in parts.items()})
+                                # Every part, 0 for one this close did not call (the detector's
+                                # snapshots are written only when it looks).
+                                row["parts_ms"].append({label: parts.get(label, 0.0) * 1000
+                                                        for _, _, label in CLOSE_PARTS})
                             print(f"[{name}] K = {n_arms:,} round {round_index}: close {seconds * 1000:,.0f} ms, "
                                   f"bare SQL {bare * 1000:,.0f} ms, update in the close "
                                   f"{sum(inner_update) * 1000:,.0f} ms", flush=True)

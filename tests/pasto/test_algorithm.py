@@ -147,7 +147,7 @@ def test_field_defaults_are_the_default_preset():
     assert AlgorithmConfig.from_dict({"estimator": "ips"}) == AlgorithmConfig.from_preset("default", estimator="ips")
     assert AlgorithmConfig().to_dict() == {
         "estimator": "pooled", "discount": 1.0,
-        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 1,
+        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 4,
         "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 0.01,
         "change_every": 25,
     }

@@ -811,7 +811,7 @@ def test_posterior_exploration_tests_an_arm_outside_the_support_that_could_belon
     assert settled[2] < 0.01
 
 
-def test_posterior_draws_are_validated_with_a_sentence_default_to_1_and_zero_is_the_conservative_path_alone():
+def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_the_conservative_path_alone():
     from pasto import algorithm
 
     for bad in (-1, 65, 2.0, True, "4"):
@@ -819,8 +819,8 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_1_and_zero_is_
             serving.ServingConfig(posterior_draws=bad)
         with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
             algorithm.AlgorithmConfig.from_preset("default", serving_posterior_draws=bad)
-    assert serving.ServingConfig().posterior_draws == 1
-    assert algorithm.AlgorithmConfig().serving.posterior_draws == 1
+    assert serving.ServingConfig().posterior_draws == 4
+    assert algorithm.AlgorithmConfig().serving.posterior_draws == 4
     # With no draws (and the conservative undecided rule: the default best_arm rule would also send
     # arm 2, a plausible best single arm, its best-arm half), what is served is the support's path
     # plus the directed share, nothing else: the case above gives arm 2 only that share.
