@@ -45,7 +45,11 @@ def wide_server(tmp_path_factory) -> Iterator[LiveServer]:
             "name": NAME,
             "arms": [{"name": f"a{k}", "params": {"k": k}} for k in range(N_ARMS)],
             "metrics": ["x", "y"],
-            "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}]},
+            # A production setting to start from: the deployed mixture leaves it only as far as the
+            # evidence defends (without one it starts at the uniform mixture over 150 arms, and arms
+            # seen once have no standard error, so the page rightly shows no primary estimate yet).
+            "objective": {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "penalty": 5.0}],
+                          "baseline": "a37"},
             "round_seconds": 3600,
             "seed": 5,
         })
