@@ -23,6 +23,16 @@ from gunicorn.workers.sync import SyncWorker
 
 worker_class = "service.gunicorn_conf.JsonErrorSyncWorker"
 
+
+def post_worker_init(worker) -> None:
+    """Log that a worker has loaded the application and starts accepting requests.
+
+    gunicorn logs "Booting worker" before the import, which takes seconds (and longer while the
+    database does not answer the startup check); until this line a booting worker takes no
+    request, so an operator (or a test) can tell how many workers serve.
+    """
+    worker.log.info("Worker ready (pid: %s): the application is loaded", worker.pid)
+
 #: gunicorn's own refusals: status, the application's error code for it, the message.
 _REFUSALS = (
     (LimitRequestLine, 414, "URI Too Long", "request_uri_too_large",

@@ -101,6 +101,18 @@ class ServiceProcess:
                                    f"{self.log()[-4000:]}")
             time.sleep(0.1)
 
+    def wait_for_log(self, text: str, *, count: int = 1, deadline_seconds: float = START_SECONDS) -> None:
+        """Block until ``text`` appears ``count`` times in the process's log."""
+        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine.
+        deadline = time.monotonic() + deadline_seconds
+        while self.log().count(text) < count:
+            if not self.running():
+                raise RuntimeError(f"{self.label} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.label} logged {text!r} {self.log().count(text)} of {count} times in "
+                                   f"{deadline_seconds} s:\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+
     def wait_scheduling(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``pasto worker`` has logged that its scheduler runs."""
         # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine.
@@ -220,6 +232,9 @@ class ServiceProcesses:
         process = self._launch("gunicorn", command, database_url, 1.0, port, access_log, settings)
         if wait:
             process.wait_healthy()
+            # One worker answers /healthz while the others may still be importing the application; a
+            # test that then stops the database would see a worker boot into the outage.
+            process.wait_for_log("Worker ready (pid:", count=workers)
         return process
 
     def worker(self, database_url: str, *, scheduler_interval: float = 0.2, wait: bool = True) -> ServiceProcess:
