@@ -641,6 +641,57 @@ def measure_update_alone(n_arms: int, preset: str, rounds: int, seed: int = 0,
     return _split_rounds(times, preset)
 
 
+def measure_update_against_bare(n_arms: int, rounds: int, seed: int = 0) -> dict[str, float]:
+    """Median milliseconds over rounds 1..``rounds`` of the default ``update`` and, on the same
+    statistics in the same round, its bare baselines: one Thompson-sampling step (one posterior draw
+    per arm and metric, the arm that scores best: ``baselines.thompson_update`` with ``draws=1``;
+    also the benchmarks' Thompson with 16 draws) and one exact solve of the plug-in means
+    (``optimum.solve``). The order of the four is rotated every round."""
+    from pasto.algorithm import AlgorithmConfig, initial_state, round_generator, update
+    from pasto.baselines import ThompsonConfig, thompson_initial_state, thompson_update
+    from pasto.estimators import Statistics
+    from pasto.objectives import Objective
+    from pasto.optimum import solve
+
+    rng = np.random.default_rng(seed)
+    config = AlgorithmConfig.from_preset("default")
+    objective = Objective.from_spec(list(METRICS), OBJECTIVE)
+    thompson_one, thompson_many = ThompsonConfig(draws=1), ThompsonConfig()
+    warm = initial_state(config, 3, len(METRICS), objective=objective)  # first calls import and set up
+    warm_statistics = synthetic_statistics(np.random.default_rng(1), np.zeros((len(METRICS), 3)), 3)
+    update(config, objective, warm, warm_statistics, warm_statistics, rng=round_generator(seed, 0))
+    thompson_update(thompson_one, objective, thompson_initial_state(thompson_one, 3, len(METRICS)),
+                    warm_statistics, warm_statistics, rng=np.random.default_rng(0))
+    solve(objective, warm_statistics.sums / np.maximum(warm_statistics.counts, 1.0))
+    state = initial_state(config, n_arms, len(METRICS), objective=objective)
+    thompson_state = thompson_initial_state(thompson_one, n_arms, len(METRICS))
+    means = rng.uniform(-1.0, 1.0, (len(METRICS), n_arms))
+    pooled = Statistics.zeros(len(METRICS), n_arms)
+    times: dict[str, list[float]] = {"update": [], "thompson_1": [], "thompson_16": [], "solve": []}
+    for t in range(1, rounds + 1):
+        round_statistics = synthetic_statistics(rng, means, 3)
+        pooled = pooled + round_statistics
+        plug_in = pooled.sums / np.maximum(pooled.counts, 1.0)
+        steps = {
+            "update": lambda: update(config, objective, state, round_statistics, pooled,
+                                     rng=round_generator(seed, t)),
+            "thompson_1": lambda: thompson_update(thompson_one, objective, thompson_state, round_statistics,
+                                                  pooled, rng=np.random.default_rng([seed, t])),
+            "thompson_16": lambda: thompson_update(thompson_many, objective, thompson_state, round_statistics,
+                                                   pooled, rng=np.random.default_rng([seed, t])),
+            "solve": lambda: solve(objective, plug_in),
+        }
+        names = list(steps)
+        names = names[t % len(names):] + names[:t % len(names)]
+        for name in names:
+            started = time.perf_counter()
+            result = steps[name]()
+            times[name].append((time.perf_counter() - started) * 1000)
+            if name == "update":
+                state = result
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def _split_rounds(times: dict[int, float], preset: str) -> dict[str, Any]:
     plain = [ms for t, ms in times.items() if not _is_solve_round(preset, t)]
     solve = [ms for t, ms in times.items() if _is_solve_round(preset, t)]

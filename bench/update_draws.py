@@ -11,6 +11,11 @@ prints the table of docs/benchmarks.md's "Round update: posterior draws"; ``--op
 costs:
 
     python bench/update_draws.py --option serving_undecided --values conservative,best_arm
+
+``--against-bare`` times the default update against its bare baselines on the same statistics
+(issue 34: "no slower than a small constant times a bare Thompson step plus one exact solve"):
+
+    OPENBLAS_NUM_THREADS=1 python bench/update_draws.py --against-bare --arms 10,100,1000,10000,100000
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve import measure_update_alone  # noqa: E402
+from bench.serve import measure_update_against_bare, measure_update_alone  # noqa: E402
 
 
 def _value(text: str):
@@ -36,7 +41,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="alternating measurements per setting")
     parser.add_argument("--option", default="serving_posterior_draws", help="the algorithm option compared")
     parser.add_argument("--values", default="0,4", help="its two values, comma-separated (the second over the first)")
+    parser.add_argument("--against-bare", action="store_true",
+                        help="time the default update against a bare Thompson step and one exact solve")
     arguments = parser.parse_args(argv)
+    if arguments.against_bare:
+        return against_bare(arguments)
     first, second = (_value(text) for text in arguments.values.split(","))
     results = {}
     print(f"| K | update, {arguments.option} = {first} (ms, median of rounds) | {arguments.option} = {second} (ms) "
@@ -55,6 +64,23 @@ def main(argv: list[str] | None = None) -> dict:
         ratio = statistics.median(pair[second] / pair[first] for pair in pairs)
         results[n_arms] = {str(first): before, str(second): after, "ratio": ratio}
         print(f"| {n_arms:,} | {before:.1f} | {after:.1f} | {ratio:.2f} |", flush=True)
+    return results
+
+
+def against_bare(arguments) -> dict:
+    """One row per K: the default update, a bare Thompson step, one exact solve, and the ratio."""
+    results = {}
+    print("| K | default update (ms) | Thompson step, 1 draw (ms) | Thompson, 16 draws (ms) | one exact solve (ms) "
+          "| **update / (Thompson step + solve)** |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for n_arms in (int(k) for k in arguments.arms.split(",")):
+        runs = [measure_update_against_bare(n_arms, arguments.rounds, seed=repeat)
+                for repeat in range(arguments.repeats)]
+        row = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+        row["ratio"] = statistics.median(run["update"] / (run["thompson_1"] + run["solve"]) for run in runs)
+        results[n_arms] = row
+        print(f"| {n_arms:,} | {row['update']:.2f} | {row['thompson_1']:.3f} | {row['thompson_16']:.2f} "
+              f"| {row['solve']:.2f} | **{row['ratio']:.1f}** |", flush=True)
     return results
 
 

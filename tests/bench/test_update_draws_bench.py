@@ -49,3 +49,13 @@ def test_another_option_can_be_compared(bench, capsys, monkeypatch):
                      (5, {"serving_undecided": "best_arm"}), (5, {"serving_undecided": "conservative"})]
     assert results[5]["conservative"] > 0 and results[5]["best_arm"] > 0 and math.isfinite(results[5]["ratio"])
     assert "serving_undecided = conservative" in capsys.readouterr().out
+
+
+def test_against_bare_times_the_update_beside_a_thompson_step_and_one_solve(bench, capsys):
+    results = bench.main(["--against-bare", "--arms", "5,40", "--rounds", "2", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "K |" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["5", "40"]
+    for n_arms in (5, 40):
+        figures = results[n_arms]
+        assert all(figures[name] > 0 for name in ("update", "thompson_1", "thompson_16", "solve"))
+        assert figures["ratio"] > 0 and math.isfinite(figures["ratio"])
