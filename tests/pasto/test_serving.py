@@ -830,6 +830,29 @@ def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_
     assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
 
 
+@pytest.mark.parametrize("n_untested", [3, 30])
+def test_the_directed_share_is_one_over_n_sqrt_t_per_plausible_arm_and_at_most_half(n_untested):
+    """A run serving a defended mixture of arms 0 and 1 (2,000 observations each) with
+    ``n_untested`` arms of 5 observations each, every one plausible (its reading X 0.9, Y 0.6 / 0.6
+    could beat the mixture), at n = 10 observations a round: with no posterior draws (and the
+    conservative undecided rule) the untested arms share the directed traffic alone, 1 / (n sqrt(t))
+    each (each one's count grows like sqrt(t)), and at most half of the round in all."""
+    objective = load_scenario("setup-b").objective()
+    columns = [[1.0, 0.9, 0.1], [1.0, 0.1, 0.9]] + [[0.9, 0.6, 0.6]] * n_untested + [[0.0, 0.0, 0.0]]
+    means = np.array(columns).T
+    n_arms = means.shape[1]
+    counts = np.broadcast_to(np.array([2000.0, 2000.0] + [5.0] * n_untested + [2000.0]), means.shape)
+    statistics = Statistics(counts[None].copy(), (counts * means)[None], (counts * (means**2 + 1.0))[None])
+    config = serving.ServingConfig(posterior_draws=0, undecided="conservative")
+    for t in (40, 400):
+        served = serving.choose(config, objective, statistics, t, np.zeros((1, n_arms)), 10.0,
+                                np.full((1, n_arms), 1.0 / n_arms), round_generator(0, t))[0][0]
+        untested = served[2:2 + n_untested]
+        share = min(n_untested / (10.0 * np.sqrt(t)), 0.5)
+        np.testing.assert_allclose(untested, share / n_untested, rtol=1e-9)
+        assert served[-1] < 1e-9 and served[0] + served[1] == pytest.approx(1.0 - share)
+
+
 def test_batched_posterior_draws_equal_the_same_draws_made_one_after_another():
     """``drawn_mixture(..., draws=n)`` is exactly n single calls on a generator in the same state,
     and leaves the generator where they leave it."""
