@@ -507,10 +507,7 @@ class ControllerState:
             h = data["history"]
             history = History(array(h["sums"]), array(h["sums_of_squares"]), array(h["weights"]))
         def statistics(name: str) -> Statistics | None:
-            if data.get(name) is None:
-                return None
-            d = data[name]
-            return Statistics(array(d["counts"]), array(d["sums"]), array(d["sums_of_squares"]))
+            return None if data.get(name) is None else _statistics_from_dict(data[name])
 
         return cls(
             round_index=int(data["round_index"]),
@@ -528,6 +525,20 @@ class ControllerState:
             window_origins=statistics("window_origins"),
             changes=None if data.get("changes") is None else np.asarray(data["changes"], dtype=int),
         )
+
+    def with_detector_snapshots(self, documents: dict[str, Any]) -> ControllerState:
+        """This state with the change detector's snapshots (:data:`DETECTOR_SNAPSHOTS`) taken from
+        ``documents`` (their ``to_dict`` form, stored apart from the state), the rest as it is."""
+        unknown = sorted(set(documents) - set(DETECTOR_SNAPSHOTS))
+        if unknown:
+            raise ValueError(f"{unknown} are not detector snapshots ({list(DETECTOR_SNAPSHOTS)}).")
+        return dataclasses.replace(self, **{name: None if document is None else _statistics_from_dict(document)
+                                            for name, document in documents.items()})
+
+
+def _statistics_from_dict(data: dict[str, Any]) -> Statistics:
+    return Statistics(np.asarray(data["counts"], dtype=float), np.asarray(data["sums"], dtype=float),
+                      np.asarray(data["sums_of_squares"], dtype=float))
 
 
 def round_generator(seed: int, round_number: int) -> np.random.Generator:

@@ -310,7 +310,7 @@ def _advance_in(uow: UnitOfWork, session, experiment_id: int, now: datetime, man
             names = detector_snapshots_read(algorithm, state.round_index, len(due))
             documents = store.read_detector_snapshots(session, experiment_id, names)
             if documents:
-                state = ControllerState.from_dict({**experiment.state, **documents})
+                state = state.with_detector_snapshots(documents)
             snapshots = {name: getattr(state, name) for name in names}
         if experiment.applied_rounds > 0:
             # Before this close changes the state and the totals: the previous round's summary, if still

@@ -410,6 +410,12 @@ def test_an_update_given_only_the_detector_snapshots_it_reads_computes_the_full_
         assert json.dumps(assembled.to_dict()) == json.dumps(full.to_dict()), round_number
     assert looked == 20
     assert full.changes.max() >= 1 and full.change_origin is not None
+    # The service attaches the stored documents to the state it parsed without them.
+    documents = {name: full.to_dict()[name] for name in DETECTOR_SNAPSHOTS}
+    attached = dataclasses.replace(full, **{name: None for name in DETECTOR_SNAPSHOTS}).with_detector_snapshots(documents)
+    assert json.dumps(attached.to_dict()) == json.dumps(full.to_dict())
+    with pytest.raises(ValueError, match="not detector snapshots"):
+        full.with_detector_snapshots({"discounted": documents["change_origin"]})
     assert detector_snapshots_read(AlgorithmConfig.from_preset("paper"), 0, 5) == ()
     assert detector_snapshots_read(config, 0, 1) == ("change_origin",)
     assert detector_snapshots_read(config, 0, 2) == DETECTOR_SNAPSHOTS
