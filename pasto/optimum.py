@@ -384,13 +384,37 @@ def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_acti
     return p, np.maximum(mu, 0.0), np.maximum(nu, 0.0)
 
 
+def _columns(matrix):
+    """(start, index, value) of ``matrix`` in compressed-column form, its nonzero entries only, rows in
+    increasing order within a column: what ``scipy.sparse.csc_matrix(matrix)`` stores. A dense matrix
+    is converted with numpy (scipy.sparse's constructors cost more than small solves themselves); a
+    sparse one (already summed and sorted) goes through scipy.sparse."""
+    if sparse.issparse(matrix):
+        matrix = sparse.csc_matrix(matrix)
+        return matrix.indptr, matrix.indices, matrix.data
+    columns = np.asarray(matrix).T
+    stored = columns != 0
+    start = np.zeros(columns.shape[0] + 1, dtype=np.int32)
+    np.cumsum(np.count_nonzero(stored, axis=1), out=start[1:])
+    return start, np.nonzero(stored)[1].astype(np.int32), columns[stored].astype(float, copy=False)
+
+
+def _diagonal_columns(diagonal):
+    """:func:`_columns` of the square matrix with this diagonal, (n,), built in O(n)."""
+    diagonal = np.asarray(diagonal, dtype=float)
+    stored = diagonal != 0
+    start = np.zeros(diagonal.shape[0] + 1, dtype=np.int32)
+    np.cumsum(stored, out=start[1:])
+    return start, np.flatnonzero(stored).astype(np.int32), diagonal[stored]
+
+
 def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_diagonal=None):
     """Minimise cost.x (+ x^T diag(h) x / 2) s.t. row_lower <= matrix x <= row_upper, col bounds.
 
     ``hessian_diagonal`` (n,) may be given on a trailing block of columns only (zeros elsewhere).
     Returns (model status, x, row duals).
     """
-    matrix = sparse.csc_matrix(matrix)
+    start, index, value = _columns(matrix)
     lp = highspy.HighsLp()
     lp.num_col_ = matrix.shape[1]
     lp.num_row_ = matrix.shape[0]
@@ -400,19 +424,16 @@ def _highs(cost, col_lower, col_upper, matrix, row_lower, row_upper, hessian_dia
     lp.row_lower_ = np.asarray(row_lower, dtype=float)
     lp.row_upper_ = np.asarray(row_upper, dtype=float)
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-    lp.a_matrix_.start_ = matrix.indptr
-    lp.a_matrix_.index_ = matrix.indices
-    lp.a_matrix_.value_ = matrix.data
+    lp.a_matrix_.start_ = start
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = value
     model = highspy.HighsModel()
     model.lp_ = lp
     if hessian_diagonal is not None and np.any(hessian_diagonal):
-        diagonal = sparse.csc_matrix(sparse.diags(np.asarray(hessian_diagonal, dtype=float)))
         hessian = highspy.HighsHessian()
         hessian.dim_ = matrix.shape[1]
         hessian.format_ = highspy.HessianFormat.kTriangular
-        hessian.start_ = diagonal.indptr
-        hessian.index_ = diagonal.indices
-        hessian.value_ = diagonal.data
+        hessian.start_, hessian.index_, hessian.value_ = _diagonal_columns(hessian_diagonal)
         model.hessian_ = hessian
     # The bare C++ class (exported as ``highspy._Highs``): the ``Highs`` wrapper installs Python
     # callbacks, which cost time per instance and print HiGHS's banner on stdout (past sys.stdout,

@@ -75,7 +75,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import stats
 from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
@@ -733,6 +732,11 @@ def choose(
         # The standard errors rest on estimated noise variances: Student's t with the pooled degrees
         # of freedom (few observations per arm would otherwise look more certain than they are).
         degrees = np.maximum(statistics.counts - 1.0, 0.0).sum(axis=-1).min(axis=-1).reshape(flat)
+        # Imported here, not at the top: scipy.stats costs ~0.5 s of CPU at import, and every process
+        # that imports the service imports this module, most of them (web workers, CLI commands)
+        # never closing a round with soft guardrails (as in pasto.diagnostics).
+        from scipy import stats
+
         z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
 
     chosen, defended, arm_values = _defensible(

@@ -255,6 +255,37 @@ def test_models_match_the_migration(backend, request):
     assert differences == []
 
 
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_the_schema_check_reads_what_alembic_reads(backend, request):
+    """head_revision and current_revision (which the schema check uses without importing Alembic)
+    answer what Alembic's ScriptDirectory and MigrationContext answer: never migrated, at every
+    revision on the way up, and back down to none."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(migrations.SCRIPT_LOCATION))
+    assert migrations.head_revision() == script.get_current_head()
+    url = request.getfixturevalue(f"{backend}_url")
+    engine = sa.create_engine(url)
+
+    def both() -> tuple[str | None, str | None]:
+        with engine.connect() as connection:
+            alembic_says = MigrationContext.configure(connection).get_current_revision()
+        return migrations.current_revision(engine), alembic_says
+
+    try:
+        assert both() == (None, None)
+        revisions = [revision.revision for revision in reversed(list(script.walk_revisions()))]
+        assert revisions[-1] == migrations.head_revision() and len(revisions) > 1
+        for revision in revisions:
+            migrations.upgrade(url, revision)
+            assert both() == (revision, revision)
+        migrations.downgrade(url)
+        assert both() == (None, None)  # the version table is still there, without a row
+    finally:
+        engine.dispose()
+
+
 def test_app_refuses_an_unmigrated_database(sqlite_url):
     with pytest.raises(SchemaOutOfDate, match="pasto db upgrade"):
         create_app({"PASTO_DATABASE_URL": sqlite_url})
