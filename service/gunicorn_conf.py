@@ -33,6 +33,7 @@ def post_worker_init(worker) -> None:
     """
     worker.log.info("Worker ready (pid: %s): the application is loaded", worker.pid)
 
+
 #: gunicorn's own refusals: status, the application's error code for it, the message.
 _REFUSALS = (
     (LimitRequestLine, 414, "URI Too Long", "request_uri_too_large",

@@ -115,14 +115,7 @@ class ServiceProcess:
 
     def wait_scheduling(self, deadline_seconds: float = START_SECONDS) -> None:
         """Block until ``pasto worker`` has logged that its scheduler runs."""
-        # Hang guard, not a tolerance: START_SECONDS (60) is ~20x a start on a loaded machine.
-        deadline = time.monotonic() + deadline_seconds
-        while "pasto worker: closing due rounds" not in self.log():
-            if not self.running():
-                raise RuntimeError(f"{self.label} exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.label} did not start in {deadline_seconds} s:\n{self.log()[-4000:]}")
-            time.sleep(0.1)
+        self.wait_for_log("pasto worker: closing due rounds", deadline_seconds=deadline_seconds)
 
     def signal_group(self, signum: int) -> None:
         if self.process is None:
