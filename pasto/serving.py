@@ -1261,6 +1261,12 @@ def _guardrail_variance(objective: Objective, errors: np.ndarray, mixture: np.nd
     """
     weights = objective.threshold_weights(mixture.shape[-1])  # (G, K)
     variance = errors[..., objective.guardrail_rows, :] ** 2  # (..., G, K)
+    return _slack_variance(mixture, weights, variance)
+
+
+def _slack_variance(mixture: np.ndarray, weights: np.ndarray, variance: np.ndarray) -> np.ndarray:
+    """:func:`_guardrail_variance` from the threshold weights (G, K) and the guarded rows' variances
+    (..., G, K), for a caller that evaluates many mixtures on the same posterior."""
     return np.sum((mixture[..., None, :] - weights) ** 2 * variance, axis=-1)
 
 
@@ -1329,19 +1335,39 @@ def _difference_error(objective, means, errors, thresholds, first, second):
     threshold c_j = w_j . V[g_j] also with w_jk (df/dc_j(first) - df/dc_j(second)), where
     df/dc_j = 2 lambda_j min(0, y_j - c_j).
     """
-    def sensitivities(mixture):
-        x = np.einsum("rmk,rk->rm", means, mixture)
-        shortfall = np.minimum(0.0, x[..., objective.guardrail_rows] - thresholds)
-        return objective.gradient(x, thresholds), 2.0 * objective.penalties * shortfall
-
-    gradient_first, by_threshold_first = sensitivities(first)
-    gradient_second, by_threshold_second = sensitivities(second)
-    coefficient = gradient_first[:, :, None] * first[:, None, :] - gradient_second[:, :, None] * second[:, None, :]
     weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    return _difference_error_against(objective, means, errors**2, thresholds, weights, first,
+                                     _reference_side(objective, means, thresholds, second))
+
+
+def _sensitivities(objective, means, thresholds, mixture, x=None):
+    """df/dx (R, M) and df/dc_j (R, G) at ``mixture`` (R, K); ``x`` = V mixture when known."""
+    if x is None:
+        x = np.einsum("rmk,rk->rm", means, mixture)
+    shortfall = np.minimum(0.0, x[..., objective.guardrail_rows] - thresholds)
+    return objective.gradient(x, thresholds), 2.0 * objective.penalties * shortfall
+
+
+def _reference_side(objective, means, thresholds, second, x=None):
+    """What :func:`_difference_error` needs of its second mixture: its part of the coefficients
+    (R, M, K) and its df/dc_j (R, G); computed once for a mixture compared many times."""
+    gradient_second, by_threshold_second = _sensitivities(objective, means, thresholds, second, x)
+    return gradient_second[:, :, None] * second[:, None, :], by_threshold_second
+
+
+def _difference_error_against(objective, means, squared_errors, thresholds, weights, first, reference, x=None):
+    """:func:`_difference_error` of ``first`` against a mixture prepared by :func:`_reference_side`,
+    with the squared errors (R, M, K) and threshold weights (G, K) given."""
+    second_part, by_threshold_second = reference
+    gradient_first, by_threshold_first = _sensitivities(objective, means, thresholds, first, x)
+    coefficient = gradient_first[:, :, None] * first[:, None, :]
+    coefficient -= second_part
     if np.any(weights):
         through_threshold = (by_threshold_first - by_threshold_second)[:, :, None] * weights  # (R, G, K)
         np.add.at(coefficient, (slice(None), objective.guardrail_rows), through_threshold)
-    return np.sqrt(np.sum(coefficient**2 * errors**2, axis=(-2, -1)))
+    np.square(coefficient, out=coefficient)
+    coefficient *= squared_errors
+    return np.sqrt(np.sum(coefficient, axis=(-2, -1)))
 
 
 def _one_hot(index: np.ndarray, n_arms: int) -> np.ndarray:
@@ -1368,14 +1394,19 @@ def _conservative(objective, means, errors, thresholds, target, z, start):
     Returns the mixture (R, K) and a (R,).
     """
     runs = means.shape[0]
+    # The posterior's and the starting mixture's parts are the same at every step: computed once.
+    weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    variance = errors[..., objective.guardrail_rows, :] ** 2  # (R, G, K)
+    squared_errors = errors**2
     x0 = np.einsum("rmk,rk->rm", means, start)
-    value0 = _expected_soft_value(objective, x0, _guardrail_variance(objective, errors, start), thresholds)
+    value0 = _expected_soft_value(objective, x0, _slack_variance(start, weights, variance), thresholds)
+    reference = _reference_side(objective, means, thresholds, start, x0)
     chosen = np.zeros(runs)
     for a in _CONSERVATIVE_STEPS[1:]:
         mixture = start + a * (target - start)
         x = np.einsum("rmk,rk->rm", means, mixture)
-        value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
-        error = _difference_error(objective, means, errors, thresholds, mixture, start)
+        value = _expected_soft_value(objective, x, _slack_variance(mixture, weights, variance), thresholds)
+        error = _difference_error_against(objective, means, squared_errors, thresholds, weights, mixture, reference, x)
         chosen = np.where(value - value0 > np.asarray(z) * error, a, chosen)
     return start + chosen[:, None] * (target - start), chosen
 
