@@ -947,28 +947,38 @@ def _bernoulli_hits(chances: np.ndarray, draws: int, rng: np.random.Generator) -
         return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
     with np.errstate(divide="ignore"):
         exponents = np.minimum(np.floor(-np.log2(chances[positive])), _BEST_ARM_HIT_EXPONENT).astype(np.intp)
-    order = np.argsort(exponents, kind="stable")
-    groups, starts = np.unique(exponents[order], return_index=True)
+    # The exponents are 0 to _BEST_ARM_HIT_EXPONENT: a stable sort of them as bytes (a radix sort)
+    # gives the same order as one of the intp values, several times faster.
+    order = np.argsort(exponents.astype(np.int8), kind="stable")
+    ordered = exponents[order]
+    starts = np.flatnonzero(np.append(True, ordered[1:] != ordered[:-1]))
+    groups = ordered[starts]
     ends = np.append(starts[1:], order.size)
     draw_parts, arm_parts = [], []
     for exponent, first, last in zip(groups, starts, ends):
-        members = positive[order[first:last]]
-        trials, chance = draws * members.size, 2.0 ** -float(exponent)
+        size_of_group = int(last - first)
+        trials, chance = draws * size_of_group, 2.0 ** -float(exponent)
         if exponent == 0:
             positions = np.arange(trials)
         else:
             expected = trials * chance
             size = int(expected + 6.0 * math.sqrt(expected) + 16.0)
             # A gap past the last trial ends the group: clipped there, the sums cannot overflow.
-            positions = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) - 1
+            gaps = rng.geometric(chance, size)
+            if gaps[0] > trials:
+                continue  # no success in the group (most groups of small chances): nothing more to draw
+            positions = np.cumsum(np.minimum(gaps, trials + 1)) - 1
             while positions[-1] < trials:
                 more = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) + positions[-1]
                 positions = np.concatenate([positions, more])
             positions = positions[positions < trials]
+        members = positive[order[first:last]]
         arms = members[positions % members.size]
         kept = rng.random(positions.size) * chance < chances[arms]
         draw_parts.append(positions[kept] // members.size)
         arm_parts.append(arms[kept])
+    if not draw_parts:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
     return np.concatenate(draw_parts), np.concatenate(arm_parts)
 
 
