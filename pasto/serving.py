@@ -955,9 +955,8 @@ def _bernoulli_hits(chances: np.ndarray, draws: int, rng: np.random.Generator) -
     groups = ordered[starts]
     ends = np.append(starts[1:], order.size)
     draw_parts, arm_parts = [], []
-    for exponent, first, last in zip(groups, starts, ends):
-        size_of_group = int(last - first)
-        trials, chance = draws * size_of_group, 2.0 ** -float(exponent)
+    for exponent, first, last in zip(groups.tolist(), starts.tolist(), ends.tolist()):
+        trials, chance = draws * (last - first), 2.0 ** -float(exponent)
         if exponent == 0:
             positions = np.arange(trials)
         else:
@@ -1012,12 +1011,14 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
     upper_means = weights[primary] @ means[primary]
     upper_errors = np.sqrt(weights[primary] ** 2 @ errors[primary] ** 2)
 
-    def scores(draw_arms: np.ndarray, upper_z: np.ndarray) -> np.ndarray:
-        """Scores of arms ``draw_arms`` given their standardised primary parts ``upper_z``."""
-        b = upper_errors[draw_arms]
-        value = upper_means[draw_arms] + np.where(b > 0, b * upper_z, 0.0)
-        x = {row: means[row, draw_arms] + errors[row, draw_arms] * rng.standard_normal(draw_arms.size)
-             for row in guarded}
+    def scores(draw_arms: np.ndarray | None, upper_z: np.ndarray) -> np.ndarray:
+        """Scores of arms ``draw_arms`` (None: every arm) given their standardised primary parts ``upper_z``."""
+        def pick(values: np.ndarray) -> np.ndarray:
+            return values if draw_arms is None else values[draw_arms]
+
+        b = pick(upper_errors)
+        value = pick(upper_means) + np.where(b > 0, b * upper_z, 0.0)
+        x = {row: pick(means[row]) + pick(errors[row]) * rng.standard_normal(upper_z.size) for row in guarded}
         for row, lam, level in zip(rows, penalties, levels):
             short = np.minimum(x[row] - level, 0.0)
             value = value - lam * short * short
@@ -1041,13 +1042,19 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
             best = order[last]
             top[hit_draws[best]], winners[hit_draws[best]] = hit_values[best], hit_arms[best]
         for draw in np.flatnonzero(~(top >= level)):
-            others = np.ones(arms.size, dtype=bool)
-            others[hit_arms[hit_draws == draw]] = False
-            other_arms = np.flatnonzero(others)
-            values = scores(other_arms, ndtri(uniform(other_arms.size) * below[other_arms]))
+            hits_of_draw = hit_arms[hit_draws == draw]
+            if hits_of_draw.size:
+                others = np.ones(arms.size, dtype=bool)
+                others[hits_of_draw] = False
+                other_arms = np.flatnonzero(others)
+                values = scores(other_arms, ndtri(uniform(other_arms.size) * below[other_arms]))
+            else:
+                other_arms = None  # every arm, without indexing each array by all of them
+                values = scores(None, ndtri(uniform(arms.size) * below))
             if values.size and not (values.max() <= top[draw]):
                 best_other = int(np.nanargmax(values)) if np.isfinite(values).any() else 0
-                top[draw], winners[draw] = values[best_other], other_arms[best_other]
+                top[draw] = values[best_other]
+                winners[draw] = best_other if other_arms is None else other_arms[best_other]
         np.add.at(wins, winners[winners >= 0], 1.0)
         done += count
         lowest = float(np.min(top))
