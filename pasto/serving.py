@@ -339,12 +339,17 @@ def _between_arm_variance(mean, sampling, has, spread, plain_mean):
     variance = np.where(has, sampling, np.inf)
 
     def moments(tau2):
-        weights = 1.0 / (tau2 + variance)  # 0 for arms without data
+        weights = tau2 + variance
+        np.divide(1.0, weights, out=weights)  # 0 for arms without data
         total = weights.sum(axis=-1, keepdims=True)
         centre = np.divide((weights * y).sum(axis=-1, keepdims=True), total, out=plain_mean.copy(),
                            where=total > 0)
-        squares = weights * (y - centre) ** 2  # weight 0 where there is no data
-        return squares.sum(axis=-1, keepdims=True), (squares * weights).sum(axis=-1, keepdims=True), centre
+        squares = y - centre
+        np.square(squares, out=squares)
+        squares *= weights  # weight 0 where there is no data
+        statistic = squares.sum(axis=-1, keepdims=True)
+        squares *= weights
+        return statistic, squares.sum(axis=-1, keepdims=True), centre
 
     usable = np.isfinite(spread) & (spread > 0) & (count > 1)
     # Start at the DerSimonian-Laird estimate (one moment step from the fixed-effect weights):
@@ -1110,7 +1115,14 @@ def drawn_mixture(
     means = np.asarray(means, dtype=float)
     errors = np.asarray(errors, dtype=float)
     noise = rng.standard_normal((draws,) + means.shape[-2:])
-    drawn = means + errors * noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
+    noise = noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
+    if means.shape[:-2] == noise.shape[1:-2]:
+        # One run (the service's case): the draws are made in the noise's own array, without two
+        # more temporaries of draws x M x K (errors * noise + means is means + errors * noise).
+        drawn = np.multiply(noise, errors, out=noise)
+        drawn += means
+    else:
+        drawn = means + errors * noise
     thresholds = objective.thresholds(drawn)
     mixtures = np.full(drawn.shape[:-2] + drawn.shape[-1:], np.nan)
     selected = np.ones(means.shape[:-2], dtype=bool) if runs is None else np.asarray(runs, dtype=bool)
