@@ -899,7 +899,7 @@ def solve(
     constraint_means = np.asarray(constraint_means, dtype=float)
     if constraint_means.shape != means.shape:
         raise ValueError(f"The constraint means must have the means' shape {means.shape}, got {constraint_means.shape}.")
-    if not (np.all(np.isfinite(means)) and np.all(np.isfinite(constraint_means))):
+    if not (np.all(np.isfinite(means)) and (constraint_means is means or np.all(np.isfinite(constraint_means)))):
         raise ValueError("The means must be finite.")
     if thresholds is None:
         thresholds = objective.thresholds(means)

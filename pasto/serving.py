@@ -1070,7 +1070,8 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
             above = np.where(upper_errors > 0, ndtr(standard), (upper_means >= level).astype(float))
             below = np.where(upper_errors > 0, ndtr(-standard), (upper_means < level).astype(float))
             bad = ~np.isfinite(above) | ~np.isfinite(below)
-            above, below = np.where(bad, 0.0, above), np.where(bad, 1.0, below)
+            if bad.any():
+                above, below = np.where(bad, 0.0, above), np.where(bad, 1.0, below)
     full = np.zeros(allowed.shape[0])
     full[arms] = wins
     return full
