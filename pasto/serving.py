@@ -1297,7 +1297,13 @@ def _guardrail_variance(objective: Objective, errors: np.ndarray, mixture: np.nd
 def _slack_variance(mixture: np.ndarray, weights: np.ndarray, variance: np.ndarray) -> np.ndarray:
     """:func:`_guardrail_variance` from the threshold weights (G, K) and the guarded rows' variances
     (..., G, K), for a caller that evaluates many mixtures on the same posterior."""
-    return np.sum((mixture[..., None, :] - weights) ** 2 * variance, axis=-1)
+    terms = mixture[..., None, :] - weights
+    np.square(terms, out=terms)
+    if np.broadcast_shapes(terms.shape, variance.shape) == terms.shape:
+        terms *= variance
+    else:
+        terms = terms * variance
+    return np.sum(terms, axis=-1)
 
 
 def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
