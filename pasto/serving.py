@@ -309,14 +309,15 @@ def arm_posterior(statistics: Statistics) -> Estimate:
         between, prior_mean = _between_arm_variance(mean, sampling, has, spread, plain_mean)
         prior_var = np.maximum(between, 0.01 * spread)
         prior_var = np.where(np.isfinite(prior_var) & (prior_var > 0), prior_var, np.where(spread == 0, 1e-300, np.inf))
-        precision = 1.0 / prior_var + np.where(np.isfinite(noise_var), n / noise_var, 0.0)
+        finite_noise = np.isfinite(noise_var)
+        precision = 1.0 / prior_var + np.where(finite_noise, n / noise_var, 0.0)
         posterior_mean = np.where(
             np.isfinite(prior_var),
-            (prior_mean / prior_var + np.where(np.isfinite(noise_var), n * mean / noise_var, 0.0)) / precision,
+            (prior_mean / prior_var + np.where(finite_noise, n * mean / noise_var, 0.0)) / precision,
             np.where(has, mean, prior_mean),
         )
         error = np.where(precision > 0, 1.0 / np.sqrt(precision), np.inf)
-    error = np.where(np.isfinite(noise_var) | np.isfinite(prior_var), error, np.inf)
+    error = np.where(finite_noise | np.isfinite(prior_var), error, np.inf)
     return Estimate(means=posterior_mean, standard_errors=error)
 
 
