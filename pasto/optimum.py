@@ -604,6 +604,39 @@ _WORKING_SET_FROM = 400
 _WORKING_SET_STEP = 60
 
 
+# From this many entries on, _smallest looks for the smallest ones among those below a level taken
+# from a sample of about _SAMPLE_SIZE of them.
+_SAMPLED_FROM = 4096
+_SAMPLE_SIZE = 1024
+
+
+def _smallest(values: np.ndarray, count: int, kth: int) -> np.ndarray:
+    """Indices of the ``count`` smallest entries of ``values`` (1-D, count < its size), in no
+    particular order: the set ``np.argpartition(values, kth)[:count]`` holds (kth is count or
+    count - 1), which is that set whenever the count-th smallest entry is below the next one.
+
+    With many entries, the candidates are those at or below a level read off a strided sample
+    (about twice count of them are expected), and argpartition runs on them alone; when the level
+    lets fewer than count + 1 entries through, or the count-th and the next smallest tie (then
+    argpartition's own tie-breaking picks the set), argpartition runs on every entry as it is.
+    """
+    size = values.shape[0]
+    if size >= _SAMPLED_FROM:
+        step = size // _SAMPLE_SIZE
+        sample = values[::step]
+        position = min(sample.size - 1, math.ceil(2.0 * (count + 1) * sample.size / size) + 8)
+        level = np.partition(sample, position)[position]
+        if np.isfinite(level):
+            candidates = np.flatnonzero(values <= level)
+            if candidates.size > count:
+                candidate_values = values[candidates]
+                order = np.argpartition(candidate_values, count)
+                chosen = order[:count]
+                if np.max(candidate_values[chosen]) < candidate_values[order[count]]:
+                    return candidates[chosen]
+    return np.argpartition(values, kth)[:count]
+
+
 def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
     """(p, mu, nu, exact) maximising the problem, or None if the hard guardrails are infeasible.
 
@@ -617,8 +650,8 @@ def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
     if k <= _WORKING_SET_FROM:
         return _solve_direct(problem, hard_thresholds)
     rows = np.vstack([problem.a[None, :], problem.B, problem.D])
-    top = np.argpartition(-rows, _WORKING_SET_STEP, axis=1)[:, :_WORKING_SET_STEP]
-    working = np.unique(top.ravel())
+    negated = -rows
+    working = np.unique(np.concatenate([_smallest(row, _WORKING_SET_STEP, _WORKING_SET_STEP) for row in negated]))
     for _ in range(50):
         # Arms outside the working set sit at their lower bounds: a constant part of every row.
         rest = np.ones(k, dtype=bool)
@@ -866,7 +899,7 @@ def solve(
     constraint_means = np.asarray(constraint_means, dtype=float)
     if constraint_means.shape != means.shape:
         raise ValueError(f"The constraint means must have the means' shape {means.shape}, got {constraint_means.shape}.")
-    if not (np.all(np.isfinite(means)) and np.all(np.isfinite(constraint_means))):
+    if not (np.all(np.isfinite(means)) and (constraint_means is means or np.all(np.isfinite(constraint_means)))):
         raise ValueError("The means must be finite.")
     if thresholds is None:
         thresholds = objective.thresholds(means)
@@ -1060,7 +1093,7 @@ def expected_optimum(
         # stay at 0 in the step; the gap, over every arm, brings in any that should join. So a
         # model has O(support) columns, not O(K) (at K = 100,000 a QP over every arm took minutes).
         working |= p > 0
-        working[np.argpartition(-gradient, min(_WORKING_ARMS, k) - 1)[:_WORKING_ARMS]] = True
+        working[_smallest(-gradient, min(_WORKING_ARMS, k), min(_WORKING_ARMS, k) - 1)] = True
         arms = np.flatnonzero(working)
         step = _newton_direction(objective, means[:, arms], variances[:, arms], thresholds, weights[:, arms],
                                  soft, p[arms], gradient[arms], lower[arms], scale)

@@ -309,14 +309,15 @@ def arm_posterior(statistics: Statistics) -> Estimate:
         between, prior_mean = _between_arm_variance(mean, sampling, has, spread, plain_mean)
         prior_var = np.maximum(between, 0.01 * spread)
         prior_var = np.where(np.isfinite(prior_var) & (prior_var > 0), prior_var, np.where(spread == 0, 1e-300, np.inf))
-        precision = 1.0 / prior_var + np.where(np.isfinite(noise_var), n / noise_var, 0.0)
+        finite_noise = np.isfinite(noise_var)
+        precision = 1.0 / prior_var + np.where(finite_noise, n / noise_var, 0.0)
         posterior_mean = np.where(
             np.isfinite(prior_var),
-            (prior_mean / prior_var + np.where(np.isfinite(noise_var), n * mean / noise_var, 0.0)) / precision,
+            (prior_mean / prior_var + np.where(finite_noise, n * mean / noise_var, 0.0)) / precision,
             np.where(has, mean, prior_mean),
         )
         error = np.where(precision > 0, 1.0 / np.sqrt(precision), np.inf)
-    error = np.where(np.isfinite(noise_var) | np.isfinite(prior_var), error, np.inf)
+    error = np.where(finite_noise | np.isfinite(prior_var), error, np.inf)
     return Estimate(means=posterior_mean, standard_errors=error)
 
 
@@ -339,12 +340,17 @@ def _between_arm_variance(mean, sampling, has, spread, plain_mean):
     variance = np.where(has, sampling, np.inf)
 
     def moments(tau2):
-        weights = 1.0 / (tau2 + variance)  # 0 for arms without data
+        weights = tau2 + variance
+        np.divide(1.0, weights, out=weights)  # 0 for arms without data
         total = weights.sum(axis=-1, keepdims=True)
         centre = np.divide((weights * y).sum(axis=-1, keepdims=True), total, out=plain_mean.copy(),
                            where=total > 0)
-        squares = weights * (y - centre) ** 2  # weight 0 where there is no data
-        return squares.sum(axis=-1, keepdims=True), (squares * weights).sum(axis=-1, keepdims=True), centre
+        squares = y - centre
+        np.square(squares, out=squares)
+        squares *= weights  # weight 0 where there is no data
+        statistic = squares.sum(axis=-1, keepdims=True)
+        squares *= weights
+        return statistic, squares.sum(axis=-1, keepdims=True), centre
 
     usable = np.isfinite(spread) & (spread > 0) & (count > 1)
     # Start at the DerSimonian-Laird estimate (one moment step from the fixed-effect weights):
@@ -947,28 +953,37 @@ def _bernoulli_hits(chances: np.ndarray, draws: int, rng: np.random.Generator) -
         return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
     with np.errstate(divide="ignore"):
         exponents = np.minimum(np.floor(-np.log2(chances[positive])), _BEST_ARM_HIT_EXPONENT).astype(np.intp)
-    order = np.argsort(exponents, kind="stable")
-    groups, starts = np.unique(exponents[order], return_index=True)
+    # The exponents are 0 to _BEST_ARM_HIT_EXPONENT: a stable sort of them as bytes (a radix sort)
+    # gives the same order as one of the intp values, several times faster.
+    order = np.argsort(exponents.astype(np.int8), kind="stable")
+    ordered = exponents[order]
+    starts = np.flatnonzero(np.append(True, ordered[1:] != ordered[:-1]))
+    groups = ordered[starts]
     ends = np.append(starts[1:], order.size)
     draw_parts, arm_parts = [], []
-    for exponent, first, last in zip(groups, starts, ends):
-        members = positive[order[first:last]]
-        trials, chance = draws * members.size, 2.0 ** -float(exponent)
+    for exponent, first, last in zip(groups.tolist(), starts.tolist(), ends.tolist()):
+        trials, chance = draws * (last - first), 2.0 ** -float(exponent)
         if exponent == 0:
             positions = np.arange(trials)
         else:
             expected = trials * chance
             size = int(expected + 6.0 * math.sqrt(expected) + 16.0)
             # A gap past the last trial ends the group: clipped there, the sums cannot overflow.
-            positions = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) - 1
+            gaps = rng.geometric(chance, size)
+            if gaps[0] > trials:
+                continue  # no success in the group (most groups of small chances): nothing more to draw
+            positions = np.cumsum(np.minimum(gaps, trials + 1)) - 1
             while positions[-1] < trials:
                 more = np.cumsum(np.minimum(rng.geometric(chance, size), trials + 1)) + positions[-1]
                 positions = np.concatenate([positions, more])
             positions = positions[positions < trials]
+        members = positive[order[first:last]]
         arms = members[positions % members.size]
         kept = rng.random(positions.size) * chance < chances[arms]
         draw_parts.append(positions[kept] // members.size)
         arm_parts.append(arms[kept])
+    if not draw_parts:
+        return np.zeros(0, dtype=np.intp), np.zeros(0, dtype=np.intp)
     return np.concatenate(draw_parts), np.concatenate(arm_parts)
 
 
@@ -1002,12 +1017,14 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
     upper_means = weights[primary] @ means[primary]
     upper_errors = np.sqrt(weights[primary] ** 2 @ errors[primary] ** 2)
 
-    def scores(draw_arms: np.ndarray, upper_z: np.ndarray) -> np.ndarray:
-        """Scores of arms ``draw_arms`` given their standardised primary parts ``upper_z``."""
-        b = upper_errors[draw_arms]
-        value = upper_means[draw_arms] + np.where(b > 0, b * upper_z, 0.0)
-        x = {row: means[row, draw_arms] + errors[row, draw_arms] * rng.standard_normal(draw_arms.size)
-             for row in guarded}
+    def scores(draw_arms: np.ndarray | None, upper_z: np.ndarray) -> np.ndarray:
+        """Scores of arms ``draw_arms`` (None: every arm) given their standardised primary parts ``upper_z``."""
+        def pick(values: np.ndarray) -> np.ndarray:
+            return values if draw_arms is None else values[draw_arms]
+
+        b = pick(upper_errors)
+        value = pick(upper_means) + np.where(b > 0, b * upper_z, 0.0)
+        x = {row: pick(means[row]) + pick(errors[row]) * rng.standard_normal(upper_z.size) for row in guarded}
         for row, lam, level in zip(rows, penalties, levels):
             short = np.minimum(x[row] - level, 0.0)
             value = value - lam * short * short
@@ -1031,13 +1048,19 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
             best = order[last]
             top[hit_draws[best]], winners[hit_draws[best]] = hit_values[best], hit_arms[best]
         for draw in np.flatnonzero(~(top >= level)):
-            others = np.ones(arms.size, dtype=bool)
-            others[hit_arms[hit_draws == draw]] = False
-            other_arms = np.flatnonzero(others)
-            values = scores(other_arms, ndtri(uniform(other_arms.size) * below[other_arms]))
+            hits_of_draw = hit_arms[hit_draws == draw]
+            if hits_of_draw.size:
+                others = np.ones(arms.size, dtype=bool)
+                others[hits_of_draw] = False
+                other_arms = np.flatnonzero(others)
+                values = scores(other_arms, ndtri(uniform(other_arms.size) * below[other_arms]))
+            else:
+                other_arms = None  # every arm, without indexing each array by all of them
+                values = scores(None, ndtri(uniform(arms.size) * below))
             if values.size and not (values.max() <= top[draw]):
                 best_other = int(np.nanargmax(values)) if np.isfinite(values).any() else 0
-                top[draw], winners[draw] = values[best_other], other_arms[best_other]
+                top[draw] = values[best_other]
+                winners[draw] = best_other if other_arms is None else other_arms[best_other]
         np.add.at(wins, winners[winners >= 0], 1.0)
         done += count
         lowest = float(np.min(top))
@@ -1048,7 +1071,8 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
             above = np.where(upper_errors > 0, ndtr(standard), (upper_means >= level).astype(float))
             below = np.where(upper_errors > 0, ndtr(-standard), (upper_means < level).astype(float))
             bad = ~np.isfinite(above) | ~np.isfinite(below)
-            above, below = np.where(bad, 0.0, above), np.where(bad, 1.0, below)
+            if bad.any():
+                above, below = np.where(bad, 0.0, above), np.where(bad, 1.0, below)
     full = np.zeros(allowed.shape[0])
     full[arms] = wins
     return full
@@ -1093,7 +1117,14 @@ def drawn_mixture(
     means = np.asarray(means, dtype=float)
     errors = np.asarray(errors, dtype=float)
     noise = rng.standard_normal((draws,) + means.shape[-2:])
-    drawn = means + errors * noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
+    noise = noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
+    if means.shape[:-2] == noise.shape[1:-2]:
+        # One run (the service's case): the draws are made in the noise's own array, without two
+        # more temporaries of draws x M x K (errors * noise + means is means + errors * noise).
+        drawn = np.multiply(noise, errors, out=noise)
+        drawn += means
+    else:
+        drawn = means + errors * noise
     thresholds = objective.thresholds(drawn)
     mixtures = np.full(drawn.shape[:-2] + drawn.shape[-1:], np.nan)
     selected = np.ones(means.shape[:-2], dtype=bool) if runs is None else np.asarray(runs, dtype=bool)
@@ -1261,7 +1292,19 @@ def _guardrail_variance(objective: Objective, errors: np.ndarray, mixture: np.nd
     """
     weights = objective.threshold_weights(mixture.shape[-1])  # (G, K)
     variance = errors[..., objective.guardrail_rows, :] ** 2  # (..., G, K)
-    return np.sum((mixture[..., None, :] - weights) ** 2 * variance, axis=-1)
+    return _slack_variance(mixture, weights, variance)
+
+
+def _slack_variance(mixture: np.ndarray, weights: np.ndarray, variance: np.ndarray) -> np.ndarray:
+    """:func:`_guardrail_variance` from the threshold weights (G, K) and the guarded rows' variances
+    (..., G, K), for a caller that evaluates many mixtures on the same posterior."""
+    terms = mixture[..., None, :] - weights
+    np.square(terms, out=terms)
+    if np.broadcast_shapes(terms.shape, variance.shape) == terms.shape:
+        terms *= variance
+    else:
+        terms = terms * variance
+    return np.sum(terms, axis=-1)
 
 
 def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -1329,19 +1372,39 @@ def _difference_error(objective, means, errors, thresholds, first, second):
     threshold c_j = w_j . V[g_j] also with w_jk (df/dc_j(first) - df/dc_j(second)), where
     df/dc_j = 2 lambda_j min(0, y_j - c_j).
     """
-    def sensitivities(mixture):
-        x = np.einsum("rmk,rk->rm", means, mixture)
-        shortfall = np.minimum(0.0, x[..., objective.guardrail_rows] - thresholds)
-        return objective.gradient(x, thresholds), 2.0 * objective.penalties * shortfall
-
-    gradient_first, by_threshold_first = sensitivities(first)
-    gradient_second, by_threshold_second = sensitivities(second)
-    coefficient = gradient_first[:, :, None] * first[:, None, :] - gradient_second[:, :, None] * second[:, None, :]
     weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    return _difference_error_against(objective, means, errors**2, thresholds, weights, first,
+                                     _reference_side(objective, means, thresholds, second))
+
+
+def _sensitivities(objective, means, thresholds, mixture, x=None):
+    """df/dx (R, M) and df/dc_j (R, G) at ``mixture`` (R, K); ``x`` = V mixture when known."""
+    if x is None:
+        x = np.einsum("rmk,rk->rm", means, mixture)
+    shortfall = np.minimum(0.0, x[..., objective.guardrail_rows] - thresholds)
+    return objective.gradient(x, thresholds), 2.0 * objective.penalties * shortfall
+
+
+def _reference_side(objective, means, thresholds, second, x=None):
+    """What :func:`_difference_error` needs of its second mixture: its part of the coefficients
+    (R, M, K) and its df/dc_j (R, G); computed once for a mixture compared many times."""
+    gradient_second, by_threshold_second = _sensitivities(objective, means, thresholds, second, x)
+    return gradient_second[:, :, None] * second[:, None, :], by_threshold_second
+
+
+def _difference_error_against(objective, means, squared_errors, thresholds, weights, first, reference, x=None):
+    """:func:`_difference_error` of ``first`` against a mixture prepared by :func:`_reference_side`,
+    with the squared errors (R, M, K) and threshold weights (G, K) given."""
+    second_part, by_threshold_second = reference
+    gradient_first, by_threshold_first = _sensitivities(objective, means, thresholds, first, x)
+    coefficient = gradient_first[:, :, None] * first[:, None, :]
+    coefficient -= second_part
     if np.any(weights):
         through_threshold = (by_threshold_first - by_threshold_second)[:, :, None] * weights  # (R, G, K)
         np.add.at(coefficient, (slice(None), objective.guardrail_rows), through_threshold)
-    return np.sqrt(np.sum(coefficient**2 * errors**2, axis=(-2, -1)))
+    np.square(coefficient, out=coefficient)
+    coefficient *= squared_errors
+    return np.sqrt(np.sum(coefficient, axis=(-2, -1)))
 
 
 def _one_hot(index: np.ndarray, n_arms: int) -> np.ndarray:
@@ -1368,14 +1431,19 @@ def _conservative(objective, means, errors, thresholds, target, z, start):
     Returns the mixture (R, K) and a (R,).
     """
     runs = means.shape[0]
+    # The posterior's and the starting mixture's parts are the same at every step: computed once.
+    weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    variance = errors[..., objective.guardrail_rows, :] ** 2  # (R, G, K)
+    squared_errors = errors**2
     x0 = np.einsum("rmk,rk->rm", means, start)
-    value0 = _expected_soft_value(objective, x0, _guardrail_variance(objective, errors, start), thresholds)
+    value0 = _expected_soft_value(objective, x0, _slack_variance(start, weights, variance), thresholds)
+    reference = _reference_side(objective, means, thresholds, start, x0)
     chosen = np.zeros(runs)
     for a in _CONSERVATIVE_STEPS[1:]:
         mixture = start + a * (target - start)
         x = np.einsum("rmk,rk->rm", means, mixture)
-        value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
-        error = _difference_error(objective, means, errors, thresholds, mixture, start)
+        value = _expected_soft_value(objective, x, _slack_variance(mixture, weights, variance), thresholds)
+        error = _difference_error_against(objective, means, squared_errors, thresholds, weights, mixture, reference, x)
         chosen = np.where(value - value0 > np.asarray(z) * error, a, chosen)
     return start + chosen[:, None] * (target - start), chosen
 

@@ -267,3 +267,25 @@ def test_expected_optimum_respects_minimum_shares_and_refuses_hard_guardrails():
     hard = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [{"metric": "y", "threshold": 0.0, "hard": True}]})
     with pytest.raises(ValueError, match="soft guardrails only"):
         expected_optimum(hard, means, errors)
+
+
+@pytest.mark.parametrize("kind", ["normal", "few values", "ascending", "descending", "infinite"])
+def test_smallest_is_the_set_argpartition_selects(kind):
+    # The working sets of solve and expected_optimum: the sampled search must pick the very set of
+    # np.argpartition (ties included, where argpartition's own tie-breaking decides), so that the
+    # solves' answers do not change.
+    from pasto.optimum import _smallest
+
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        size = int(rng.integers(401, 30_000))
+        values = {
+            "normal": lambda: rng.standard_normal(size),
+            "few values": lambda: rng.integers(0, int(rng.integers(2, 400)), size).astype(float),
+            "ascending": lambda: np.sort(rng.standard_normal(size)),
+            "descending": lambda: -np.sort(rng.standard_normal(size)),
+            "infinite": lambda: np.where(rng.random(size) < 0.01, np.inf, rng.standard_normal(size)),
+        }[kind]()
+        for count, kth in ((60, 60), (32, 31)):
+            expected = np.sort(np.argpartition(values, kth)[:count])
+            np.testing.assert_array_equal(np.sort(_smallest(values, count, kth)), expected)
