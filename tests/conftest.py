@@ -50,7 +50,9 @@ def pytest_runtest_makereport(item, call):
         )
 
 
-#: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker.
+#: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker,
+#: and so do the tests with the marker of the same name, which may ask for the fixture only while they
+#: run (``request.getfixturevalue``): each worker that ran one would start a JVM of its own.
 SHARED_SESSION_FIXTURES = ("spark",)
 
 #: Tests of a minute or more (``--durations`` of a whole run), sent to the workers first: a long test
@@ -87,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
         if definitions is None:
             continue
         used = definitions.name2fixturedefs
-        shared = [name for name in SHARED_SESSION_FIXTURES if name in used]
+        shared = [name for name in SHARED_SESSION_FIXTURES if name in used or item.get_closest_marker(name)]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
         elif any(fixturedefs[-1].scope == "module" for fixturedefs in used.values()):
