@@ -73,7 +73,7 @@ LONG_FIRST = (
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), tests that share an expensive
+    """Under pytest-xdist (``make test`` runs ``-n 6 --dist loadgroup``), tests that share an expensive
     fixture run in the same worker, so that it is built once: the tests of a module with a module-scoped
     fixture (a seeded live server, a browser) form one group, and those using a fixture of
     :data:`SHARED_SESSION_FIXTURES` another. Every other test goes to whichever worker is free. Runs before
