@@ -4,8 +4,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 PYTEST_ARGS ?=
 # Worker processes of `make test` (pytest-xdist); tests sharing an expensive fixture stay in one worker
-# (tests/conftest.py). `make test PYTEST_WORKERS=0` runs the suite in this one process.
-PYTEST_WORKERS ?= 4
+# (tests/conftest.py). More workers than cores: much of the suite waits on live servers, subprocesses
+# and real-time rounds, and a waiting worker leaves its core to another one.
+# `make test PYTEST_WORKERS=0` runs the suite in this one process.
+PYTEST_WORKERS ?= 6
 # `make run PORT=8001` when 8000 is taken.
 PORT   ?= 8000
 

@@ -50,28 +50,36 @@ def pytest_runtest_makereport(item, call):
         )
 
 
-#: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker.
+#: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker,
+#: and so do the tests with the marker of the same name, which may ask for the fixture only while they
+#: run (``request.getfixturevalue``): each worker that ran one would start a JVM of its own.
 SHARED_SESSION_FIXTURES = ("spark",)
 
-#: Tests of a minute or more (``--durations`` of a whole run), sent to the workers first: a long test
+#: Tests of half a minute or more (``--durations`` of a whole run), sent to the workers first: a long test
 #: that starts last keeps one worker busy after the others are done. Node id prefixes; one that no
 #: longer matches only changes the order.
 LONG_FIRST = (
     "tests/reliability/test_bad_input.py::test_fuzzed_requests_never_get_a_5xx",
+    "tests/client/test_install.py::",
+    "tests/client/test_ofrep_python_provider.py::test_ten_thousand_units_get_the_arms_assign_gives",
+    "tests/docs/test_examples.py::test_every_example_runs",
     "tests/reliability/test_crash.py::test_kills_during_closes_leave_every_applied_round_summarized",
     "tests/reliability/test_database_outage.py::test_postgres_stalled_healthz_answers_and_no_worker_is_killed",
-    "tests/reliability/test_token_lifecycle.py::test_a_revoked_token_is_refused_by_every_worker_within_one_second",
-    "tests/client/test_ofrep_python_provider.py::test_ten_thousand_units_get_the_arms_assign_gives",
-    "tests/client/test_install.py::",
-    "tests/service/test_assignment_vectors.py::test_the_server_reproduces_every_case",
     "tests/service/test_demo.py::test_demo_runs_resumes_and_learns_a_winning_mixture",
-    "tests/docs/test_examples.py::test_every_example_runs",
+    "tests/pasto/test_serving.py::test_served_regret_on_a_soft_guardrail_grows_sublinearly",
+    "tests/pasto/test_simulate.py::test_drawn_means_report_relative_gain_and_no_fixed_optimum",
+    "tests/pasto/test_algorithm.py::test_default_preset_learns_setup_a_mixture",
+    "tests/service/test_assignment_vectors.py::test_the_server_reproduces_every_case",
+    "tests/sources/test_attribution.py::",
+    "tests/reliability/test_concurrency.py::test_gunicorn_four_workers_and_pasto_worker_count_concurrent_writers_once",
+    "tests/reliability/test_token_lifecycle.py::",
+    "tests/reliability/test_schedulers.py::test_two_workers_close_every_round_exactly_once",
 )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), tests that share an expensive
+    """Under pytest-xdist (``make test`` runs ``-n 6 --dist loadgroup``), tests that share an expensive
     fixture run in the same worker, so that it is built once: the tests of a module with a module-scoped
     fixture (a seeded live server, a browser) form one group, and those using a fixture of
     :data:`SHARED_SESSION_FIXTURES` another. Every other test goes to whichever worker is free. Runs before
@@ -87,7 +95,7 @@ def pytest_collection_modifyitems(config, items):
         if definitions is None:
             continue
         used = definitions.name2fixturedefs
-        shared = [name for name in SHARED_SESSION_FIXTURES if name in used]
+        shared = [name for name in SHARED_SESSION_FIXTURES if name in used or item.get_closest_marker(name)]
         if shared:
             item.add_marker(pytest.mark.xdist_group(shared[0]))
         elif any(fixturedefs[-1].scope == "module" for fixturedefs in used.values()):

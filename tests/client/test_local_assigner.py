@@ -368,8 +368,8 @@ def test_assigner_holds_little_more_per_arm_than_the_cumulative_mixture_and_the_
     bare = 8 * n_arms + names  # the cumulative mixture as float64 and the names
     assert held < bare + 48 * n_arms, (held / n_arms, bare / n_arms)
     units = [f"user-{i}" for i in range(20_000)]
-    expected = [choose_arm(cumulative_probabilities(document["probabilities"]), bucket(20260101, unit, 3))
-                for unit in units]
+    cumulative = cumulative_probabilities(document["probabilities"])
+    expected = [choose_arm(cumulative, bucket(20260101, unit, 3)) for unit in units]
     assert [a.arm for a in assigner.assign_many(units)] == [f"setting-{k}" for k in expected]
     first = assigner.assign(units[0])
     assert first.params == {"w_watch": 1.0, "w_like": expected[0] / n_arms}

@@ -52,9 +52,10 @@ PYTHON_LANGUAGES = frozenset({"python", "py", "python3"})
 RUNNABLE_LANGUAGES = SHELL_LANGUAGES | PYTHON_LANGUAGES | {"console", "http"}
 #: Placeholders of the documentation's Python examples -> the environment variable holding the value.
 PLACEHOLDERS = {"<ingest token>": "INGEST", "<read token>": "READ", "<admin token>": "ADMIN"}
-#: How long one block may take: README's simulator block needs ~20 s of CPU (1,000 + 200 Monte-Carlo
-#: runs), which took 150-430 s of wall time on the 2-core machine shared by eight busy sessions; the
-#: limit sits just under pytest's per-test timeout (600 s, pyproject.toml) so a hang is reported here.
+#: How long one block may take: README's simulator block needs ~8 s of CPU (1,000 runs of setup A,
+#: 4 x 50 rounds of setup B), which can take minutes of wall time on a 2-core machine shared by busy
+#: sessions; the limit sits just under pytest's per-test timeout (600 s, pyproject.toml) so a hang is
+#: reported here.
 BLOCK_TIMEOUT_SECONDS = 540.0
 DOCUMENTED_PORT = 8000
 

@@ -242,7 +242,9 @@ def test_drawn_means_report_relative_gain_and_no_fixed_optimum():
 
 @pytest.mark.parametrize("noise", [{"kind": "student_t", "std": 1.0, "df": 3}, {"kind": "lognormal", "std": 1.0}])
 def test_heavy_tailed_noise_runs(noise):
-    result = simulate(small(noise=noise), make_policy("default"))
+    # As many noise draws as 120 rounds of 4 queries (the update's work is per round): 30 rounds of 16.
+    result = simulate(small(noise=noise, rounds=30, queries_per_round=16, checkpoints=[10, 30]),
+                      make_policy("default"))
     assert np.isfinite(result.deployed_values).all()
 
 
