@@ -33,8 +33,14 @@ install-test: $(VENV)/.installed-test
 run: install
 	PASTO_DEMO_COMMAND="make run$(if $(filter-out 8000,$(PORT)), PORT=$(PORT))" $(BIN)/pasto demo --port $(PORT)
 
+# PYTHONDONTWRITEBYTECODE is emptied for the suite: each worker, server and CLI subprocess then loads the
+# compiled (and, for test modules, pytest's assertion-rewritten) modules instead of compiling them again.
+# The collection pass before the run writes them once (about half of each worker's collection time);
+# without it the workers, starting together, would all rewrite every test module themselves. A collection
+# error is reported by the run itself.
 test: install-test
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest --collect-only -qq $(PYTEST_ARGS) >/dev/null || true
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m pip install --quiet -e '.[service,warehouse,bench]'

@@ -139,10 +139,12 @@ def fresh_server(tmp_path) -> Iterator[LiveServer]:
         live.stop()
 
 
-@pytest.fixture(scope="session")
-def scheduled_server(tmp_path_factory) -> Iterator[LiveServer]:
-    """A server whose scheduler closes rounds (checks every 0.2 s)."""
-    live = make_server(tmp_path_factory.mktemp("scheduled"), scheduler=True)
+@pytest.fixture
+def scheduled_server(tmp_path) -> Iterator[LiveServer]:
+    """A server whose scheduler closes rounds (checks every 0.2 s), for the test alone: an idle
+    scheduler still costs about 1.4% of a core, which a session-long server would spend until its
+    worker's last test."""
+    live = make_server(tmp_path, scheduler=True)
     try:
         yield live
     finally:

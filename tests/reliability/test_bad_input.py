@@ -686,7 +686,29 @@ def _targets(path: str) -> list[tuple[str | None, bool]]:
     return [(LIVE, False), (STOPPED, False), (None, False)]
 
 
-def test_fuzzed_requests_never_get_a_5xx(service):
+@pytest.fixture
+def schema_strategies_built_once(monkeypatch):
+    """hypothesis-jsonschema builds each object property's value strategy from its schema again at
+    every draw (canonicalising and merging the schema each time), about a tenth of the fuzz test's
+    CPU. Within this test the same (schema, alphabet, formats) always builds the same strategy, so it
+    is built once and reused: the strategies drawn from are the ones hypothesis-jsonschema makes."""
+    from hypothesis_jsonschema import _from_schema
+    from hypothesis_jsonschema._encode import encode_canonical_json
+
+    build = getattr(_from_schema, "__from_schema")
+    built: dict[tuple[str, int, int], tuple[Any, Any, Any]] = {}
+
+    def build_once(schema, *, alphabet, custom_formats):
+        key = (encode_canonical_json(schema), id(alphabet), id(custom_formats))
+        if key not in built:
+            # The alphabet and formats are kept with the strategy: their ids stay theirs.
+            built[key] = (build(schema, alphabet=alphabet, custom_formats=custom_formats), alphabet, custom_formats)
+        return built[key][0]
+
+    monkeypatch.setattr(_from_schema, "__from_schema", build_once)
+
+
+def test_fuzzed_requests_never_get_a_5xx(service, schema_strategies_built_once):
     import schemathesis
     from schemathesis import DataGenerationMethod
 

@@ -226,7 +226,12 @@ def _java_available() -> bool:
 
 @pytest.fixture(scope="session")
 def spark():
-    """One local SparkSession for the suite: local[1], one shuffle partition, UI off, UTC."""
+    """One local SparkSession for the suite: local[1], one shuffle partition, UI off, UTC.
+
+    The JVM runs the client compiler only (``TieredStopAtLevel=1``) and the serial collector: the
+    session lives for a few minutes of small queries, where C2's optimising compilations and G1's
+    parallel and concurrent threads cost more CPU than they give back (a quarter of the JVM's CPU on the
+    spark-marked tests). Neither changes what a query returns."""
     pyspark = pytest.importorskip("pyspark", reason="PySpark is not installed (pip install '.[warehouse]').")
     if not _java_available():
         pytest.skip("Java is not installed (Debian package openjdk-17-jre-headless); Spark needs it.")
@@ -240,6 +245,7 @@ def spark():
                .config("spark.default.parallelism", "1")
                .config("spark.sql.session.timeZone", "UTC")
                .config("spark.driver.memory", "512m")
+               .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     yield session
