@@ -1111,7 +1111,9 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
         # A reference no worse than the chosen mixture (D <= 0) is in its support already.
         share = np.where((cost > 0) & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)
         # No guardrail that the served mixture keeps on the estimates is broken by the move.
-        moved = _moved_to(objective, means, thresholds, served, reference, share)
+        shares = np.zeros_like(served)
+        shares[:, reference] = share
+        moved = _moved_to(objective, means, thresholds, served, shares)
         if rows is not None:
             keeps = np.array([_meets(moved[run], rows[run]) for run in range(len(rows))])
             moved = np.where(keeps[:, None], moved, served)
@@ -1373,52 +1375,82 @@ def _observe_start(objective, means, errors, thresholds, counts, served, target,
     exceed ``z`` standard errors of the difference, and that difference's variance includes p0's
     arms' estimates. The served traffic follows the posterior draws, which may leave some of p0's
     arms (the production setting; an arm of the uniform start that no optimum uses) nearly
-    unobserved, and then the deployed mixture could never leave p0. Those arms, S (each served less
-    than p0 gives it), carry a part P of the variance that shrinks like 1 / n in their counts, the
-    rest V0 does not move: if the estimates hold, their counts times c = P / ((a / z)^2 - V0)
-    defend the full step. Observing arm k instead of the served mixture costs
-    D_k = f(mu served) - f(mu e_k) per observation; with as many rounds to come as have been (t) the
-    step is worth t a per observation per round, so while t a >= sum_k (n'_k - n_k) D_k / Q (Q the
-    observations per round) each deficit is spread over that horizon: arm k's share of a round is
-    (n'_k - n_k) / (Q t) beyond what it is served already, each move at most what keeps every
-    guardrail the served mixture keeps on the estimates. A run whose step is defended, cannot be
-    defended by observing S alone (V0 >= (a / z)^2), or has no advantage is returned unchanged.
+    unobserved, and then the deployed mixture could never leave p0. Each such arm k (served less
+    than p0 gives it) carries a part P_k of the variance that shrinks like 1 / n_k in its count;
+    the rest V0 does not move. Observing it instead of the served mixture costs
+    D_k = f(mu served) - f(mu e_k) per observation. The cheapest counts m_k >= n_k that bring the
+    variance to (a / z)^2 if the estimates hold minimise sum_k D_k m_k subject to
+    V0 + sum_k P_k n_k / m_k <= (a / z)^2: m_k = max(n_k, sqrt(lambda P_k n_k / D_k)) (the
+    Lagrange condition), lambda found on the active set. With as many rounds to come as have been
+    (t) the step is worth t a per observation per round, so while t a >= sum_k (m_k - n_k) D_k / Q
+    (Q the observations per round) each deficit is spread over that horizon: arm k's share of a
+    round is (m_k - n_k) / (Q t) beyond what it is served already, all of them scaled down by one
+    factor if needed so that no guardrail the served mixture keeps on the estimates is broken. A
+    run whose step is defended, cannot be defended by observing those arms alone (V0 >=
+    (a / z)^2), or has no advantage is returned unchanged.
     """
     x, x_start = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (target, start))
     value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, target), thresholds)
     value_start = _expected_soft_value(objective, x_start, _guardrail_variance(objective, errors, start), thresholds)
     advantage = value - value_start
-    total = _difference_error(objective, means, errors, thresholds, target, start) ** 2
+    parts = _difference_variance_parts(objective, means, errors, thresholds, target, start)  # (R, K)
+    total = parts.sum(axis=-1)
     goal = (np.maximum(advantage, 0.0) / np.asarray(z)) ** 2
-    under = (start > 0) & (served < start)  # (R, K)
-    rest = _difference_error(objective, means, np.where(under[:, None, :], 0.0, errors), thresholds, target, start) ** 2
-    part = total - rest
-    possible = (advantage > 0) & (total > goal) & (goal > rest) & (part > 0)
-    scale = np.where(possible, part / np.where(possible, goal - rest, 1.0), 1.0)  # c
-    n = np.maximum(counts.min(axis=-2), 1.0)  # (R, K)
-    deficit = np.where(possible[:, None] & under, (scale[:, None] - 1.0) * n, 0.0)
+    under = (start > 0) & (served < start) & (parts > 0)  # (R, K)
+    n = np.maximum(counts.min(axis=-2), 1.0)  # (R, K); an arm never observed counts as one
+    weight = np.where(under, parts * n, 0.0)  # P_k n_k
+    budget = goal - (total - np.where(under, parts, 0.0).sum(axis=-1))  # (a / z)^2 - V0
+    possible = (advantage > 0) & (total > goal) & (budget > 0)
     served_value = objective.value(np.einsum("rmk,rk->rm", means, served), thresholds)
     arm_values = objective.value(np.swapaxes(means, -1, -2), thresholds[:, None, :])  # (R, K)
-    cost = np.sum(deficit * np.maximum(served_value[:, None] - arm_values, 0.0), axis=-1)
+    # Observing an arm no worse than the served mixture costs (almost) nothing.
+    price = np.maximum(served_value[:, None] - arm_values, 0.0) + 1e-12 * (np.abs(served_value[:, None]) + 1e-300)
+    active = under & possible[:, None]
+    wanted = n
+    for _ in range(64):  # each pass drops the arms whose best count is what they have (rarely more than 2)
+        idle = np.where(under & ~active, weight / n, 0.0).sum(axis=-1)
+        left = budget - idle
+        # No count of the active arms reaches the goal when the others alone leave no room.
+        active &= (left > 0)[:, None]
+        root = np.divide(np.where(active, np.sqrt(weight * price), 0.0).sum(axis=-1), left,
+                         out=np.zeros_like(left), where=left > 0)  # sqrt(lambda)
+        wanted = np.where(active, np.sqrt(np.where(active, weight / price, 0.0)) * root[:, None], n)
+        still = active & (wanted > n)
+        if np.array_equal(still, active):
+            break
+        active = still
+    deficit = np.where(active, wanted - n, 0.0)
+    cost = np.sum(deficit * price, axis=-1)
     per_round = max(observations_per_round, 1.0)
-    worth = t * advantage >= cost / per_round
+    worth = possible & (t * advantage >= cost / per_round)
     share = np.where(worth[:, None], np.clip(deficit / (per_round * t), 0.0, 1.0), 0.0)
     share = np.maximum(share - served, 0.0)
     total_share = share.sum(axis=-1, keepdims=True)
     share = np.where(total_share > 1.0, share / np.maximum(total_share, 1.0), share)
-    for arm in np.flatnonzero(share.any(axis=0)):
-        served = _moved_to(objective, means, thresholds, served, arm, share[:, arm])
-    return served
+    return _moved_to(objective, means, thresholds, served, share)
 
 
-def _moved_to(objective, means, thresholds, served, arm, share):
-    """``served`` (R, K) with ``share`` (R,) of each run's traffic moved to ``arm``, capped so that no
-    guardrail the served mixture keeps on the estimates is broken by the move."""
-    y = np.einsum("rmk,rk->rm", means, served)[:, objective.guardrail_rows]
-    y_arm = means[:, objective.guardrail_rows, arm]
-    breaking = (y >= thresholds) & (y_arm < thresholds)
-    room = np.divide(y - thresholds, y - y_arm, out=np.ones_like(y), where=breaking)
-    share = np.minimum(share, room.min(axis=-1, initial=1.0))
-    moved = (1.0 - share[:, None]) * served
-    moved[:, arm] += share
-    return moved
+def _difference_variance_parts(objective, means, errors, thresholds, first, second):
+    """Each arm's part of :func:`_difference_error`'s variance, (R, K): its entries' terms summed
+    over the metrics (the difference's variance is their sum over the arms)."""
+    weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    second_part, by_threshold_second = _reference_side(objective, means, thresholds, second)
+    gradient_first, by_threshold_first = _sensitivities(objective, means, thresholds, first)
+    coefficient = gradient_first[:, :, None] * first[:, None, :] - second_part
+    if np.any(weights):
+        through_threshold = (by_threshold_first - by_threshold_second)[:, :, None] * weights  # (R, G, K)
+        np.add.at(coefficient, (slice(None), objective.guardrail_rows), through_threshold)
+    return np.sum(coefficient**2 * errors**2, axis=-2)
+
+
+def _moved_to(objective, means, thresholds, served, shares):
+    """``served`` (R, K) with ``shares`` (R, K) of each run's traffic moved to the arms they name,
+    all scaled down by one factor where needed so that no guardrail the served mixture keeps on the
+    estimates is broken by the move; O(R M K)."""
+    total = shares.sum(axis=-1, keepdims=True)  # (R, 1)
+    y = np.einsum("rmk,rk->rm", means, served)[:, objective.guardrail_rows]  # (R, G)
+    change = np.einsum("rmk,rk->rm", means, shares)[:, objective.guardrail_rows] - total * y  # at full move
+    breaking = (y >= thresholds) & (y + change < thresholds)
+    room = np.divide(y - thresholds, -change, out=np.ones_like(y), where=breaking)
+    factor = np.clip(room.min(axis=-1, initial=1.0), 0.0, 1.0)[:, None]
+    return (1.0 - factor * total) * served + factor * shares

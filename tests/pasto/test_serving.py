@@ -942,3 +942,39 @@ def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_
 
     assert difference_error(int(np.ceil(wanted[0, 0]))) == pytest.approx(advantage[0] / z, rel=0.02)
     assert difference_error(int(wanted[0, 0] / 2)) > 1.2 * advantage[0] / z
+
+
+def test_a_uniform_starts_unobserved_arms_get_the_cheapest_counts_that_defend_the_step():
+    """Without a baseline the start is uniform, and each arm the served traffic leaves out carries a
+    part of the deploy test's variance. Arms 2 and 3 (5 observations each; arm 3 far worse) are
+    outside the optimum: the counts asked for are the Lagrange solution of the cheapest way to
+    bring the variance to (a / z)^2 (m_k^2 D_k / (P_k n_k) equal for the arms asked to grow, the
+    variance then exactly on its goal if the estimates hold), and a worse arm, dearer to observe,
+    is asked for less relative to its part."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.0, "penalty": 5.0}]}, ["0", "1", "2", "3"])
+    means = np.array([[2.0, 1.0, 1.2, -2.0], [-1.0, 1.0, 0.5, -2.0]])
+    statistics = _evidence(means, [[4000, 4000, 5, 5]] * 2, std=1.0)
+    posterior = serving.arm_posterior(statistics)
+    m, e = posterior.means[None], posterior.standard_errors[None]
+    thresholds = objective.thresholds(m)
+    target = serving.expected_optimum(objective, m[0], e[0], thresholds[0]).probabilities[None]
+    start = np.full((1, 4), 0.25)
+    z, q, t = 5.0, 20.0, 500
+    moved = serving._observe_start(objective, m, e, thresholds, statistics.counts[None], target, target, start, z,
+                                   q, t)
+    shares = moved[0, 2:]
+    assert np.all(shares > 0), moved
+    counts = np.array([5.0, 5.0]) + shares * q * t  # m_k
+    parts = serving._difference_variance_parts(objective, m, e, thresholds, target, start)[0]
+    x = np.einsum("rmk,rk->rm", m, target)
+    served_value = objective.value(x, thresholds)[0]
+    prices = served_value - objective.value(np.swapaxes(m, -1, -2), thresholds[:, None, :])[0, 2:]
+    lagrange = counts**2 * prices / (parts[2:] * np.array([5.0, 5.0]))
+    assert lagrange[0] == pytest.approx(lagrange[1], rel=1e-6)
+    value = lambda mixture: serving._expected_soft_value(  # noqa: E731
+        objective, np.einsum("rmk,rk->rm", m, mixture), serving._guardrail_variance(objective, e, mixture), thresholds)[0]
+    goal = ((value(target) - value(start)) / z) ** 2
+    rest = parts[:2].sum()
+    assert rest + np.sum(parts[2:] * np.array([5.0, 5.0]) / counts) == pytest.approx(goal, rel=1e-6)
+    assert shares[1] / shares[0] < 0.5  # the arm that costs more is asked for less

@@ -116,17 +116,15 @@ def quiet_setup_a(**changes):
 
 
 def test_default_preset_beats_the_paper_preset_on_a_quiet_setup_a():
-    # Measured (seeds 0-2): default mean f 0.88 / 0.98 / 0.88 at round 30, cumulative regret 14.0 /
-    # 12.2 / 16.9; paper 0.23-0.35, regret 21-25. With 30 observations per run, one run in ten may
-    # still deploy the uniform start: its third arm (which breaks the guardrail) is seen once or
-    # not at all, and the deployed mixture leaves the start only as far as the evidence defends.
+    # Measured (seeds 0-2): default mean f 0.98-1.00 at round 30 (every run above 0.91), cumulative
+    # regret 11-18; paper 0.23-0.35, regret 21-25.
     scenario = quiet_setup_a()
     paper = simulate(scenario, make_policy("paper"))
     default = simulate(scenario, make_policy("default"))
     assert default.deployed_values[0].mean() < 0  # the start: a learner that does not move fails below
     last, paper_last = default.summary["checkpoints"][-1], paper.summary["checkpoints"][-1]
     assert last["round"] == 30
-    assert last["objective"]["mean"] > 0.85 and last["objective"]["median"] > 0.95
+    assert last["objective"]["mean"] > 0.9
     assert last["objective"]["mean"] > paper_last["objective"]["mean"] + 0.3
     assert last["cumulative_regret"]["mean"] < paper_last["cumulative_regret"]["mean"]
 
