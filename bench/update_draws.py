@@ -7,10 +7,9 @@ alternately in the same process, so that the ratio survives a noisy machine:
     python bench/update_draws.py --arms 100,1000,10000 --repeats 3
 
 prints the table of docs/benchmarks.md's "Round update: posterior draws"; ``--option`` and
-``--values`` compare two values of another option, e.g. what the best-arm half of undecided runs
-costs:
+``--values`` compare two values of another option, e.g. the hard guardrails' confidence level:
 
-    python bench/update_draws.py --option serving_undecided --values conservative,best_arm
+    python bench/update_draws.py --option serving_level --values 0.9,0.95
 
 ``--against-bare`` times the default update against its bare baselines on the same statistics
 (issue 34: "no slower than a small constant times a bare Thompson step plus one exact solve"):
@@ -31,7 +30,13 @@ from bench.serve import measure_update_against_bare, measure_update_alone  # noq
 
 
 def _value(text: str):
-    return int(text) if text.lstrip("-").isdigit() else text
+    """An option's value as typed: an integer, else a number, else the text itself."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main(argv: list[str] | None = None) -> dict:

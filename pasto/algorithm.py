@@ -79,7 +79,6 @@ _MAX_LOG_STEP = 1e6
 # AlgorithmConfig's flat (API and stored) option names of safe serving, and their ServingConfig fields.
 _SERVING_OPTIONS = {
     "serving_level": "level",
-    "serving_undecided": "undecided",
     "serving_posterior_draws": "posterior_draws",
     "serving_min_share": "min_share",
     "serving_holdout": "holdout",
@@ -229,7 +228,7 @@ class AlgorithmConfig:
 
     The API, the presets and stored experiments use one flat dict of options (:data:`OPTIONS`):
     ``estimator``, ``discount``, ``serving`` (``"safe"`` or ``"exploration"``) and the chosen rule's
-    options: ``serving_level``, ``serving_undecided``, ``serving_posterior_draws``,
+    options: ``serving_level``, ``serving_posterior_draws``,
     ``serving_min_share``, ``serving_holdout``, ``change_level``, ``change_every`` (the
     ServingConfig fields without the prefix) for safe serving, the :class:`ExplorationConfig`
     fields for exploration. :meth:`from_preset` refuses an option of the rule not chosen (it would

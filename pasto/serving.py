@@ -26,35 +26,35 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
    baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
-   Without hard guardrails (soft penalties only, or none): the hedged plug-in optimum of E f(mu p)
-   (solved to a certified gap by :func:`pasto.optimum.expected_optimum`, Newton steps that are
-   each an exact QP; a relative threshold's reference arm is uncertain too), reached from the
-   starting mixture p0 (the baseline arm, else uniform) only as far as the evidence defends
-   (conservative bandits: p0 + a (optimum - p0) with the largest a in {0, 0.1, ..., 1} whose
-   expected objective beats p0's by ``deploy_level`` Student-t standard errors on the pooled
-   degrees of freedom), plus a share directed at the *plausible* arms, those whose optimistic
-   gradient (g_k + z_t se(g_k), linearised at the plug-in optimum) reaches the optimum's level;
-   each gets 1 / (n sqrt(t)) of the traffic (n observations per round). Beside that path, the mass
-   that the exact optima (:func:`pasto.optimum.solve`) of ``posterior_draws`` posterior draws of
-   the means put on arms *outside* the plug-in support is served as exploration (Thompson sampling
-   over mixtures, restricted to what the run does not serve yet): an arm gets traffic in
-   proportion to its posterior chance of belonging to the optimal mixture, and a run with no
-   plausible arm outside its support draws nothing. While no mixture is defended (step 5), the
-   option ``undecided`` sends part of the run's own traffic elsewhere: by default (``best_arm``)
-   half of its own path follows each arm's posterior probability of being the best single arm
-   (:func:`best_arm_probabilities`: Thompson sampling on the arms' metric means), so that a run
-   whose noise forbids a defended mixture finds the single arm it deploys instead nearly as a
-   best-arm bandit does; ``conservative`` keeps the conservative path.
+   Without hard guardrails (soft penalties only, or none): Thompson sampling over safe mixtures.
+   The hedged plug-in optimum of E f(mu p) (solved to a certified gap by
+   :func:`pasto.optimum.expected_optimum`, Newton steps that are each an exact QP; a relative
+   threshold's reference arm is uncertain too) says which soft guardrails the optimum keeps rather
+   than trades. Each of ``posterior_draws`` posterior draws of the means is solved exactly
+   (:func:`pasto.optimum.solve`) with those guardrails on their pessimistic bounds, and the
+   average of the draws' optima is served (:func:`_safe_posterior_mixture`): an arm gets its
+   posterior chance of belonging to the optimal mixture times its share there, exploration that
+   vanishes as the posterior concentrates, and a guardrail the optimum keeps is kept by what is
+   served. While no mixture is defended against the best single arm (step 5), the deploy test
+   chooses between the two, so half of the traffic follows each arm's posterior probability of
+   being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split). The
+   starting mixture (the production setting, else uniform), from which the deployed mixture leaves
+   only as far as the evidence defends, is observed as much as that test needs
+   (:func:`_observe_start`).
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
-   optimism, no fixed shares) is deployed when its posterior expected objective beats the best
+   optimism, no fixed shares) is chosen when its posterior expected objective beats the best
    single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
    standard errors of the difference (delta method, the reference arm of a relative threshold
    included); otherwise that single arm. An undecided run whose test would pass with more
    observations of a relative threshold's reference arm (the estimates unchanged) observes it that
    far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
+   With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
+   uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
+   p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
+   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom).
 6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
    the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
    level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
@@ -87,7 +87,6 @@ __all__ = [
     "has_hard_guardrails",
     "arm_posterior",
     "best_arm_probabilities",
-    "drawn_mixture",
     "change_detected",
     "change_threshold",
     "CHANGE_WINDOWS",
@@ -98,12 +97,8 @@ __all__ = [
     "starting_probabilities",
 ]
 
-# Where an undecided run's traffic goes (ServingConfig.undecided).
-UNDECIDED_RULES = ("conservative", "best_arm")
 # Prior degrees of freedom pooling an arm's own noise variance with the metric's pooled one.
 _VARIANCE_PRIOR_DF = 5.0
-# A probability below this in a plug-in optimum counts as outside its support.
-_SUPPORT = 1e-3
 # Shares of a plug-in solution below this fraction of its largest are served as 0 (a line search's
 # last step can leave such crumbs on an arm that leaves the support).
 _NEGLIGIBLE = 1e-9
@@ -125,37 +120,22 @@ class ServingConfig:
         Fixed share of the baseline arm, in [0, 1) (0: none; needs a baseline arm).
     deploy_level : float
         One-sided confidence with which the deployed mixture must beat the best single arm, and
-        with which the served mixture (soft guardrails) must beat the starting mixture.
+        (soft guardrails) with which it must beat the starting mixture before it leaves it.
     change_level : float
         Probability that the change detector ever raises a false alarm over a whole run whose means
         never change, in [0, 1) (0 disables detection; :func:`change_detected`).
     change_every : int
         Rounds per change-test block: the detector looks every ``change_every`` rounds.
-    undecided : {"conservative", "best_arm"}
-        Where the traffic of an *undecided* run goes (soft guardrails only: its plug-in
-        optimum is a mixture the data cannot yet defend against the best single arm).
-        ``best_arm`` (the default): half of the run's own path (the conservative path and the
-        directed share) follows each arm's posterior probability of being the best single arm
-        (:func:`best_arm_probabilities`), half keeps that path; the posterior exploration outside
-        the support keeps its mass. On setup B at sigma 3.0 (1000 runs) the deployed f is below
-        Thompson's in 23.1% of runs against 29.2% with ``conservative``, and at sigma 1.0 the
-        median r is 0.901 (docs/benchmarks.md, "Noise rows: the best-arm half of the run's own
-        path").
-        ``conservative``: the conservative path to the plug-in mixture.
     posterior_draws : int
-        Soft guardrails: posterior draws of the means per round (0 to 64; 0 turns it off), each
-        solved exactly (:func:`pasto.optimum.solve`); the draws' optima's average mass on arms
-        *outside* the plug-in support is served as exploration, in every run (Thompson sampling
-        over mixtures, restricted to the arms the run does not serve yet). An arm gets the
-        posterior probability that it belongs to the optimal mixture times its share there, so the
-        exploration vanishes as the posterior concentrates. 4 by default: the served mass is the
-        average of the draws' optima, an estimate of each arm's expected share under the posterior
-        whose noise falls like 1 / sqrt(draws), at one exact solve each. The objective is concave
-        in the mixture, so serving that average is worth at least the average of the draws' values
-        (Jensen) with the same expected allocation: more draws lose less for the same exploration.
-        One draw (Thompson sampling's) serves the noisiest version: on 12 runs of seed 11, setup B
-        at sigma 1.0 served regret 347 (1 draw), 238 (4), 206 (16); demo-soft 183, 88, 87;
-        online-soft-wide 157, 104 (docs/benchmarks.md).
+        Soft guardrails: posterior draws of the means per round (0 to 64), each solved exactly
+        (:func:`pasto.optimum.solve`) with the guardrails the plug-in optimum keeps on their
+        pessimistic bounds; their optima's average is served (Thompson sampling over safe
+        mixtures, :func:`_safe_posterior_mixture`). 4 by default: the served share of an arm
+        estimates its expected share under the posterior, with noise falling like
+        1 / sqrt(draws), at one exact solve each; the objective is concave in the mixture, so
+        serving that average is worth at least the average of the draws' values (Jensen). 0 serves
+        the best known safe mixture (the estimated means solved the same way): no exploration
+        beyond the best-arm half of undecided runs and the observations the deploy tests need.
     """
 
     level: float = 0.95
@@ -165,14 +145,9 @@ class ServingConfig:
     deploy_level: float = 0.95
     change_level: float = 0.01
     change_every: int = 25
-    undecided: str = "best_arm"
     posterior_draws: int = 4
 
     def __post_init__(self) -> None:
-        if self.undecided not in UNDECIDED_RULES:
-            raise ValueError(
-                f"Serving option 'undecided' must be one of {list(UNDECIDED_RULES)}, got {self.undecided!r}."
-            )
         for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -634,9 +609,6 @@ def choose(
     t = round_number
     n_arms = statistics.shape[-1]
     batch = statistics.shape[:-2]
-    # One stream per use, so that whether one is drawn from (an undecided run in the batch) does not
-    # shift the other: a batch of runs draws what each run alone draws.
-    best_arm_rng, posterior_rng = rng.spawn(2)
     posterior = arm_posterior(statistics)
     means, errors = posterior.means, posterior.standard_errors
     unknown = ~np.all(np.isfinite(errors), axis=(-2, -1))  # (...)
@@ -729,12 +701,6 @@ def choose(
                                               start=plug_in[run]).probabilities
         plug_in = _support(plug_in)
         log_weights = np.log(np.maximum(plug_in, 1e-300))
-        plausible = _plausible_arms(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_optimism)
-        plausible &= plug_in < _SUPPORT
-        per_round = max(observations_per_round, 1.0)
-        share = np.minimum(0.5, plausible.sum(axis=-1) / (per_round * math.sqrt(t)))
-        directed = np.divide(plausible, plausible.sum(axis=-1, keepdims=True),
-                             out=np.zeros_like(plug_in), where=plausible.any(axis=-1, keepdims=True))
         # The standard errors rest on estimated noise variances: Student's t with the pooled degrees
         # of freedom (few observations per arm would otherwise look more certain than they are).
         degrees = np.maximum(statistics.counts - 1.0, 0.0).sum(axis=-1).min(axis=-1).reshape(flat)
@@ -750,64 +716,42 @@ def choose(
     )
     if not constraints.count:
         # What runs before pasto has learnt anything: the production setting when the objective
-        # names one, else the uniform mixture (Algorithm 1's start). The served traffic leaves it
-        # only as far as the evidence defends. (Starting from a best-arm bandit's traffic instead
-        # cut setup B's served regret at sigma 1.0 by 7% but tripled setup A's.)
+        # names one, else the uniform mixture (Algorithm 1's start). The deployed mixture leaves it
+        # only as far as the evidence defends.
         baseline = _baseline_index(objective)
         start = np.full(n_arms, 1.0 / n_arms) if baseline is None else _one_hot(baseline, n_arms)
         start = np.broadcast_to(start, plug_in.shape)
-        anchored, step = _conservative(objective, flat_means, flat_errors, flat_thresholds, plug_in, z_student, start)
-    if not constraints.count:
         # Undecided: the plug-in optimum is a mixture the data cannot yet defend against the best
         # single arm. (When the plug-in is that arm itself, as with no guardrails, there is no
-        # choice to hedge and the traffic follows it.)
+        # choice to hedge.)
         undecided = ~defended & (np.abs(plug_in - chosen).sum(axis=-1) > 1e-6)
-        best_arm = None
-        if undecided.any() and config.undecided == "best_arm":
-            # No mixture is confidently better than the best single arm yet: half of the run's own
-            # path (the conservative path to the plug-in mixture and the directed share) goes
-            # where a best-arm bandit would send it (each arm in proportion to its posterior
-            # probability of being the best single arm, as Thompson sampling does), so that when
-            # the noise forbids a defended mixture the arm deployed instead is found as fast as a
-            # best-arm bandit finds it; the other half keeps that path (the top-two Thompson split,
-            # beta = 1/2). The posterior exploration outside the support (below) keeps its whole
-            # mass: it is what finds the support of a better mixture.
+        # Thompson sampling over safe mixtures: each arm is served with its posterior chance of
+        # belonging to the optimal mixture times its share there, so the exploration is what the
+        # posterior still allows and vanishes as it concentrates; every guardrail the plug-in
+        # optimum keeps is kept on its pessimistic bounds in every draw.
+        best_arm_rng, posterior_rng = rng.spawn(2)
+        served = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in, posterior_rng,
+                                         config.posterior_draws)
+        if undecided.any():
+            # No mixture is confidently better than the best single arm yet, so the deploy test
+            # chooses between the two: half of the traffic goes where a best-arm bandit would send
+            # it (each arm in proportion to its posterior probability of being the best single arm,
+            # as Thompson sampling does), so that when the noise forbids a defended mixture the arm
+            # deployed instead is found as fast as a best-arm bandit finds it; the other half keeps
+            # the safe mixtures (the top-two Thompson split, beta = 1/2).
             best_arm = best_arm_probabilities(
                 objective, flat_means, flat_errors, flat_thresholds, best_arm_rng, allowed=np.isfinite(arm_values),
             )
-        if config.posterior_draws:
-            # Posterior exploration outside the support: every run also serves the mass that the
-            # exact optima of posterior draws of the means put on arms outside its plug-in support
-            # (the average of ``posterior_draws`` draws' optima). Without it a run whose mixture
-            # beats the best single arm keeps serving that mixture's support, and an arm that
-            # belongs to a better mixture is explored only by the small directed share. The
-            # support itself keeps its conservative path, so a run whose support is known pays
-            # nothing for it. The mass an arm gets is its posterior probability of belonging to
-            # the optimum times its share there, which shrinks as the bounds narrow.
-            # A run none of whose arms outside the support is plausible (its optimistic gradient
-            # cannot reach the optimum's level) has nothing left to learn there: no draw is solved
-            # and it gets no such exploration.
-            learning = plausible.any(axis=-1)
-            outside = np.zeros_like(plug_in)
-            drawn = drawn_mixture(objective, flat_means, flat_errors, posterior_rng, config.posterior_draws,
-                                  runs=learning)
-            outside[learning] = np.where(plug_in[learning] < _SUPPORT, drawn.mean(axis=0)[learning], 0.0)
-        else:
-            outside = np.zeros_like(plug_in)
-        own = (1.0 - share[:, None]) * anchored + share[:, None] * directed
-        own_weight = (1.0 - share) * (1.0 - outside.sum(axis=-1))
-        if best_arm is not None:
-            own = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * own, own)
-            own_weight = np.where(undecided, 0.5 * own_weight, own_weight)
-        served = (1.0 - outside.sum(axis=-1, keepdims=True)) * own + outside
-        served = _exploiting_safely(objective, flat_means, flat_errors, z_safe, served, own_weight * step, plug_in)
+            served = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * served, served)
+        served = _observe_start(objective, flat_means, flat_errors, flat_thresholds, flat_counts, served,
+                                chosen, start, z_student, observations_per_round, t)
         if references:
             to_defend = _reference_counts_to_defend(objective, flat_means, flat_errors, flat_thresholds, plug_in,
                                                     chosen, undecided, flat_counts, references, z_deploy)
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
                                          known, references, observations_per_round, t, to_defend=to_defend)
         served = fixed + (1.0 - fixed.sum()) * served
-        # The deployed mixture answers to the served path's test: what the deploy test picked (the
+        # The deployed mixture answers to a conservative test: what the deploy test picked (the
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
         # evidence defends it. Without it a run whose arms all look alike (an arm never observed
         # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
@@ -1078,62 +1022,6 @@ def _level_draws(objective: Objective, means: np.ndarray, errors: np.ndarray, th
     return full
 
 
-def drawn_mixture(
-    objective: Objective,
-    means: np.ndarray,
-    errors: np.ndarray,
-    rng: np.random.Generator,
-    draws: int = 1,
-    runs: np.ndarray | None = None,
-) -> np.ndarray:
-    """The exact optima of f(mu p) for ``draws`` posterior draws mu ~ N(means, errors^2) per run.
-
-    Thompson sampling over mixtures: each entry of mu is drawn independently and the mixture that
-    maximises the objective under the draw is solved exactly (:func:`pasto.optimum.solve`: an LP,
-    or a convex QP with soft penalties), so a drawn optimum holds the arms the draw puts in the
-    optimal support and nothing else. Every run of a batch uses the same standard-normal draws
-    (scaled by its own errors), so that a batched call equals per-run calls with generators in the
-    same state.
-
-    Parameters
-    ----------
-    objective : Objective
-    means : ndarray, shape (..., M, K)
-        Posterior means.
-    errors : ndarray, shape (..., M, K)
-        Posterior standard deviations (>= 0, finite).
-    rng : numpy.random.Generator
-    draws : int
-        Independent draws per run.
-    runs : ndarray of bool, shape (...), optional
-        Solve only these runs (every run draws its normals all the same); the others' entries are
-        nan.
-
-    Returns
-    -------
-    ndarray, shape (draws, ..., K)
-        Mixtures: non-negative, summing to 1 along the last axis.
-    """
-    means = np.asarray(means, dtype=float)
-    errors = np.asarray(errors, dtype=float)
-    noise = rng.standard_normal((draws,) + means.shape[-2:])
-    noise = noise.reshape((draws,) + (1,) * (means.ndim - 2) + means.shape[-2:])
-    if means.shape[:-2] == noise.shape[1:-2]:
-        # One run (the service's case): the draws are made in the noise's own array, without two
-        # more temporaries of draws x M x K (errors * noise + means is means + errors * noise).
-        drawn = np.multiply(noise, errors, out=noise)
-        drawn += means
-    else:
-        drawn = means + errors * noise
-    thresholds = objective.thresholds(drawn)
-    mixtures = np.full(drawn.shape[:-2] + drawn.shape[-1:], np.nan)
-    selected = np.ones(means.shape[:-2], dtype=bool) if runs is None else np.asarray(runs, dtype=bool)
-    for index in np.ndindex(*drawn.shape[:-2]):
-        if selected[index[1:]]:
-            mixtures[index] = solve(objective, drawn[index], thresholds[index]).probabilities
-    return mixtures
-
-
 def _references(objective: Objective, hard: bool) -> list[tuple[int, int]]:
     """(metric row, reference arm) of every relative guardrail, hard ones or soft ones."""
     return [(objective.metrics.index(g.metric), _arm_index(objective, g.relative_to))
@@ -1223,13 +1111,9 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
         # A reference no worse than the chosen mixture (D <= 0) is in its support already.
         share = np.where((cost > 0) & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)
         # No guardrail that the served mixture keeps on the estimates is broken by the move.
-        y = np.einsum("rmk,rk->rm", means, served)[:, objective.guardrail_rows]
-        y_reference = means[:, objective.guardrail_rows, reference]
-        breaking = (y >= thresholds) & (y_reference < thresholds)
-        room = np.divide(y - thresholds, y - y_reference, out=np.ones_like(y), where=breaking)
-        share = np.minimum(share, room.min(axis=-1, initial=1.0))
-        moved = (1.0 - share[:, None]) * served
-        moved[:, reference] += share
+        shares = np.zeros_like(served)
+        shares[:, reference] = share
+        moved = _moved_to(objective, means, thresholds, served, shares)
         if rows is not None:
             keeps = np.array([_meets(moved[run], rows[run]) for run in range(len(rows))])
             moved = np.where(keeps[:, None], moved, served)
@@ -1269,16 +1153,6 @@ def _unbatched(constraints: HardConstraints, flat: int) -> list[HardConstraints]
         constraints.bounds.reshape((flat, -1)),
         constraints.scale.reshape((flat, -1)),
     )]
-
-
-def _plausible_arms(objective, means, errors, thresholds, mixture, z):
-    """Arms whose optimistic gradient reaches the mixture's level (could enter the support); (R, K) bool."""
-    x = np.einsum("rmk,rk->rm", means, mixture)
-    gradient_x = objective.gradient(x, thresholds)
-    gradient = np.einsum("rmk,rm->rk", means, gradient_x)
-    level = np.sum(mixture * gradient, axis=-1, keepdims=True)
-    spread = np.sqrt(np.einsum("rm,rmk->rk", gradient_x**2, errors**2))
-    return gradient + z * spread >= level - 1e-12 * np.abs(level)
 
 
 def _guardrail_variance(objective: Objective, errors: np.ndarray, mixture: np.ndarray) -> np.ndarray:
@@ -1326,42 +1200,6 @@ def _expected_soft_value(objective: Objective, x: np.ndarray, variance: np.ndarr
         shortfall = np.where(uncertain, tail, np.minimum(0.0, d) ** 2)
         value = value - np.sum(objective.penalties[soft] * shortfall, axis=-1)
     return value
-
-
-def _exploiting_safely(objective, means, errors, z, served, exploiting, target):
-    """``served`` with its exploiting part re-solved so that exploring breaks no guardrail; (R, K).
-
-    ``served`` (R, K) holds ``exploiting`` (R,) of ``target`` (R, K), the plug-in optimum; the rest
-    (exploration, the conservative anchor, the best-arm share) is kept as it is, as per-arm minimum
-    shares, and the whole mixture is solved exactly (:func:`pasto.optimum.solve`) with each soft
-    guardrail that the target keeps (on the estimated means: a guardrail the optimum holds rather
-    than trades) on its pessimistic bounds: each arm's lower bound (``z`` standard errors) against
-    a threshold resolved on the upper bounds (a relative threshold's reference arm). So the traffic
-    sent to explore is paid for by the exploiting traffic moving towards the arms with slack, and a
-    guardrail that the optimum keeps stays kept by what is served (with a steep penalty the solve
-    keeps the bounds). A guardrail the target trades against the primary metric (a shortfall worth
-    its penalty) is left to the objective as it is. Runs with nothing exploited, or no such
-    guardrail, are returned as they are.
-    """
-    soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
-    if soft.size == 0:
-        return served
-    rows = objective.guardrail_rows[soft]
-    plain_thresholds = objective.thresholds(means)
-    kept_by_target = np.einsum("rjk,rk->rj", means[:, rows, :], target) >= plain_thresholds[:, soft]  # (R, J)
-    lower = means[:, rows, :] - z * errors[:, rows, :]  # (R, J, K)
-    cautious_thresholds = objective.thresholds(means + z * errors)
-    result = served.copy()
-    for run in np.flatnonzero((exploiting > 1e-12) & kept_by_target.any(axis=-1)):
-        held = kept_by_target[run]
-        cautious = means[run].copy()
-        cautious[rows[held]] = lower[run][held]
-        thresholds = plain_thresholds[run].copy()
-        thresholds[soft[held]] = cautious_thresholds[run, soft[held]]
-        kept = np.maximum(served[run] - exploiting[run] * target[run], 0.0)
-        kept *= min(1.0, (1.0 - exploiting[run]) / max(kept.sum(), 1e-300))
-        result[run] = solve(objective, cautious, thresholds, min_shares=kept).probabilities
-    return result
 
 
 def _difference_error(objective, means, errors, thresholds, first, second):
@@ -1486,3 +1324,133 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     confident = mixture_value - best_value > z_deploy * difference_error
     use_mixture = confident | none_allowed
     return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)
+
+
+def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
+    """Thompson sampling over safe mixtures: the average of the exact optima of posterior draws; (R, K).
+
+    means, errors (R, M, K) are the posterior; ``target`` (R, K) is the plug-in optimum. Each of
+    ``draws`` draws of the means is solved exactly
+    (:func:`pasto.optimum.solve`), with every soft guardrail that the target keeps on the estimated
+    means (one the optimum holds rather than trades against the primary metric) held on its
+    pessimistic bounds: each arm's lower bound (``z`` standard errors) against a threshold resolved
+    on the upper bounds (a relative threshold's reference arm). So the served traffic explores the
+    primary metrics as Thompson sampling does, over mixtures instead of single arms, and keeps the
+    guardrails the optimum keeps whatever the draw. An arm is served with its posterior chance of
+    belonging to the optimal mixture times its share there: exploration that shrinks as the
+    posterior concentrates. The objective is concave in the mixture, so serving the average of the
+    draws' optima is worth at least their average value (Jensen). With ``draws`` = 0 the estimated
+    means are solved the same way: the best known safe mixture.
+    """
+    soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
+    rows = objective.guardrail_rows[soft]
+    plain_thresholds = objective.thresholds(means)
+    # Kept: met on the means, up to the solver's precision relative to the metric's own scale (a
+    # guardrail the optimum keeps binds at its threshold, so rounding must not decide it).
+    tolerance = 1e-9 * np.abs(means[:, rows, :]).max(axis=-1, initial=0.0)
+    held = np.einsum("rjk,rk->rj", means[:, rows, :], target) >= plain_thresholds[:, soft] - tolerance  # (R, J)
+    lower = means[:, rows, :] - z * errors[:, rows, :]  # (R, J, K)
+    cautious_thresholds = objective.thresholds(means + z * errors)  # (R, G)
+    # Every run of a batch draws what it would draw alone (the same standard normal draws, as
+    # best_arm_probabilities does), so the simulator's batches serve what the service serves.
+    noise = rng.standard_normal((draws,) + means.shape[-2:]) if draws else np.zeros((1,) + means.shape[-2:])
+    served = np.zeros((means.shape[0], means.shape[-1]))
+    for run in range(means.shape[0]):
+        kept = soft[held[run]]
+        for drawn_noise in noise:
+            drawn = means[run] + errors[run] * drawn_noise
+            thresholds = objective.thresholds(drawn)
+            drawn[rows[held[run]]] = lower[run][held[run]]
+            thresholds[kept] = cautious_thresholds[run, kept]
+            served[run] += solve(objective, drawn, thresholds).probabilities / noise.shape[0]
+    return served
+
+
+def _observe_start(objective, means, errors, thresholds, counts, served, target, start, z,
+                   observations_per_round, t):
+    """``served`` (R, K) with shares moved to the starting mixture's arms, as much as the deployed path needs.
+
+    The deployed mixture leaves the starting mixture p0 (R, K) towards ``target`` only as far as the
+    evidence defends (:func:`_conservative`): the advantage a = E f(mu target) - E f(mu p0) must
+    exceed ``z`` standard errors of the difference, and that difference's variance includes p0's
+    arms' estimates. The served traffic follows the posterior draws, which may leave some of p0's
+    arms (the production setting; an arm of the uniform start that no optimum uses) nearly
+    unobserved, and then the deployed mixture could never leave p0. Each such arm k (served less
+    than p0 gives it) carries a part P_k of the variance that shrinks like 1 / n_k in its count;
+    the rest V0 does not move. Observing it instead of the served mixture costs
+    D_k = f(mu served) - f(mu e_k) per observation. The cheapest counts m_k >= n_k that bring the
+    variance to (a / z)^2 if the estimates hold minimise sum_k D_k m_k subject to
+    V0 + sum_k P_k n_k / m_k <= (a / z)^2: m_k = max(n_k, sqrt(lambda P_k n_k / D_k)) (the
+    Lagrange condition), lambda found on the active set. With as many rounds to come as have been
+    (t) the step is worth t a per observation per round, so while t a >= sum_k (m_k - n_k) D_k / Q
+    (Q the observations per round) each deficit is spread over that horizon: arm k's share of a
+    round is (m_k - n_k) / (Q t) beyond what it is served already, all of them scaled down by one
+    factor if needed so that no guardrail the served mixture keeps on the estimates is broken. A
+    run whose step is defended, cannot be defended by observing those arms alone (V0 >=
+    (a / z)^2), or has no advantage is returned unchanged.
+    """
+    x, x_start = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (target, start))
+    value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, target), thresholds)
+    value_start = _expected_soft_value(objective, x_start, _guardrail_variance(objective, errors, start), thresholds)
+    advantage = value - value_start
+    parts = _difference_variance_parts(objective, means, errors, thresholds, target, start)  # (R, K)
+    total = parts.sum(axis=-1)
+    goal = (np.maximum(advantage, 0.0) / np.asarray(z)) ** 2
+    under = (start > 0) & (served < start) & (parts > 0)  # (R, K)
+    n = np.maximum(counts.min(axis=-2), 1.0)  # (R, K); an arm never observed counts as one
+    weight = np.where(under, parts * n, 0.0)  # P_k n_k
+    budget = goal - (total - np.where(under, parts, 0.0).sum(axis=-1))  # (a / z)^2 - V0
+    possible = (advantage > 0) & (total > goal) & (budget > 0)
+    served_value = objective.value(np.einsum("rmk,rk->rm", means, served), thresholds)
+    arm_values = objective.value(np.swapaxes(means, -1, -2), thresholds[:, None, :])  # (R, K)
+    # Observing an arm no worse than the served mixture costs (almost) nothing.
+    price = np.maximum(served_value[:, None] - arm_values, 0.0) + 1e-12 * (np.abs(served_value[:, None]) + 1e-300)
+    active = under & possible[:, None]
+    wanted = n
+    for _ in range(64):  # each pass drops the arms whose best count is what they have (rarely more than 2)
+        idle = np.where(under & ~active, weight / n, 0.0).sum(axis=-1)
+        left = budget - idle
+        # No count of the active arms reaches the goal when the others alone leave no room.
+        active &= (left > 0)[:, None]
+        root = np.divide(np.where(active, np.sqrt(weight * price), 0.0).sum(axis=-1), left,
+                         out=np.zeros_like(left), where=left > 0)  # sqrt(lambda)
+        wanted = np.where(active, np.sqrt(np.where(active, weight / price, 0.0)) * root[:, None], n)
+        still = active & (wanted > n)
+        if np.array_equal(still, active):
+            break
+        active = still
+    deficit = np.where(active, wanted - n, 0.0)
+    cost = np.sum(deficit * price, axis=-1)
+    per_round = max(observations_per_round, 1.0)
+    worth = possible & (t * advantage >= cost / per_round)
+    share = np.where(worth[:, None], np.clip(deficit / (per_round * t), 0.0, 1.0), 0.0)
+    share = np.maximum(share - served, 0.0)
+    total_share = share.sum(axis=-1, keepdims=True)
+    share = np.where(total_share > 1.0, share / np.maximum(total_share, 1.0), share)
+    return _moved_to(objective, means, thresholds, served, share)
+
+
+def _difference_variance_parts(objective, means, errors, thresholds, first, second):
+    """Each arm's part of :func:`_difference_error`'s variance, (R, K): its entries' terms summed
+    over the metrics (the difference's variance is their sum over the arms)."""
+    weights = objective.threshold_weights(means.shape[-1])  # (G, K)
+    second_part, by_threshold_second = _reference_side(objective, means, thresholds, second)
+    gradient_first, by_threshold_first = _sensitivities(objective, means, thresholds, first)
+    coefficient = gradient_first[:, :, None] * first[:, None, :] - second_part
+    if np.any(weights):
+        through_threshold = (by_threshold_first - by_threshold_second)[:, :, None] * weights  # (R, G, K)
+        np.add.at(coefficient, (slice(None), objective.guardrail_rows), through_threshold)
+    return np.sum(coefficient**2 * errors**2, axis=-2)
+
+
+def _moved_to(objective, means, thresholds, served, shares):
+    """``served`` (R, K) with ``shares`` (R, K) of each run's traffic moved to the arms they name,
+    all scaled down by one factor where needed so that no guardrail the served mixture keeps on the
+    estimates is broken by the move; O(R M K)."""
+    total = shares.sum(axis=-1, keepdims=True)  # (R, 1)
+    y = np.einsum("rmk,rk->rm", means, served)[:, objective.guardrail_rows]  # (R, G)
+    change = np.einsum("rmk,rk->rm", means, shares)[:, objective.guardrail_rows] - total * y  # at full move
+    breaking = (y >= thresholds) & (y + change < thresholds)
+    room = np.divide(y - thresholds, -change, out=np.ones_like(y), where=breaking)
+    factor = np.clip(room.min(axis=-1, initial=1.0), 0.0, 1.0)[:, None]
+    return (1.0 - factor * total) * served + factor * shares

@@ -44,11 +44,11 @@ def test_another_option_can_be_compared(bench, capsys, monkeypatch):
 
     monkeypatch.setattr(bench, "measure_update_alone", recorded)
     results = bench.main(["--arms", "5", "--rounds", "2", "--repeats", "2",
-                          "--option", "serving_undecided", "--values", "conservative,best_arm"])
-    assert calls == [(5, {"serving_undecided": "conservative"}), (5, {"serving_undecided": "best_arm"}),
-                     (5, {"serving_undecided": "best_arm"}), (5, {"serving_undecided": "conservative"})]
-    assert results[5]["conservative"] > 0 and results[5]["best_arm"] > 0 and math.isfinite(results[5]["ratio"])
-    assert "serving_undecided = conservative" in capsys.readouterr().out
+                          "--option", "serving_level", "--values", "0.9,0.95"])
+    assert calls == [(5, {"serving_level": 0.9}), (5, {"serving_level": 0.95}),
+                     (5, {"serving_level": 0.95}), (5, {"serving_level": 0.9})]
+    assert results[5]["0.9"] > 0 and results[5]["0.95"] > 0 and math.isfinite(results[5]["ratio"])
+    assert "serving_level = 0.9" in capsys.readouterr().out
 
 
 def test_against_bare_times_the_update_beside_a_thompson_step_and_one_solve(bench, capsys):

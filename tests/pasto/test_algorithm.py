@@ -147,7 +147,7 @@ def test_field_defaults_are_the_default_preset():
     assert AlgorithmConfig.from_dict({"estimator": "ips"}) == AlgorithmConfig.from_preset("default", estimator="ips")
     assert AlgorithmConfig().to_dict() == {
         "estimator": "pooled", "discount": 1.0,
-        "serving": "safe", "serving_level": 0.95, "serving_undecided": "best_arm", "serving_posterior_draws": 4,
+        "serving": "safe", "serving_level": 0.95, "serving_posterior_draws": 4,
         "serving_min_share": 0.0, "serving_holdout": 0.0, "change_level": 0.01,
         "change_every": 25,
     }
@@ -179,15 +179,18 @@ def test_state_json_round_trip_and_continuation(overrides):
     pooled = Statistics.zeros(2, 3, (2,))
     means = np.array([[1.0, 0.0, 0.5], [-1.0, 1.0, 0.2]])
     for _ in range(7):
-        arms = rng.integers(0, 3, size=(2, 4))
+        # Arms drawn from the served mixture, as traffic arrives (the inverse-propensity estimators
+        # cannot weight an arm served with probability 0).
+        drawn_under = state.probabilities
+        arms = np.stack([rng.choice(3, size=4, p=p) for p in drawn_under])
         values = means.T[arms] + rng.normal(size=(2, 4, 2))
         round_stats = Statistics.from_observations(arms, values, 3)
         pooled = pooled + round_stats
         state = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
     restored = ControllerState.from_dict(json.loads(json.dumps(state.to_dict())))
     assert restored.round_index == state.round_index
-    a = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
-    b = update(config, OBJECTIVE_A, restored, round_stats, pooled, rng=round_generator(0, 0))
+    a = update(config, OBJECTIVE_A, state, round_stats, pooled, drawn_under, rng=round_generator(0, 0))
+    b = update(config, OBJECTIVE_A, restored, round_stats, pooled, drawn_under, rng=round_generator(0, 0))
     np.testing.assert_array_equal(a.probabilities, b.probabilities)
     np.testing.assert_array_equal(a.deployed, b.deployed)
 

@@ -604,22 +604,15 @@ def _complementary_arms_statistics(n):
     return objective, statistics
 
 
-def test_with_best_arm_an_undecided_run_sends_half_its_own_path_the_way_a_best_arm_bandit_would():
+def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would():
     """With 500 observations per arm the mixture of arms 0 and 1 cannot be defended against the
     best single arm (a gain of 0.1 against a standard error near 0.2), while arm 2 is likely the
-    best single arm: half of the run's own path (the conservative path and the directed share)
-    follows the best-arm probabilities; the posterior exploration outside the support keeps its
-    mass (at most half of the traffic), so arm 2 gets at least a quarter of its probability, where
-    the conservative path alone, still near the uniform start, gave it 0.25. Without posterior
-    exploration, half the traffic is the best-arm probabilities exactly. With 5,000 observations
-    per arm the mixture is defended and served."""
+    best single arm: half of the traffic follows the best-arm probabilities (drawn from the first of
+    two streams spawned from choose's generator), the other half the safe posterior mixtures (the
+    second). With 5,000 observations per arm the mixture is defended and served."""
     objective, statistics = _complementary_arms_statistics(500)
-    config = serving.ServingConfig(undecided="best_arm")
     t = 40
-    conservative, _, _ = serving.choose(serving.ServingConfig(undecided="conservative"), objective, statistics, t,
-                                        np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), np.random.default_rng(1))
-    assert conservative[0, 2] < 0.27, "the conservative rule keeps its path (arm 2 near the uniform 0.25)"
-    assert serving.ServingConfig().undecided == "best_arm", "best_arm is the default"
+    config = serving.ServingConfig()
     served, deployed, log_weights = serving.choose(
         config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), np.random.default_rng([t, 14]))
     # The mixture is not defended, so the deploy test picks arm 2; arm 2 (f 0.6) is not defended
@@ -636,21 +629,13 @@ def test_with_best_arm_an_undecided_run_sends_half_its_own_path_the_way_a_best_a
         objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
         [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.0, 1.6448536269514722)
     assert not defended[0]
-    # choose draws the best-arm probabilities from the first of two streams spawned from its generator.
+    best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
     best_arm = serving.best_arm_probabilities(
-        objective, posterior.means, posterior.standard_errors, thresholds, np.random.default_rng([t, 14]).spawn(2)[0],
-        allowed=np.isfinite(values))
+        objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
     assert best_arm[0, 2] > 0.6, best_arm
-    assert served[0, 2] >= 0.25 * best_arm[0, 2], (served, best_arm)
-    assert served[0, 2] > 0.27, (served, best_arm)
-    split = [serving.choose(dataclasses.replace(rule, posterior_draws=0), objective, statistics, t,
-                            np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), np.random.default_rng([t, 14]))[0]
-             for rule in (config, serving.ServingConfig(undecided="conservative"))]
-    # The best-arm half is kept as it is; the other half's exploiting part is re-solved with the
-    # guardrails on their pessimistic bounds (serving._exploiting_safely), so it need not equal the
-    # conservative rule's own path exactly.
-    assert np.all(split[0] >= 0.5 * best_arm - 1e-12), (split[0], best_arm)
-    np.testing.assert_allclose(split[0].sum(), 1.0)
+    safe = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, 1.6448536269514722,
+                                           plug_in, posterior_rng, config.posterior_draws)
+    np.testing.assert_allclose(served, 0.5 * best_arm + 0.5 * safe, rtol=0, atol=1e-12)
 
     objective, statistics = _complementary_arms_statistics(5000)
     served, deployed, _ = serving.choose(
@@ -690,15 +675,11 @@ def test_an_arm_never_observed_is_not_deployed_when_the_arms_look_alike():
 # --------------------------------------------------------------------------- Thompson sampling over mixtures
 
 
-def test_the_undecided_rule_is_validated_with_a_sentence():
-    with pytest.raises(ValueError, match="'undecided' must be one of"):
-        serving.ServingConfig(undecided="thompson")
-    from pasto import algorithm
-
-    with pytest.raises(ValueError, match="'serving_undecided' must be one of"):
-        algorithm.AlgorithmConfig.from_preset("default", serving_undecided="sometimes")
-    assert serving.ServingConfig().undecided == "best_arm"
-    assert algorithm.AlgorithmConfig().serving.undecided == "best_arm"
+def test_the_removed_undecided_rule_is_refused_with_a_sentence():
+    with pytest.raises(TypeError):
+        serving.ServingConfig(undecided="best_arm")
+    with pytest.raises(ValueError, match="Unknown algorithm option"):
+        algorithm.AlgorithmConfig.from_preset("default", serving_undecided="best_arm")
 
 
 @settings(max_examples=40, deadline=None)
@@ -707,25 +688,25 @@ def test_the_undecided_rule_is_validated_with_a_sentence():
     runs=st.integers(1, 4),
     seed=st.integers(0, 2**32 - 1),
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
-    options=st.sampled_from([{"posterior_draws": 0}, {"posterior_draws": 1}, {"posterior_draws": 3},
-                             {"undecided": "conservative"}]),
+    draws=st.sampled_from([0, 1, 3]),
 )
-def test_thompson_over_mixtures_serves_a_mixture_on_the_simplex(n_arms, runs, seed, scale, options):
-    """drawn_mixture and the traffic served with it (posterior exploration outside the support):
-    non-negative, summing to 1, finite, whatever the means' scale and the errors (some exactly 0)."""
+def test_thompson_over_safe_mixtures_serves_a_mixture_on_the_simplex(n_arms, runs, seed, scale, draws):
+    """The safe posterior mixture and the traffic served with it: non-negative, summing to 1,
+    finite, whatever the means' scale and the errors (some exactly 0)."""
     objective = load_scenario("setup-b").objective()
     rng = np.random.default_rng(seed)
     means = rng.normal(0.5, scale, (runs, 3, n_arms))
     errors = rng.uniform(0.0, scale, (runs, 3, n_arms)) * rng.choice([0.0, 1.0], (runs, 3, n_arms))
-    mixture = serving.drawn_mixture(objective, means, errors, np.random.default_rng(seed), 2)
-    assert mixture.shape == (2, runs, n_arms)
+    target = rng.dirichlet(np.ones(n_arms), runs)
+    mixture = serving._safe_posterior_mixture(objective, means, errors, 1.645, target, np.random.default_rng(seed), draws)
+    assert mixture.shape == (runs, n_arms)
     assert np.all(np.isfinite(mixture)) and np.all(mixture >= 0.0)
     assert np.allclose(mixture.sum(axis=-1), 1.0, atol=1e-12)
 
     counts = rng.integers(2, 200, (runs, 3, n_arms)).astype(float)
     sums = counts * means
     statistics = Statistics(counts, sums, sums**2 / counts + counts * scale**2)
-    served, deployed, _ = serving.choose(serving.ServingConfig(**options), objective, statistics,
+    served, deployed, _ = serving.choose(serving.ServingConfig(posterior_draws=draws), objective, statistics,
                                          int(rng.integers(2, 2000)), np.zeros((runs, n_arms)), 10.0,
                                          np.full((runs, n_arms), 1.0 / n_arms), np.random.default_rng(seed))
     for mixture in (served, deployed):
@@ -733,143 +714,118 @@ def test_thompson_over_mixtures_serves_a_mixture_on_the_simplex(n_arms, runs, se
         assert np.allclose(mixture.sum(axis=-1), 1.0, atol=1e-12)
 
 
-def test_a_drawn_mixture_is_the_exact_optimum_of_its_draw():
-    """Each draw's mixture is pasto.optimum.solve's answer for the drawn means (checked against an
-    independent oracle there): no mass on an arm the draw leaves out of the optimum, which is what
-    kept 2-3% of the traffic on every middle arm when the draws were solved approximately."""
+def _oracle_safe_draw(objective, means, errors, z, target, noise):
+    """One draw of :func:`serving._safe_posterior_mixture` written out for one run: every soft
+    guardrail the target keeps on the means is solved on each arm's lower bound against the
+    threshold of the upper bounds; the others on the drawn means."""
     from pasto.optimum import solve
 
+    drawn = means + errors * noise
+    thresholds = objective.thresholds(drawn)
+    cautious = objective.thresholds(means + z * errors)
+    for j, guardrail in enumerate(objective.guardrails):
+        row = objective.metrics.index(guardrail.metric)
+        if objective.penalties[j] > 0 and means[row] @ target >= objective.thresholds(means)[j]:
+            drawn[row] = means[row] - z * errors[row]
+            thresholds[j] = cautious[j]
+    return solve(objective, drawn, thresholds).probabilities
+
+
+def test_each_safe_draw_is_the_exact_optimum_of_its_draw_with_the_kept_guardrails_on_their_bounds():
+    """The served mixture is the average of exact optima (pasto.optimum.solve, checked against an
+    independent oracle there); every run of a batch draws what it draws alone; another seed draws
+    other means."""
     objective = load_scenario("setup-b").objective()
     source = np.random.default_rng(5)
     means = source.uniform(-1, 1, (3, 3, 12))
     errors = 0.2 * source.uniform(size=(3, 3, 12))
-    drawn = serving.drawn_mixture(objective, means, errors, np.random.default_rng(9), 2)
+    target = source.dirichlet(np.ones(12), 3)
+    z = 1.6448536269514722
+    served = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 2)
     noise = np.random.default_rng(9).standard_normal((2, 3, 12))
-    for draw in range(2):
-        for run in range(3):
-            expected = solve(objective, means[run] + errors[run] * noise[draw]).probabilities
-            np.testing.assert_array_equal(drawn[draw, run], expected)
-    assert np.mean(drawn == 0.0) > 0.5  # an optimum has a small support
+    for run in range(3):
+        expected = np.mean([_oracle_safe_draw(objective, means[run], errors[run], z, target[run], n) for n in noise],
+                           axis=0)
+        np.testing.assert_allclose(served[run], expected, rtol=0, atol=1e-12)
+    for run in range(3):
+        alone = serving._safe_posterior_mixture(objective, means[run:run + 1], errors[run:run + 1], z,
+                                                target[run:run + 1], np.random.default_rng(9), 2)
+        np.testing.assert_array_equal(alone[0], served[run])
+    other = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(10), 2)
+    assert not np.allclose(other, served)
+    # Without draws: the estimated means solved the same way, the best known safe mixture.
+    known = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 0)
+    for run in range(3):
+        np.testing.assert_allclose(
+            known[run], _oracle_safe_draw(objective, means[run], errors[run], z, target[run], np.zeros((3, 12))),
+            rtol=0, atol=1e-12)
 
 
-def test_thompson_over_mixtures_is_reproducible_and_a_batch_equals_its_runs():
-    """The draws come from the generator passed in: the same generator state gives the same traffic,
-    a batch of runs the traffic of each run alone, and another seed other draws."""
-    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
-    config = serving.ServingConfig(posterior_draws=4)
-    other = Statistics(statistics.counts * 2.0, statistics.sums * 2.0, statistics.sums_of_squares * 2.5)
-    batch = Statistics(*(np.concatenate([a, b]) for a, b in zip(
-        (statistics.counts, statistics.sums, statistics.sums_of_squares),
-        (other.counts, other.sums, other.sums_of_squares))))
-
-    def served(stats, seed):
-        runs = stats.shape[0]
-        return serving.choose(config, objective, stats, 40, np.zeros((runs, 4)), 10.0, np.full((runs, 4), 0.25),
-                              round_generator(seed, 40))[0]
-
-    first = served(statistics, 1)
-    np.testing.assert_array_equal(first, served(statistics, 1))
-    together = served(batch, 1)
-    np.testing.assert_allclose(together[0], first[0], rtol=0, atol=1e-12)
-    np.testing.assert_allclose(together[1], served(other, 1)[0], rtol=0, atol=1e-12)
-    assert not np.allclose(first, served(statistics, 2)), "another seed, another posterior draw"
-
-
-def _decided_mixture_with_an_untested_arm(n_untested, untested_mean):
-    """Setup B's objective on four arms, noise sigma 1: arms 0 and 1 (2,000 observations each)
-    mixed half and half give f = 1.0 and are defended against every single arm; arm 3 (2,000
-    observations, f 0.0) is clearly worse. Arm 2 has ``n_untested`` observations whose sample means
-    are ``untested_mean`` (X, Y1, Y2). Returns (objective, statistics (1, 3, 4))."""
-    objective = load_scenario("setup-b").objective()
-    means = np.array([[1.0, 1.0, 0.0, 0.0], [0.9, 0.1, 0.0, 0.6], [0.1, 0.9, 0.0, 0.6]])
-    means[:, 2] = untested_mean
-    counts = np.array([2000.0, 2000.0, float(n_untested), 2000.0])
-    counts = np.broadcast_to(counts, (3, 4))
-    statistics = Statistics(counts[None].copy(), (counts * means)[None], (counts * (means**2 + 1.0))[None])
-    return objective, statistics
-
-
-def _average_served(config, objective, statistics, rounds=range(40, 80)):
-    return np.mean([serving.choose(config, objective, statistics, t, np.zeros((1, 4)), 10.0,
-                                   np.full((1, 4), 0.25), round_generator(0, t))[0][0] for t in rounds], axis=0)
-
-
-def test_posterior_exploration_tests_an_arm_outside_the_support_that_could_belong_to_a_better_mixture():
-    """A run that serves a mixture of arms 0 and 1 (f 1.0, far better than arm 3's 0.0) still tests arm 2,
-    whose 5 observations read X 0.9, Y 0.6 / 0.6 (a single arm that could beat the mixture's f 1.0
-    if its X is above 1): averaged over rounds 40-79, the posterior draws give it a fifth or more
-    of the traffic, where without them (posterior_draws = 0) only the directed share reaches it.
-    Arm 3, clearly worse, gets nothing either way, and once arm 2 has 2,000 observations at the same
-    reading its traffic is gone: the exploration shrinks as the posterior concentrates."""
-    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
-    without = _average_served(serving.ServingConfig(posterior_draws=0), objective, statistics)
-    with_draws = _average_served(serving.ServingConfig(posterior_draws=4), objective, statistics)
-    assert with_draws[2] > 0.2 and with_draws[2] > without[2] + 0.1
-    assert with_draws[3] < 0.01 and without[3] < 0.01
-    objective, known = _decided_mixture_with_an_untested_arm(2000, [0.9, 0.6, 0.6])
-    settled = _average_served(serving.ServingConfig(posterior_draws=4), objective, known)
-    assert settled[2] < 0.01
-
-
-def test_posterior_draws_are_validated_with_a_sentence_default_to_4_and_zero_is_the_conservative_path_alone():
-    from pasto import algorithm
-
-    for bad in (-1, 65, 2.0, True, "4"):
-        with pytest.raises(ValueError, match="'posterior_draws' must be an integer from 0 to 64"):
-            serving.ServingConfig(posterior_draws=bad)
-        with pytest.raises(ValueError, match="'serving_posterior_draws' must be an integer from 0 to 64"):
-            algorithm.AlgorithmConfig.from_preset("default", serving_posterior_draws=bad)
-    assert serving.ServingConfig().posterior_draws == 4
-    assert algorithm.AlgorithmConfig().serving.posterior_draws == 4
-    # With no draws (and the conservative undecided rule: the default best_arm rule would also send
-    # arm 2, a plausible best single arm, its best-arm half), what is served is the support's path
-    # plus the directed share, nothing else: the case above gives arm 2 only that share.
-    objective, statistics = _decided_mixture_with_an_untested_arm(5, [0.9, 0.6, 0.6])
-    served = serving.choose(serving.ServingConfig(posterior_draws=0, undecided="conservative"), objective, statistics, 40,
-                            np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), round_generator(0, 40))[0][0]
-    assert served[2] <= 1.0 / (10.0 * np.sqrt(40.0)) + 1e-12
-
-
-@pytest.mark.parametrize("n_untested", [3, 30])
-def test_the_directed_share_is_one_over_n_sqrt_t_per_plausible_arm_and_at_most_half(n_untested):
-    """A run serving a defended mixture of arms 0 and 1 (2,000 observations each) with
-    ``n_untested`` arms of 5 observations each, every one plausible (its reading X 0.9, Y 0.6 / 0.6
-    could beat the mixture), at n = 10 observations a round: with no posterior draws (and the
-    conservative undecided rule) the untested arms share the directed traffic alone, 1 / (n sqrt(t))
-    each (each one's count grows like sqrt(t)), and at most half of the round in all."""
-    objective = load_scenario("setup-b").objective()
-    columns = [[1.0, 0.9, 0.1], [1.0, 0.1, 0.9]] + [[0.9, 0.6, 0.6]] * n_untested + [[0.0, 0.0, 0.0]]
-    means = np.array(columns).T
-    n_arms = means.shape[1]
-    counts = np.broadcast_to(np.array([2000.0, 2000.0] + [5.0] * n_untested + [2000.0]), means.shape)
-    statistics = Statistics(counts[None].copy(), (counts * means)[None], (counts * (means**2 + 1.0))[None])
-    config = serving.ServingConfig(posterior_draws=0, undecided="conservative")
-    for t in (40, 400):
-        served = serving.choose(config, objective, statistics, t, np.zeros((1, n_arms)), 10.0,
-                                np.full((1, n_arms), 1.0 / n_arms), round_generator(0, t))[0][0]
-        untested = served[2:2 + n_untested]
-        share = min(n_untested / (10.0 * np.sqrt(t)), 0.5)
-        np.testing.assert_allclose(untested, share / n_untested, rtol=1e-9)
-        assert served[-1] < 1e-9 and served[0] + served[1] == pytest.approx(1.0 - share)
-
-
-def test_batched_posterior_draws_equal_the_same_draws_made_one_after_another():
-    """``drawn_mixture(..., draws=n)`` is exactly n single calls on a generator in the same state,
-    and leaves the generator where they leave it."""
-    source = np.random.default_rng(3)
+def test_a_steep_soft_guardrail_the_optimum_keeps_is_kept_by_every_draw_on_its_lower_bounds():
+    """With a penalty of 1e6 on y >= 0 (kept by the optimum, which mixes arm 0, x 1 / y -1, with arm 1,
+    x 0 / y 1), every served mixture keeps y's lower bound: Thompson sampling over mixtures without
+    that caution put half of its draws below the true boundary."""
     objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
-        {"metric": "y", "threshold": 0.0, "penalty": 5.0}]})
-    for n_arms in (3, 40):
-        means = source.normal(size=(5, 2, n_arms))
-        errors = 0.3 * np.abs(source.normal(size=(5, 2, n_arms)))
-        one_by_one, batched = np.random.default_rng([7, 15]), np.random.default_rng([7, 15])
-        expected = np.concatenate([serving.drawn_mixture(objective, means, errors, one_by_one) for _ in range(4)])
-        drawn = serving.drawn_mixture(objective, means, errors, batched, 4)
-        assert drawn.shape == (4, 5, n_arms)
-        np.testing.assert_array_equal(drawn, expected)
-        assert one_by_one.random() == batched.random()
-        # Different draws give different mixtures (the test would pass trivially on copies of one).
-        assert not np.array_equal(drawn[0], drawn[1])
+        {"metric": "y", "threshold": 0.0, "penalty": 1e6}]}, ["0", "1", "2"])
+    means = np.array([[[1.0, 0.0, 0.5], [-1.0, 1.0, -0.2]]])
+    errors = np.full((1, 2, 3), 0.05)
+    target = np.array([[0.5, 0.5, 0.0]])
+    z = 1.6448536269514722
+    for seed in range(20):
+        served = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(seed), 4)
+        lower = (means[0, 1] - z * errors[0, 1]) @ served[0]
+        assert lower >= -1e-6, (seed, served)
+
+
+def _baseline_statistics(baseline_count):
+    """Four arms far apart (so the arms' spread is wide and an arm seen a few times stays uncertain):
+    arm 2 is the production setting (the objective's baseline, x 1.2, y 0.5), arms 0 (x 2, y -1)
+    and 1 (x 1, y 1) mixed half and half beat it (x 1.5, y 0), arm 3 is poor; noise sigma 1;
+    4,000 observations of arms 0, 1 and 3, ``baseline_count`` of arm 2. Returns (objective,
+    statistics (1, 2, 4))."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "baseline": "2", "guardrails": [
+        {"metric": "y", "threshold": 0.0, "penalty": 5.0}]}, ["0", "1", "2", "3"])
+    means = np.array([[2.0, 1.0, 1.2, -2.0], [-1.0, 1.0, 0.5, -2.0]])
+    return objective, _evidence(means, [[4000, 4000, baseline_count, 4000]] * 2, std=1.0)
+
+
+def test_the_starting_arm_is_observed_as_far_as_the_deployed_path_needs():
+    """The deployed mixture leaves the production setting (arm 2) only as far as the evidence
+    defends, and the difference's error includes arm 2's own. Seen 5 times, it keeps the deployed
+    mixture at the start whatever the other arms show, and the posterior draws, which leave it out
+    of every optimum, would never observe it: it gets the share (n' - n) / (Q t) that defends the
+    full step within the horizon. Seen a few times n' (the estimates unchanged), the step is
+    defended and it gets no share of its own."""
+    z = 1.6448536269514722
+    objective, statistics = _baseline_statistics(5)
+    start = np.array([[0.0, 0.0, 1.0, 0.0]])
+    served, deployed, _ = serving.choose(serving.ServingConfig(), objective, statistics, 200, np.zeros(4), 20.0,
+                                         start[0], round_generator(0, 200))
+    assert deployed[2] > 0.5, deployed  # still near the start
+    posterior = serving.arm_posterior(statistics)
+    means, errors = posterior.means[None], posterior.standard_errors[None]
+    thresholds = objective.thresholds(means)
+    target = serving.expected_optimum(objective, means[0], errors[0], thresholds[0]).probabilities[None]
+    assert target[0, 2] < 1e-6 and target[0, 3] < 1e-6
+    nothing = target.copy()  # served traffic that leaves the start out
+    moved = serving._observe_start(objective, means, errors, thresholds, statistics.counts[None], nothing, target,
+                                   start, z, 20.0, 200)
+    assert moved[0, 2] > 0.0
+    # The count it asks for: there the difference's error is the advantage / z.
+    needed = 5 + moved[0, 2] * 20.0 * 200  # share = (n' - n) / (Q t)
+    assert 10 < needed < 4000, needed
+    assert served[2] >= moved[0, 2] - 1e-9
+    # n' rests on the error shrinking like 1 / n; the prior's part shrinks slower, so n' is where
+    # the step comes within reach rather than a guarantee: at 3 n' it is defended.
+    objective, statistics = _baseline_statistics(int(np.ceil(needed * 3)))
+    served, deployed, _ = serving.choose(serving.ServingConfig(), objective, statistics, 200, np.zeros(4), 20.0,
+                                         start[0], round_generator(0, 200))
+    assert deployed[2] < 0.05, deployed
+    posterior = serving.arm_posterior(statistics)
+    means, errors = posterior.means[None], posterior.standard_errors[None]
+    unmoved = serving._observe_start(objective, means, errors, objective.thresholds(means), statistics.counts[None],
+                                     nothing, target, start, z, 20.0, 200)
+    np.testing.assert_array_equal(unmoved, nothing)
 
 
 # --------------------------------------------------------------------------- the change detector's level
@@ -986,3 +942,39 @@ def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_
 
     assert difference_error(int(np.ceil(wanted[0, 0]))) == pytest.approx(advantage[0] / z, rel=0.02)
     assert difference_error(int(wanted[0, 0] / 2)) > 1.2 * advantage[0] / z
+
+
+def test_a_uniform_starts_unobserved_arms_get_the_cheapest_counts_that_defend_the_step():
+    """Without a baseline the start is uniform, and each arm the served traffic leaves out carries a
+    part of the deploy test's variance. Arms 2 and 3 (5 observations each; arm 3 far worse) are
+    outside the optimum: the counts asked for are the Lagrange solution of the cheapest way to
+    bring the variance to (a / z)^2 (m_k^2 D_k / (P_k n_k) equal for the arms asked to grow, the
+    variance then exactly on its goal if the estimates hold), and a worse arm, dearer to observe,
+    is asked for less relative to its part."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.0, "penalty": 5.0}]}, ["0", "1", "2", "3"])
+    means = np.array([[2.0, 1.0, 1.2, -2.0], [-1.0, 1.0, 0.5, -2.0]])
+    statistics = _evidence(means, [[4000, 4000, 5, 5]] * 2, std=1.0)
+    posterior = serving.arm_posterior(statistics)
+    m, e = posterior.means[None], posterior.standard_errors[None]
+    thresholds = objective.thresholds(m)
+    target = serving.expected_optimum(objective, m[0], e[0], thresholds[0]).probabilities[None]
+    start = np.full((1, 4), 0.25)
+    z, q, t = 5.0, 20.0, 500
+    moved = serving._observe_start(objective, m, e, thresholds, statistics.counts[None], target, target, start, z,
+                                   q, t)
+    shares = moved[0, 2:]
+    assert np.all(shares > 0), moved
+    counts = np.array([5.0, 5.0]) + shares * q * t  # m_k
+    parts = serving._difference_variance_parts(objective, m, e, thresholds, target, start)[0]
+    x = np.einsum("rmk,rk->rm", m, target)
+    served_value = objective.value(x, thresholds)[0]
+    prices = served_value - objective.value(np.swapaxes(m, -1, -2), thresholds[:, None, :])[0, 2:]
+    lagrange = counts**2 * prices / (parts[2:] * np.array([5.0, 5.0]))
+    assert lagrange[0] == pytest.approx(lagrange[1], rel=1e-6)
+    value = lambda mixture: serving._expected_soft_value(  # noqa: E731
+        objective, np.einsum("rmk,rk->rm", m, mixture), serving._guardrail_variance(objective, e, mixture), thresholds)[0]
+    goal = ((value(target) - value(start)) / z) ** 2
+    rest = parts[:2].sum()
+    assert rest + np.sum(parts[2:] * np.array([5.0, 5.0]) / counts) == pytest.approx(goal, rel=1e-6)
+    assert shares[1] / shares[0] < 0.5  # the arm that costs more is asked for less

@@ -117,7 +117,7 @@ def quiet_setup_a(**changes):
 
 def test_default_preset_beats_the_paper_preset_on_a_quiet_setup_a():
     # Measured (seeds 0-2): default mean f 0.98-1.00 at round 30 (every run above 0.91), cumulative
-    # regret 11-15; paper 0.23-0.35, regret 21-25.
+    # regret 11-18; paper 0.23-0.35, regret 21-25.
     scenario = quiet_setup_a()
     paper = simulate(scenario, make_policy("paper"))
     default = simulate(scenario, make_policy("default"))

@@ -855,3 +855,47 @@ def test_0019_moves_the_detector_snapshots_out_of_the_state_and_back(backend, re
         assert _tables(url) == EXPECTED_TABLES
     finally:
         engine.dispose()
+
+
+# ------------------------------------------------------------------------------ 0020: no undecided rule
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def test_0020_drops_the_undecided_rule_and_the_service_loads_the_experiment(backend, request):
+    """0020: a stored ``serving_undecided`` (either value) is dropped, so the experiment loads; an
+    experiment without it, or with exploration serving, is left as it is; the downgrade puts back
+    the former default for safe serving."""
+    from pasto.algorithm import AlgorithmConfig
+
+    url = request.getfixturevalue(f"{backend}_url")
+    migrations.upgrade(url, "0019")
+    safe = {"estimator": "pooled", "serving": "safe", "serving_level": 0.95, "serving_posterior_draws": 4}
+    stored = {"best": {**safe, "serving_undecided": "best_arm"}, "conservative": {**safe, "serving_undecided": "conservative"},
+              "plain": dict(safe), "exploration": {"estimator": "pooled", "serving": "exploration"}}
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as connection:
+            for name, algorithm in stored.items():
+                connection.execute(sa.text(
+                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
+                    "version, created_at, updated_at) VALUES (:name, :config, 'running', 1, 0, 0, '{}', 1, "
+                    ":now, :now)"),
+                    {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
+                     "now": "2026-01-01 00:00:00"})
+
+        def algorithms():
+            with engine.connect() as connection:
+                return {name: (json.loads(config) if isinstance(config, str) else config)["algorithm"]
+                        for name, config in connection.execute(sa.text("SELECT name, config FROM experiments"))}
+
+        migrations.upgrade(url, "0020")
+        after = algorithms()
+        assert after == {"best": safe, "conservative": safe, "plain": safe, "exploration": stored["exploration"]}
+        for algorithm in after.values():
+            AlgorithmConfig.from_dict(algorithm)  # loads
+        with pytest.raises(ValueError, match="Unknown algorithm option"):
+            AlgorithmConfig.from_dict(stored["best"])
+        migrations.downgrade(url, "0019")
+        assert algorithms() == {"best": stored["best"], "conservative": stored["best"], "plain": stored["best"],
+                                "exploration": stored["exploration"]}
+        migrations.upgrade(url)
+    finally:
+        engine.dispose()
