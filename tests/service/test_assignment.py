@@ -40,8 +40,15 @@ def test_a_new_round_reassigns_with_the_new_mixture_in_every_worker(app, api, se
                         "PASTO_VERSION_CHECK_SECONDS": 0}).test_client()
     headers = {"Authorization": f"Bearer {admin_token}"}
     assert other.post(ASSIGN, json={"unit": "u1"}, headers=headers).get_json()["round"] == 0
-    observations = [{"id": f"o{i}", "unit": f"u{i}", "round": 0, "values": {"x": 2.0 if i % 2 else -2.0, "y": 0.0}}
-                    for i in range(100)]
+    # Each unit's values are its round-0 arm's setup-A means (a: x 2, y -2; b: x 0, y 2) plus noise,
+    # so the round's data tell the arms apart and the new mixture differs from the uniform start.
+    noise = np.random.default_rng(3).normal(0.0, 0.5, (100, 2))
+    truth = {0: (2.0, -2.0), 1: (0.0, 2.0)}
+    observations = []
+    for i in range(100):
+        x, y = truth[expected_arm(7, f"u{i}", 0, [0.5, 0.5])]
+        observations.append({"id": f"o{i}", "unit": f"u{i}", "round": 0,
+                             "values": {"x": x + noise[i, 0], "y": y + noise[i, 1]}})
     assert api("POST", "/api/v1/experiments/setup-a/observations", json={"observations": observations}).status_code == 202
     closed = api("POST", "/api/v1/experiments/setup-a/rounds").get_json()
     probabilities = closed["probabilities"]

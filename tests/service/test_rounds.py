@@ -146,8 +146,18 @@ def test_settle_time_delays_the_update_and_decides_lateness(api, app, setup_a):
 
 
 def test_manual_close_ignores_the_settle_time(api, app, setup_a):
+    from pasto.hashing import bucket, choose_arm, cumulative_probabilities
+
     assert api("POST", "/api/v1/experiments", json=setup_a(settle_seconds=3600)).status_code == 201
-    observe(api, 0, "a")
+    # Each unit's values are its round-0 arm's setup-A means (a: x 2, y -2; b: x 0, y 2): data that
+    # tell the arms apart, so the closed round moves the mixture off the uniform start.
+    truth = ((2.0, -2.0), (0.0, 2.0))
+    batch = []
+    for i in range(40):
+        x, y = truth[choose_arm(cumulative_probabilities([0.5, 0.5]), bucket(7, f"a{i}", 0))]
+        batch.append({"id": f"a{i}", "unit": f"a{i}", "round": 0,
+                      "values": {"x": x + 0.1 * (i % 3 - 1), "y": y + 0.1 * (i % 5 - 2)}})
+    assert api("POST", f"{EXPERIMENT}/observations", role="ingest", json={"observations": batch}).status_code == 202
     closed = api("POST", f"{EXPERIMENT}/rounds").get_json()
     assert closed["closed_round"] == 0 and closed["applied"] == [0]
     assert closed["round"]["index"] == 1
