@@ -57,7 +57,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
-   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom).
+   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom). An undecided
+   run that cannot leave the start towards that arm but can towards the mixture deploys the
+   mixture's step, the only defended improvement.
 6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
    the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
    level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
