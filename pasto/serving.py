@@ -57,9 +57,7 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
-   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom). An undecided
-   run that cannot leave the start towards that arm but can towards the mixture deploys the
-   mixture's step, the only defended improvement.
+   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom).
 6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
    the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
    level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
@@ -770,15 +768,7 @@ def choose(
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
         # evidence defends it. Without it a run whose arms all look alike (an arm never observed
         # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
-        chosen, step = _conservative(objective, flat_means, flat_errors, flat_thresholds, chosen, z_student, start)
-        if undecided.any():
-            # An undecided run cannot tell the plug-in mixture from the best single arm; when the
-            # evidence cannot move the start towards that arm but can towards the mixture, the
-            # mixture is the only defended improvement, and it is deployed (as far as defended).
-            towards_mixture, mixture_step = _conservative(objective, flat_means, flat_errors, flat_thresholds,
-                                                          plug_in, z_student, start)
-            instead = undecided & (step == 0) & (mixture_step > 0)
-            chosen = np.where(instead[:, None], towards_mixture, chosen)
+        chosen, _ = _conservative(objective, flat_means, flat_errors, flat_thresholds, chosen, z_student, start)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)
