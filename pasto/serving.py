@@ -39,9 +39,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    chooses between the two, so half of the traffic follows each arm's posterior probability of
    being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split), and the
    mixture's arms are observed as far as the deploy test needs while its advantage over the
-   horizon pays for them (:func:`_observe_to_defend`). The starting mixture (the production setting, else uniform), from which the deployed mixture leaves
-   only as far as the evidence defends, is observed as much as that test needs
-   (:func:`_observe_start`).
+   horizon pays for them (:func:`_observe_to_defend`). The starting mixture (the production
+   setting, else uniform), from which the deployed mixture leaves only as far as the evidence
+   defends, is observed as much as that test needs (:func:`_observe_start`).
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
@@ -50,9 +50,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
    standard errors of the difference (delta method, the reference arm of a relative threshold
    included), and, with soft guardrails, beats every other contender for the best single arm (an
-   arm that wins some posterior draw of :func:`best_arm_probabilities`) the same way
-   (:func:`_beats_contenders`); otherwise that single arm. An undecided run whose test would pass with more
-   observations of a relative threshold's reference arm (the estimates unchanged) observes it that
+   arm whose posterior probability of being it, :func:`best_arm_probabilities`, is at least
+   1 - ``deploy_level``) the same way (:func:`_beats_contenders`); otherwise that single arm. An
+   undecided run whose test would pass with more observations of a relative threshold's reference arm (the estimates unchanged) observes it that
    far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
