@@ -52,8 +52,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    included), and, with soft guardrails, beats every other contender for the best single arm (an
    arm whose posterior probability of being it, :func:`best_arm_probabilities`, is at least
    1 - ``deploy_level``) the same way (:func:`_beats_contenders`); otherwise that single arm. An
-   undecided run whose test would pass with more observations of a relative threshold's reference arm (the estimates unchanged) observes it that
-   far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
+   undecided run whose test would pass with more observations of a relative threshold's reference
+   arm (the estimates unchanged) observes it that far when the mixture's advantage over the horizon
+   pays for it (:func:`_reference_counts_to_defend`).
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
