@@ -37,11 +37,10 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    vanishes as the posterior concentrates, and a guardrail the optimum keeps is kept by what is
    served. While no mixture is defended against the best single arm (step 5), the deploy test
    chooses between the two, so half of the traffic follows each arm's posterior probability of
-   being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split), and the
-   mixture's arms are observed as far as the deploy test needs while its advantage over the
-   horizon pays for them (:func:`_observe_to_defend`). The starting mixture (the production
-   setting, else uniform), from which the deployed mixture leaves only as far as the evidence
-   defends, is observed as much as that test needs (:func:`_observe_start`).
+   being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split). The
+   starting mixture (the production setting, else uniform), from which the deployed mixture leaves
+   only as far as the evidence defends, is observed as much as that test needs
+   (:func:`_observe_start`).
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
@@ -49,12 +48,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
    standard errors of the difference (delta method, the reference arm of a relative threshold
-   included), and, with soft guardrails, beats every other contender for the best single arm (an
-   arm whose posterior probability of being it, :func:`best_arm_probabilities`, is at least
-   1 - ``deploy_level``) the same way (:func:`_beats_contenders`); otherwise that single arm. An
-   undecided run whose test would pass with more observations of a relative threshold's reference
-   arm (the estimates unchanged) observes it that far when the mixture's advantage over the horizon
-   pays for it (:func:`_reference_counts_to_defend`).
+   included); otherwise that single arm. An undecided run whose test would pass with more
+   observations of a relative threshold's reference arm (the estimates unchanged) observes it that
+   far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
@@ -655,7 +651,6 @@ def choose(
     # demo's deployed mixture too timid to learn: below half the gain of mixing at 12,000 sessions
     # in 37% of runs, against 1%).
     deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
-    contenders = None
     if constraints.count:
         check_objective(objective)
         optimistic = optimistic_gains.reshape((flat, n_arms))
@@ -715,17 +710,9 @@ def choose(
         from scipy import stats
 
         z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
-        best_arm_rng, posterior_rng = rng.spawn(2)
-        # Each arm's posterior probability of being the best single arm. The arms at least as
-        # likely as the deploy test's error level (1 - deploy_level) to be the best are the
-        # contenders it must beat, not only the estimated best: an arm with little data may be the
-        # best single arm, and a mixture that only beat the estimated best was deployed below the
-        # true best single arm.
-        best_arm = best_arm_probabilities(objective, flat_means, flat_errors, flat_thresholds, best_arm_rng)
-        contenders = best_arm >= 1.0 - config.deploy_level
 
     chosen, defended, arm_values = _defensible(
-        objective, flat_means, flat_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy, contenders
+        objective, flat_means, flat_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
     )
     if not constraints.count:
         # What runs before pasto has learnt anything: the production setting when the objective
@@ -742,6 +729,7 @@ def choose(
         # belonging to the optimal mixture times its share there, so the exploration is what the
         # posterior still allows and vanishes as it concentrates; every guardrail the plug-in
         # optimum keeps is kept on its pessimistic bounds in every draw.
+        best_arm_rng, posterior_rng = rng.spawn(2)
         served = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in, posterior_rng,
                                          config.posterior_draws)
         if undecided.any():
@@ -751,12 +739,10 @@ def choose(
             # as Thompson sampling does), so that when the noise forbids a defended mixture the arm
             # deployed instead is found as fast as a best-arm bandit finds it; the other half keeps
             # the safe mixtures (the top-two Thompson split, beta = 1/2).
+            best_arm = best_arm_probabilities(
+                objective, flat_means, flat_errors, flat_thresholds, best_arm_rng, allowed=np.isfinite(arm_values),
+            )
             served = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * served, served)
-            # The plug-in mixture's arms observed as far as the deploy test needs to defend it
-            # against the best single arm, while its advantage over the horizon pays for them.
-            served = _observe_to_defend(objective, flat_means, flat_errors, flat_thresholds, flat_counts, served,
-                                        plug_in, chosen, z_deploy, ((plug_in > 0) | (chosen > 0)) & undecided[:, None],
-                                        observations_per_round, t)
         served = _observe_start(objective, flat_means, flat_errors, flat_thresholds, flat_counts, served,
                                 chosen, start, z_student, observations_per_round, t)
         if references:
@@ -1300,7 +1286,7 @@ def _conservative(objective, means, errors, thresholds, target, z, start):
     return start + chosen[:, None] * (target - start), chosen
 
 
-def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy, contenders=None):
+def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy):
     """The plug-in mixture when it confidently beats the best single arm, else that arm.
 
     Returns (deployed (R, K), mixture_defended (R,) bool, arm_values (R, K)): the per-arm
@@ -1336,37 +1322,8 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     best_value = arm_values[np.arange(runs), best]
     difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
     confident = mixture_value - best_value > z_deploy * difference_error
-    if contenders is not None:
-        confident &= _beats_contenders(objective, means, errors, thresholds, mixture, mixture_value, arm_values,
-                                       contenders & allowed, z_deploy)
     use_mixture = confident | none_allowed
     return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)
-
-
-def _beats_contenders(objective, means, errors, thresholds, mixture, mixture_value, arm_values, contenders, z):
-    """Whether ``mixture`` (R, K) beats every ``contenders`` arm (R, K) by ``z`` standard errors; (R,).
-
-    The same test as :func:`_defensible`'s against the best single arm, against each contender: its
-    posterior expected objective ``mixture_value`` (R,) exceeds the arm's ``arm_values`` (R, K) by
-    ``z`` delta-method standard errors of the difference. Contenders are taken a few at a time
-    (about 2^18 metric entries per chunk), so the memory stays O(M K) whatever their number.
-    """
-    runs, n_metrics, n_arms = means.shape
-    per_chunk = max(1, (1 << 18) // (n_metrics * n_arms))
-    beaten = np.ones(runs, dtype=bool)
-    for run in np.flatnonzero(contenders.any(axis=-1)):
-        arms = np.flatnonzero(contenders[run])
-        for first in range(0, arms.size, per_chunk):
-            chunk = arms[first:first + per_chunk]
-            shape = (chunk.size,) + means.shape[1:]
-            error = _difference_error(objective, np.broadcast_to(means[run], shape),
-                                      np.broadcast_to(errors[run], shape),
-                                      np.broadcast_to(thresholds[run], (chunk.size,) + thresholds.shape[1:]),
-                                      np.broadcast_to(mixture[run], (chunk.size, n_arms)), _one_hot(chunk, n_arms))
-            if not np.all(mixture_value[run] - arm_values[run, chunk] > z * error):
-                beaten[run] = False
-                break
-    return beaten
 
 
 def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
@@ -1414,46 +1371,32 @@ def _observe_start(objective, means, errors, thresholds, counts, served, target,
     """``served`` (R, K) with shares moved to the starting mixture's arms, as much as the deployed path needs.
 
     The deployed mixture leaves the starting mixture p0 (R, K) towards ``target`` only as far as the
-    evidence defends (:func:`_conservative`): the advantage of ``target`` over p0 must exceed ``z``
-    standard errors of the difference, and that difference's variance includes p0's arms'
-    estimates. The served traffic follows the posterior draws, which may leave some of p0's arms
-    (the production setting; an arm of the uniform start that no optimum uses) nearly unobserved,
-    and then the deployed mixture could never leave p0: the arms p0 serves more than ``served``
-    does are bought as :func:`_observe_to_defend` says.
+    evidence defends (:func:`_conservative`): the advantage a = E f(mu target) - E f(mu p0) must
+    exceed ``z`` standard errors of the difference, and that difference's variance includes p0's
+    arms' estimates. The served traffic follows the posterior draws, which may leave some of p0's
+    arms (the production setting; an arm of the uniform start that no optimum uses) nearly
+    unobserved, and then the deployed mixture could never leave p0. Each such arm k (served less
+    than p0 gives it) carries a part P_k of the variance that shrinks like 1 / n_k in its count;
+    the rest V0 does not move. Observing it instead of the served mixture costs
+    D_k = f(mu served) - f(mu e_k) per observation. The cheapest counts m_k >= n_k that bring the
+    variance to (a / z)^2 if the estimates hold minimise sum_k D_k m_k subject to
+    V0 + sum_k P_k n_k / m_k <= (a / z)^2: m_k = max(n_k, sqrt(lambda P_k n_k / D_k)) (the
+    Lagrange condition), lambda found on the active set. With as many rounds to come as have been
+    (t) the step is worth t a per observation per round, so while t a >= sum_k (m_k - n_k) D_k / Q
+    (Q the observations per round) each deficit is spread over that horizon: arm k's share of a
+    round is (m_k - n_k) / (Q t) beyond what it is served already, all of them scaled down by one
+    factor if needed so that no guardrail the served mixture keeps on the estimates is broken. A
+    run whose step is defended, cannot be defended by observing those arms alone (V0 >=
+    (a / z)^2), or has no advantage is returned unchanged.
     """
-    return _observe_to_defend(objective, means, errors, thresholds, counts, served, target, start, z,
-                              (start > 0) & (served < start), observations_per_round, t)
-
-
-def _observe_to_defend(objective, means, errors, thresholds, counts, served, target, alternative, z, buyable,
-                       observations_per_round, t):
-    """``served`` (R, K) with shares moved to the ``buyable`` arms (R, K) as far as a test of
-    ``target`` against ``alternative`` (R, K) needs, while it pays.
-
-    The test passes when the advantage a = E f(mu target) - E f(mu alternative) (the posterior
-    expected objective, :func:`_expected_soft_value`) exceeds ``z`` standard errors of the
-    difference (delta method). Each buyable arm k carries a part P_k of the difference's variance
-    that shrinks like 1 / n_k in its count; the rest V0 does not move. Observing it instead of the
-    served mixture costs D_k = f(mu served) - f(mu e_k) per observation. The cheapest counts
-    n_k <= m_k <= n_k + Q t (no more than the horizon holds) that bring the variance to (a / z)^2 if
-    the estimates hold minimise sum_k D_k m_k subject to V0 + sum_k P_k n_k / m_k <= (a / z)^2
-    (:func:`_cheapest_counts`; every arm at its cap when even that is not enough). With as many
-    rounds to come as have been (t) passing the test is worth t a per observation per round, so while
-    t a >= sum_k (m_k - n_k) D_k / Q (Q the observations per round) each deficit is spread over that
-    horizon: arm k's share of a round is (m_k - n_k) / (Q t) beyond what it is served already, all
-    of them scaled down by one factor if needed so that no guardrail the served mixture keeps on
-    the estimates is broken. A run whose test passes already, cannot pass by observing the buyable
-    arms alone (V0 >= (a / z)^2), or has no advantage is returned unchanged.
-    """
-    x, x_alternative = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (target, alternative))
+    x, x_start = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (target, start))
     value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, target), thresholds)
-    value_alternative = _expected_soft_value(objective, x_alternative,
-                                             _guardrail_variance(objective, errors, alternative), thresholds)
-    advantage = value - value_alternative
-    parts = _difference_variance_parts(objective, means, errors, thresholds, target, alternative)  # (R, K)
+    value_start = _expected_soft_value(objective, x_start, _guardrail_variance(objective, errors, start), thresholds)
+    advantage = value - value_start
+    parts = _difference_variance_parts(objective, means, errors, thresholds, target, start)  # (R, K)
     total = parts.sum(axis=-1)
     goal = (np.maximum(advantage, 0.0) / np.asarray(z)) ** 2
-    under = buyable & (parts > 0)  # (R, K)
+    under = (start > 0) & (served < start) & (parts > 0)  # (R, K)
     n = np.maximum(counts.min(axis=-2), 1.0)  # (R, K); an arm never observed counts as one
     weight = np.where(under, parts * n, 0.0)  # P_k n_k
     budget = goal - (total - np.where(under, parts, 0.0).sum(axis=-1))  # (a / z)^2 - V0
@@ -1462,55 +1405,29 @@ def _observe_to_defend(objective, means, errors, thresholds, counts, served, tar
     arm_values = objective.value(np.swapaxes(means, -1, -2), thresholds[:, None, :])  # (R, K)
     # Observing an arm no worse than the served mixture costs (almost) nothing.
     price = np.maximum(served_value[:, None] - arm_values, 0.0) + 1e-12 * (np.abs(served_value[:, None]) + 1e-300)
-    per_round = max(observations_per_round, 1.0)
-    # At most every observation of the horizon (Q t) goes to one arm: m_k <= n_k + Q t. When even
-    # that cannot defend the test, the most the horizon holds is what gets nearest.
-    cap = n + per_round * t
-    bought = under & possible[:, None]
-    wanted = _cheapest_counts(np.where(bought, weight, 0.0), price, n, cap, budget)
-    wanted = np.where(np.isfinite(wanted), wanted, np.where(bought, cap, n))
-    active = wanted > n
+    active = under & possible[:, None]
+    wanted = n
+    for _ in range(64):  # each pass drops the arms whose best count is what they have (rarely more than 2)
+        idle = np.where(under & ~active, weight / n, 0.0).sum(axis=-1)
+        left = budget - idle
+        # No count of the active arms reaches the goal when the others alone leave no room.
+        active &= (left > 0)[:, None]
+        root = np.divide(np.where(active, np.sqrt(weight * price), 0.0).sum(axis=-1), left,
+                         out=np.zeros_like(left), where=left > 0)  # sqrt(lambda)
+        wanted = np.where(active, np.sqrt(np.where(active, weight / price, 0.0)) * root[:, None], n)
+        still = active & (wanted > n)
+        if np.array_equal(still, active):
+            break
+        active = still
     deficit = np.where(active, wanted - n, 0.0)
     cost = np.sum(deficit * price, axis=-1)
+    per_round = max(observations_per_round, 1.0)
     worth = possible & (t * advantage >= cost / per_round)
     share = np.where(worth[:, None], np.clip(deficit / (per_round * t), 0.0, 1.0), 0.0)
     share = np.maximum(share - served, 0.0)
     total_share = share.sum(axis=-1, keepdims=True)
     share = np.where(total_share > 1.0, share / np.maximum(total_share, 1.0), share)
     return _moved_to(objective, means, thresholds, served, share)
-
-
-def _cheapest_counts(weight, price, n, cap, budget):
-    """The counts m (R, K), n <= m <= cap, that minimise sum_k price_k m_k subject to
-    sum_k weight_k / m_k <= budget (R,); +inf in a run where even the caps leave the sum above its
-    budget. Arms of weight 0 keep n.
-
-    The Lagrange condition gives m_k(lambda) = clip(sqrt(lambda weight_k / price_k), n_k, cap_k),
-    whose sum of weight_k / m_k falls as lambda grows: lambda is found by bisection on its
-    logarithm between the first breakpoint and the last (60 halvings; the end of the bracket that
-    meets the constraint is returned), over the arms some run weighs only.
-    """
-    columns = np.flatnonzero((weight > 0).any(axis=0))
-    wanted = n.copy()
-    if columns.size == 0:
-        return wanted
-    w, p, low, high = (a[:, columns] for a in (weight, price, n, cap))
-    used = w > 0
-    feasible = np.where(used, w / high, 0.0).sum(axis=-1) <= budget
-    ratio = np.where(used, w / p, 1.0)
-    # log lambda where an arm leaves its lower bound, and where it reaches its cap.
-    leave = np.where(used, np.log(low**2 / ratio), np.inf).min(axis=-1)
-    reach = np.where(used, np.log(high**2 / ratio), -np.inf).max(axis=-1)
-    lower = np.where(np.isfinite(leave), leave, 0.0)
-    upper = np.where(np.isfinite(reach), reach, 0.0)
-    for _ in range(60):
-        middle = 0.5 * (lower + upper)
-        counts = np.clip(np.sqrt(np.exp(middle)[:, None] * ratio), low, high)
-        over = np.where(used, w / counts, 0.0).sum(axis=-1) > budget
-        lower, upper = np.where(over, middle, lower), np.where(over, upper, middle)
-    counts = np.where(used, np.clip(np.sqrt(np.exp(upper)[:, None] * ratio), low, high), low)
-    wanted[:, columns] = counts
-    return np.where(feasible[:, None], wanted, np.inf)
 
 
 def _difference_variance_parts(objective, means, errors, thresholds, first, second):

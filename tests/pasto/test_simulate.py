@@ -116,17 +116,15 @@ def quiet_setup_a(**changes):
 
 
 def test_default_preset_beats_the_paper_preset_on_a_quiet_setup_a():
-    # Measured over 40 runs (seeds 0-3): default mean f 0.82-0.98 at round 30, cumulative regret
-    # 11.7-14.9; paper 0.29-0.36, regret 21.6-23.7. (Ten runs were too few: a run whose deployed
-    # mixture is still the uniform start at round 30, about one in twenty, decided it; 2c9a3e3 fell
-    # below 0.9 at two seeds in twelve.)
-    scenario = quiet_setup_a(runs=40)
+    # Measured (seeds 0-2): default mean f 0.98-1.00 at round 30 (every run above 0.91), cumulative
+    # regret 11-18; paper 0.23-0.35, regret 21-25.
+    scenario = quiet_setup_a()
     paper = simulate(scenario, make_policy("paper"))
     default = simulate(scenario, make_policy("default"))
     assert default.deployed_values[0].mean() < 0  # the start: a learner that does not move fails below
     last, paper_last = default.summary["checkpoints"][-1], paper.summary["checkpoints"][-1]
     assert last["round"] == 30
-    assert last["objective"]["mean"] > 0.75
+    assert last["objective"]["mean"] > 0.9
     assert last["objective"]["mean"] > paper_last["objective"]["mean"] + 0.3
     assert last["cumulative_regret"]["mean"] < paper_last["cumulative_regret"]["mean"]
 
