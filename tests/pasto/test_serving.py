@@ -811,9 +811,17 @@ def test_the_starting_arm_is_observed_as_far_as_the_deployed_path_needs():
     moved = serving._observe_start(objective, means, errors, thresholds, statistics.counts[None], nothing, target,
                                    start, z, 20.0, 200)
     assert moved[0, 2] > 0.0
-    # The count it asks for: there the difference's error is the advantage / z.
+    # The count it asks for: there the difference's error is the advantage / z if the estimates
+    # hold (arm 2's part of the variance shrinks like 5 / n'), one arm alone: n' = 5 P / (goal - V0).
     needed = 5 + moved[0, 2] * 20.0 * 200  # share = (n' - n) / (Q t)
-    assert 10 < needed < 4000, needed
+    parts = serving._difference_variance_parts(objective, means, errors, thresholds, target, start)[0]
+    value = lambda mixture: serving._expected_soft_value(  # noqa: E731
+        objective, np.einsum("rmk,rk->rm", means, mixture), serving._guardrail_variance(objective, errors, mixture),
+        thresholds)[0]
+    goal = ((value(target) - value(start)) / z) ** 2
+    rest = parts.sum() - parts[2]
+    assert needed == pytest.approx(5 * parts[2] / (goal - rest), rel=1e-6)
+    assert rest + parts[2] * 5 / needed == pytest.approx(goal, rel=1e-6)
     assert served[2] >= moved[0, 2] - 1e-9
     # n' rests on the error shrinking like 1 / n; the prior's part shrinks slower, so n' is where
     # the step comes within reach rather than a guarantee: at 3 n' it is defended.

@@ -140,12 +140,18 @@ def _run(tmp_path, monkeypatch, landing, source: dict, batch_interval: float = B
         threads[0].join(timeout=60)
         last_served = max(exposed)
         # Hang guard, not a tolerance: two more closes (each re-queries the round before it) take
-        # about 2 x (round + answer delay).
+        # about 2 x (round + answer delay) on a quiet machine. The guard is on progress, 120 s
+        # without a close applied: two Spark closes over the test's ~80 small files per table took
+        # more than 120 s together on a saturated machine, and a fixed guard for both ran out.
+        applied = -1
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not failures:
             experiment = client.get(f"/api/v1/experiments/{NAME}", headers={"Authorization": f"Bearer {ADMIN}"})
-            if experiment.get_json()["applied_rounds"] >= last_served + 2:
+            now_applied = experiment.get_json()["applied_rounds"]
+            if now_applied >= last_served + 2:
                 break
+            if now_applied > applied:
+                applied, deadline = now_applied, time.monotonic() + 120
             time.sleep(0.5)
     finally:
         stop_traffic.set()
