@@ -30,6 +30,21 @@ TABLES_AFTER_0006 = {"statistics_batches", "source_cells", "source_units", "sour
 TABLES_AFTER_0009 = {"deleted_experiments", "experiment_events", "round_counts"}  # 0010, 0011, 0012
 
 
+#: An experiments row's columns common to every revision these tests insert at, with neutral values.
+EXPERIMENT_ROW = {"config": "{}", "status": "running", "seed": 1, "round_index": 0, "applied_rounds": 0,
+                  "state": "{}", "version": 1, "created_at": "2026-01-01 00:00:00",
+                  "updated_at": "2026-01-01 00:00:00"}
+
+
+def _insert_experiment_rows(connection, rows) -> None:
+    """Insert experiments rows at the revision under test: each row is EXPERIMENT_ROW's columns,
+    overridden and extended by its own (only columns that revision has)."""
+    for columns in rows:
+        row = {**EXPERIMENT_ROW, **columns}
+        connection.execute(sa.text(f"INSERT INTO experiments ({', '.join(row)}) "
+                                   f"VALUES ({', '.join(':' + column for column in row)})"), row)
+
+
 def _tables(url: str) -> set[str]:
     engine = sa.create_engine(url)
     try:
@@ -48,10 +63,9 @@ def _check_experiment_lifecycle_round_trip(url: str) -> None:
     try:
         assert "archived_at" in [column["name"] for column in sa.inspect(engine).get_columns("experiments")]
         with engine.begin() as connection:
-            connection.execute(sa.text(
-                "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, state, version, "
-                "created_at, updated_at, archived_at) VALUES (41, 'kept', '{}', 'stopped', 1, 0, 0, '{}', 1, "
-                "'2026-01-01', '2026-01-01', '2026-01-02')"))
+            _insert_experiment_rows(connection, [{"id": 41, "name": "kept", "status": "stopped",
+                                                  "created_at": "2026-01-01", "updated_at": "2026-01-01",
+                                                  "archived_at": "2026-01-02"}])
             connection.execute(sa.text(
                 "INSERT INTO arms (experiment_id, position, name, params) VALUES (41, 0, 'a', '{}')"))
     finally:
@@ -330,13 +344,9 @@ def test_the_stored_algorithm_loses_its_preset_key(backend, request):
     engine = sa.create_engine(url)
     try:
         with engine.begin() as connection:
-            for name, algorithm in (("old", {"preset": "paper", **resolved}), ("new", dict(resolved))):
-                connection.execute(sa.text(
-                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
-                    "version, created_at, updated_at) VALUES (:name, :config, 'running', 1, 0, 0, '{}', 1, "
-                    ":now, :now)"),
-                    {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
-                     "now": "2026-01-01 00:00:00"})
+            _insert_experiment_rows(connection, [
+                {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm})}
+                for name, algorithm in (("old", {"preset": "paper", **resolved}), ("new", dict(resolved)))])
         migrations.upgrade(url, WITHOUT_PRESET)
 
         def algorithms():
@@ -353,11 +363,8 @@ def test_the_stored_algorithm_loses_its_preset_key(backend, request):
 
 def _insert_experiments(connection, names, rounds: int, created_at: str) -> None:
     """Experiment rows as a revision between 0006 and 0013 has them, with ``rounds`` rounds applied."""
-    for name in names:
-        connection.execute(sa.text(
-            "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, version, "
-            "created_at, updated_at) VALUES (:name, '{}', 'running', 1, :rounds, :rounds, '{}', 1, :at, :at)"),
-            {"name": name, "rounds": rounds, "at": created_at})
+    _insert_experiment_rows(connection, [{"name": name, "round_index": rounds, "applied_rounds": rounds,
+                                          "created_at": created_at, "updated_at": created_at} for name in names])
 
 
 def test_experiment_events_record_a_creation_for_existing_experiments(sqlite_url):
@@ -505,11 +512,8 @@ def _insert_old_shape(connection, data) -> None:
     """The rows as 0016's code wrote them: an unsegmented experiment's in the statistics tables; a segmented
     one's per segment in the ``segment_*`` tables and summed over segments in the statistics tables."""
     for experiment_id, stored in ((1, None), (2, "null"), (3, json.dumps({"names": ["a", "b", "c"]}))):
-        connection.execute(sa.text(
-            "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, pruned_rounds, "
-            "state, segment_state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, 3, 3, "
-            "0, '{}', :stored, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
-            {"id": experiment_id, "name": f"e{experiment_id}", "stored": stored})
+        _insert_experiment_rows(connection, [{"id": experiment_id, "name": f"e{experiment_id}", "round_index": 3,
+                                              "applied_rounds": 3, "pruned_rounds": 0, "segment_state": stored}])
         connection.execute(sa.text("INSERT INTO arms (experiment_id, position, name, params) VALUES (:e, :k, :name, '{}')"),
                            [{"e": experiment_id, "k": k, "name": f"a{k}"}
                             for k in range(STATISTICS_SHAPE[experiment_id][2])])
@@ -689,10 +693,8 @@ def _0017_totals(connection, seed: int) -> dict[tuple[int, int, int], dict[int, 
     rng = np.random.default_rng(seed)
     rows = {}
     for experiment_id, (n_segments, n_arms) in ((1, (1, 5)), (2, (2, 3))):
-        connection.execute(sa.text(
-            "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, pruned_rounds, "
-            "state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, 2, 2, 0, '{}', 1, "
-            "'2026-01-01 00:00:00', '2026-01-01 00:00:00')"), {"id": experiment_id, "name": f"e{experiment_id}"})
+        _insert_experiment_rows(connection, [{"id": experiment_id, "name": f"e{experiment_id}", "round_index": 2,
+                                              "applied_rounds": 2, "pruned_rounds": 0}])
         connection.execute(sa.text("INSERT INTO arms (experiment_id, position, name, params) VALUES (:e, :k, :n, '{}')"),
                            [{"e": experiment_id, "k": k, "n": f"a{k}"} for k in range(n_arms)])
         for segment in range(n_segments):
@@ -821,12 +823,9 @@ def test_0019_moves_the_detector_snapshots_out_of_the_state_and_back(backend, re
     engine = sa.create_engine(url)
     try:
         with engine.begin() as connection:
-            for experiment_id, state in states.items():
-                connection.execute(sa.text(
-                    "INSERT INTO experiments (id, name, config, status, seed, round_index, applied_rounds, "
-                    "pruned_rounds, state, version, created_at, updated_at) VALUES (:id, :name, '{}', 'running', 1, "
-                    "30, 30, 0, :state, 1, '2026-01-01 00:00:00', '2026-01-01 00:00:00')"),
-                    {"id": experiment_id, "name": f"e{experiment_id}", "state": json.dumps(pack_arrays(state))})
+            _insert_experiment_rows(connection, [
+                {"id": experiment_id, "name": f"e{experiment_id}", "round_index": 30, "applied_rounds": 30,
+                 "pruned_rounds": 0, "state": json.dumps(pack_arrays(state))} for experiment_id, state in states.items()])
 
         def stored_states():
             with engine.connect() as connection:
@@ -873,13 +872,9 @@ def test_0020_drops_the_undecided_rule_and_the_service_loads_the_experiment(back
     engine = sa.create_engine(url)
     try:
         with engine.begin() as connection:
-            for name, algorithm in stored.items():
-                connection.execute(sa.text(
-                    "INSERT INTO experiments (name, config, status, seed, round_index, applied_rounds, state, "
-                    "version, created_at, updated_at) VALUES (:name, :config, 'running', 1, 0, 0, '{}', 1, "
-                    ":now, :now)"),
-                    {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm}),
-                     "now": "2026-01-01 00:00:00"})
+            _insert_experiment_rows(connection, [
+                {"name": name, "config": json.dumps({"metrics": ["x"], "algorithm": algorithm})}
+                for name, algorithm in stored.items()])
 
         def algorithms():
             with engine.connect() as connection:
