@@ -116,15 +116,20 @@ def quiet_setup_a(**changes):
 
 
 def test_default_preset_beats_the_paper_preset_on_a_quiet_setup_a():
-    # Measured (seeds 0-2): default mean f 0.98-1.00 at round 30 (every run above 0.91), cumulative
-    # regret 11-18; paper 0.23-0.35, regret 21-25.
+    # One observation a round: a run whose served share of arm a (0.1-0.3 a round while it is
+    # unobserved) never draws it in 30 rounds stays at the start or on arm b (f -0.22 or 0). Measured
+    # over seeds 0-39 (400 runs): 6 such runs, the other 394 at f 0.78-1.01, every seed's median f
+    # 0.955 or more. A mean over 10 runs fell below 0.9 at 5 of those 40 seeds whenever one run was
+    # stuck, so the claim is the median plus at most 2 stuck runs (3 of 10 at a 1.5% rate: 4e-4).
+    # Paper: mean f 0.23-0.35 at round 30, cumulative regret 21-25 (seeds 0-2; default 11-18).
     scenario = quiet_setup_a()
     paper = simulate(scenario, make_policy("paper"))
     default = simulate(scenario, make_policy("default"))
     assert default.deployed_values[0].mean() < 0  # the start: a learner that does not move fails below
     last, paper_last = default.summary["checkpoints"][-1], paper.summary["checkpoints"][-1]
     assert last["round"] == 30
-    assert last["objective"]["mean"] > 0.9
+    assert last["objective"]["median"] > 0.9
+    assert np.sum(default.deployed_values[-1] < 0.5) <= 2
     assert last["objective"]["mean"] > paper_last["objective"]["mean"] + 0.3
     assert last["cumulative_regret"]["mean"] < paper_last["cumulative_regret"]["mean"]
 
