@@ -748,8 +748,14 @@ def choose(
         if references:
             to_defend = _reference_counts_to_defend(objective, flat_means, flat_errors, flat_thresholds, plug_in,
                                                     chosen, undecided, flat_counts, references, z_deploy)
+            # The served draws hold a kept guardrail against the reference's upper bound, so its
+            # uncertainty costs the served traffic what the best known safe mixture loses to the
+            # one it would serve with the reference known (no draws: the estimates alone).
+            safe = tuple(_safe_posterior_mixture(objective, flat_means, spread, z_safe, plug_in, posterior_rng, 0)
+                         for spread in (flat_errors, known_errors))
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
-                                         known, references, observations_per_round, t, to_defend=to_defend)
+                                         known, references, observations_per_round, t, to_defend=to_defend,
+                                         safe=safe)
         served = fixed + (1.0 - fixed.sum()) * served
         # The deployed mixture answers to a conservative test: what the deploy test picked (the
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
@@ -1075,7 +1081,7 @@ def _reference_counts_to_defend(objective, means, errors, thresholds, mixture, s
 
 
 def _observe_references(objective, means, thresholds, counts, served, plug_in, known, references,
-                        observations_per_round, t, rows=None, to_defend=None):
+                        observations_per_round, t, rows=None, to_defend=None, safe=None):
     """``served`` (R, K) with a share moved to the reference arms of relative guardrails.
 
     A relative guardrail's threshold rests on its reference arm's estimate, which the chosen
@@ -1089,10 +1095,15 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
     worth observing until n = Q t C / (2 D). The deficit is spread over that horizon: the
     reference's share of the round is (n_wanted - n) / (Q t), at most the whole round, and at most
     what keeps every guardrail the served mixture keeps on the estimates; a share that would break
-    a hard guardrail's bound (``rows``, one per run) is not served.
+    a hard guardrail's bound (``rows``, one per run) is not served. ``safe`` (a pair of (R, K)
+    mixtures: the served path's best known safe mixture, and the same with the references known)
+    adds the served traffic's own cost: C is the larger of the two losses.
     """
     x, x_known = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (plug_in, known))
     cost = objective.value(x_known, thresholds) - objective.value(x, thresholds)
+    if safe is not None:
+        x_safe, x_safe_known = (np.einsum("rmk,rk->rm", means, mixture) for mixture in safe)
+        cost = np.maximum(cost, objective.value(x_safe_known, thresholds) - objective.value(x_safe, thresholds))
     gradient = objective.gradient(x, thresholds)
     per_round = max(observations_per_round, 1.0)
     served = served.copy()

@@ -910,6 +910,27 @@ def test_a_relative_guardrails_reference_is_observed_while_its_uncertainty_costs
     assert shares[1] < 1e-6
 
 
+def test_the_reference_is_observed_for_what_its_uncertainty_costs_the_served_traffic():
+    # The chosen mixture is arm 0 alone whether or not the reference is known (the hedge costs it
+    # nothing), but the served draws hold the guardrail against the reference's upper bound and so
+    # mix in 10% of arm 1 (0.05 of the primary a round): that is what observing the reference saves.
+    # Wanted n = Q t C / (2 D) = 20 * 200 * 0.05 / (2 * 0.8) = 125 against 30 seen: a share of
+    # (125 - 30) / (20 * 200). Without the served pair nothing is asked for.
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
+    means = np.array([[[1.0, 0.5, 0.2], [1.0, 1.5, 1.0]]])
+    thresholds = objective.thresholds(means)
+    counts = np.full((1, 2, 3), 4000.0)
+    counts[..., 2] = 30.0
+    alone, mixed = np.array([[1.0, 0.0, 0.0]]), np.array([[0.9, 0.1, 0.0]])
+    arguments = (objective, means, thresholds, counts, alone, alone, alone, [(1, 2)], 20.0, 200)
+    assert serving._observe_references(*arguments)[0, 2] == 0.0
+    served = serving._observe_references(*arguments, safe=(mixed, alone))
+    assert served[0, 2] == pytest.approx((125.0 - 30.0) / 4000.0)
+    counts[..., 2] = 125.0  # observed as much as it is worth
+    assert serving._observe_references(*arguments, safe=(mixed, alone))[0, 2] == 0.0
+
+
 def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it():
     # Arms 0 and 1 mixed to y = 0.99 y_2 beat arm 0 alone (its shortfall 0.04 costs 0.08), but with
     # the reference arm 2 seen 30 or 100 times the threshold is too uncertain for the deploy test:
