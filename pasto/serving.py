@@ -1099,11 +1099,12 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
     mixtures: the served path's best known safe mixture, and the same with the references known)
     adds the served traffic's own cost: C is the larger of the two losses.
     """
-    x, x_known = (np.einsum("rmk,rk->rm", means, mixture) for mixture in (plug_in, known))
-    cost = objective.value(x_known, thresholds) - objective.value(x, thresholds)
-    if safe is not None:
-        x_safe, x_safe_known = (np.einsum("rmk,rk->rm", means, mixture) for mixture in safe)
-        cost = np.maximum(cost, objective.value(x_safe_known, thresholds) - objective.value(x_safe, thresholds))
+    def loss(mixture, mixture_known):
+        hedged, exact = (np.einsum("rmk,rk->rm", means, m) for m in (mixture, mixture_known))
+        return objective.value(exact, thresholds) - objective.value(hedged, thresholds)
+
+    cost = loss(plug_in, known) if safe is None else np.maximum(loss(plug_in, known), loss(*safe))
+    x = np.einsum("rmk,rk->rm", means, plug_in)
     gradient = objective.gradient(x, thresholds)
     per_round = max(observations_per_round, 1.0)
     served = served.copy()
