@@ -753,9 +753,11 @@ def choose(
             # one it would serve with the reference known (no draws: the estimates alone).
             safe = tuple(_safe_posterior_mixture(objective, flat_means, spread, z_safe, plug_in, posterior_rng, 0)
                          for spread in (flat_errors, known_errors))
+            information = _reference_information(objective, flat_means, flat_errors, flat_thresholds, plug_in,
+                                                 references)
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
                                          known, references, observations_per_round, t, to_defend=to_defend,
-                                         safe=safe)
+                                         safe=safe, information=information)
         served = fixed + (1.0 - fixed.sum()) * served
         # The deployed mixture answers to a conservative test: what the deploy test picked (the
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
@@ -1080,8 +1082,40 @@ def _reference_counts_to_defend(objective, means, errors, thresholds, mixture, s
     return wanted, advantage
 
 
+def _reference_information(objective, means, errors, thresholds, plug_in, references):
+    """Expected loss per observation of ``plug_in`` (R, K) from each reference arm's estimation error; (R, J).
+
+    A relative threshold moves with its reference arm's estimate, and so does the mixture that is
+    best for it: acting on an estimate off by d loses L(d) = f_d(p_d) - f_d(p) per observation,
+    with f_d the objective with the reference's mean moved by d and p_d its exact optimum
+    (:func:`pasto.optimum.solve`). Where the optimum moves smoothly with the threshold (a soft
+    guardrail's quadratic penalty, its active set unchanged), L is quadratic in d, so the value of
+    knowing the reference, its posterior expectation less L(0) (the plug-in's own hedge, which the
+    reference's error does not cause), is (L(se) + L(-se)) / 2 - L(0) (the sigma points of
+    d ~ N(0, se^2), exact for a quadratic). It shrinks like 1 / n in the reference's n
+    observations.
+    """
+    information = np.zeros((means.shape[0], len(references)))
+    for run in range(means.shape[0]):
+        def loss(shifted):
+            shifted_thresholds = objective.thresholds(shifted)
+            best = solve(objective, shifted, shifted_thresholds).probabilities
+            return (objective.value(shifted @ best, shifted_thresholds)
+                    - objective.value(shifted @ plug_in[run], shifted_thresholds))
+
+        centre = loss(means[run])
+        for j, (row, reference) in enumerate(references):
+            sides = []
+            for sign in (1.0, -1.0):
+                shifted = means[run].copy()
+                shifted[row, reference] += sign * errors[run, row, reference]
+                sides.append(loss(shifted))
+            information[run, j] = max(0.5 * (sides[0] + sides[1]) - centre, 0.0)
+    return information
+
+
 def _observe_references(objective, means, thresholds, counts, served, plug_in, known, references,
-                        observations_per_round, t, rows=None, to_defend=None, safe=None):
+                        observations_per_round, t, rows=None, to_defend=None, safe=None, information=None):
     """``served`` (R, K) with a share moved to the reference arms of relative guardrails.
 
     A relative guardrail's threshold rests on its reference arm's estimate, which the chosen
@@ -1097,7 +1131,11 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
     what keeps every guardrail the served mixture keeps on the estimates; a share that would break
     a hard guardrail's bound (``rows``, one per run) is not served. ``safe`` (a pair of (R, K)
     mixtures: the served path's best known safe mixture, and the same with the references known)
-    adds the served traffic's own cost: C is the larger of the two losses.
+    adds the served traffic's own cost: C is the larger of the two losses. ``information`` (R, J)
+    adds the cost of acting on the reference's estimate (:func:`_reference_information`): an
+    expected loss I per observation that shrinks like 1 / n, so one more observation saves I / n
+    on each observation still to come, worth it until n = sqrt(Q t I n / D); the reference is
+    observed to the larger of the two counts.
     """
     def loss(mixture, mixture_known):
         hedged, exact = (np.einsum("rmk,rk->rm", means, m) for m in (mixture, mixture_known))
@@ -1111,6 +1149,13 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
     for row, reference in references:
         price = np.einsum("rm,rm->r", gradient, x - means[..., reference])
         wanted = per_round * t * cost / (2.0 * np.where(price > 0, price, 1.0))
+        valued = cost > 0
+        if information is not None:
+            expected_loss = information[:, references.index((row, reference))]
+            seen = np.maximum(counts[:, row, reference], 1.0)
+            wanted = np.maximum(wanted, np.sqrt(per_round * t * expected_loss * seen
+                                                / np.where(price > 0, price, 1.0)))
+            valued = valued | (expected_loss > 0)
         if to_defend is not None:
             # The deploy test's need: observing the reference to n' (the mixture defended) is worth
             # it when the mixture's advantage over the horizon (t rounds) exceeds what the
@@ -1118,10 +1163,10 @@ def _observe_references(objective, means, thresholds, counts, served, plug_in, k
             needed, advantage = to_defend[0][:, references.index((row, reference))], to_defend[1]
             worth = t * advantage >= (needed - counts[:, row, reference]) * price / per_round
             wanted = np.where((needed > 0) & worth, np.maximum(wanted, needed), wanted)
-            cost = np.where((needed > 0) & worth, np.maximum(cost, 1e-300), cost)
+            valued = valued | ((needed > 0) & worth)
         share = np.clip((wanted - counts[:, row, reference]) / (per_round * t), 0.0, 1.0)
         # A reference no worse than the chosen mixture (D <= 0) is in its support already.
-        share = np.where((cost > 0) & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)
+        share = np.where(valued & (price > 0), np.maximum(share - served[:, reference], 0.0), 0.0)
         # No guardrail that the served mixture keeps on the estimates is broken by the move.
         shares = np.zeros_like(served)
         shares[:, reference] = share

@@ -15,6 +15,7 @@ from pasto.algorithm import round_generator
 from pasto.estimators import Statistics
 from pasto.objectives import Guardrail, Objective
 from pasto.cli import load_scenario
+from pasto.optimum import solve
 from pasto.scenario import scenario_from_dict
 from pasto.simulate import make_policy, sample_arms, round_statistics, simulate
 
@@ -929,6 +930,50 @@ def test_the_reference_is_observed_for_what_its_uncertainty_costs_the_served_tra
     assert served[0, 2] == pytest.approx((125.0 - 30.0) / 4000.0)
     counts[..., 2] = 125.0  # observed as much as it is worth
     assert serving._observe_references(*arguments, safe=(mixed, alone))[0, 2] == 0.0
+
+
+def test_the_value_of_knowing_the_reference_is_the_expected_loss_of_acting_on_its_estimate():
+    # Oracle: E L(d) - L(0) over d ~ N(0, se^2) by 30-point Gauss-Hermite quadrature, each point
+    # solved exactly; the sigma points agree up to the penalty's kink far out in the tails.
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
+    means = np.array([[[1.0, 0.5, 0.2], [0.5, 1.5, 1.0]]])
+    errors = np.full((1, 2, 3), 0.01)
+    errors[..., 2] = 0.02
+    thresholds = objective.thresholds(means)
+    plug_in = solve(objective, means[0], thresholds[0]).probabilities[None]
+
+    def loss(d):
+        shifted = means[0].copy()
+        shifted[1, 2] += d
+        shifted_thresholds = objective.thresholds(shifted)
+        best = solve(objective, shifted, shifted_thresholds).probabilities
+        return (objective.value(shifted @ best, shifted_thresholds)
+                - objective.value(shifted @ plug_in[0], shifted_thresholds))
+
+    nodes, weights = np.polynomial.hermite_e.hermegauss(30)
+    expected = np.sum(weights / weights.sum() * [loss(0.02 * node) for node in nodes]) - loss(0.0)
+    information = serving._reference_information(objective, means, errors, thresholds, plug_in, [(1, 2)])
+    assert information[0, 0] == pytest.approx(expected, rel=0.06)
+    # Known exactly, the reference teaches nothing.
+    errors[..., 2] = 0.0
+    assert serving._reference_information(objective, means, errors, thresholds, plug_in, [(1, 2)])[0, 0] == 0.0
+
+
+def test_the_reference_is_observed_until_its_expected_loss_stops_paying_for_the_observations():
+    # I = 0.01 per observation at n = 30: one more saves I / n on each of the Q t = 4000 to come,
+    # at D = 0.8 each: wanted n = sqrt(Q t I n / D) = sqrt(4000 * 0.01 * 30 / 0.8) = sqrt(1500).
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
+    means = np.array([[[1.0, 0.5, 0.2], [1.0, 1.5, 1.0]]])
+    thresholds = objective.thresholds(means)
+    counts = np.full((1, 2, 3), 4000.0)
+    counts[..., 2] = 30.0
+    alone = np.array([[1.0, 0.0, 0.0]])
+    arguments = (objective, means, thresholds, counts, alone, alone, alone, [(1, 2)], 20.0, 200)
+    served = serving._observe_references(*arguments, information=np.array([[0.01]]))
+    assert served[0, 2] == pytest.approx((np.sqrt(1500.0) - 30.0) / 4000.0)
+    assert serving._observe_references(*arguments, information=np.array([[0.0]]))[0, 2] == 0.0
 
 
 def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it():
