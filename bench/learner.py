@@ -65,7 +65,7 @@ def _run(job):
     started = time.perf_counter()
     result = simulate(scenario, make_policy(algorithm), references=references)
     best = references.best_mixture[-1]
-    return label, algorithm, {
+    return label, algorithm, seed, {
         "r": result.relative_gains[-1],
         "deployed": result.deployed_values[-1],
         "served": result.served_values.mean(axis=0),
@@ -113,11 +113,12 @@ def _cell(triple, digits=3):
     return f"{value:.{digits}f} ({low:.{digits}f} to {high:.{digits}f})"
 
 
-def table(rows, runs, seed, commit):
+def table(rows, runs, seed, commit, chunk=0):
+    command = f"python bench/learner.py --runs {runs} --seed {seed}" + (f" --chunk {chunk}" if chunk else "")
     lines = [
         HEADING,
         "",
-        f"`python bench/learner.py --runs {runs} --seed {seed}` at {commit}: the `default` preset and Thompson "
+        f"`{command}` at {commit}: the `default` preset and Thompson "
         "best-arm sampling on the same runs (same true means). r is the deployed relative gain at the last "
         "round (runs whose best mixture is no better than the best single arm are left out); served figures "
         "are what users got, round by round, under the true means; 90% bootstrap intervals over runs. "
@@ -153,6 +154,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--seed", type=int, default=100)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="split each row into chunks of this many runs, seeded seed, seed + 1, ... (so one "
+                             "row's runs spread over the workers); 0: one chunk of --runs seeded --seed")
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args()
@@ -162,12 +166,21 @@ def main() -> None:
         raise SystemExit(f"Unknown row(s) {unknown}; the rows are {list(ROWS)}.")
     # The commit the runs start at (the code they measure).
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    jobs = [(label, algorithm, args.runs, args.seed) for label in labels for algorithm in ("default", "thompson")]
+    size = args.chunk if args.chunk > 0 else args.runs
+    chunks = [(min(size, args.runs - first), args.seed + index) for index, first in enumerate(range(0, args.runs, size))]
+    jobs = [(label, algorithm, runs, seed) for label in labels for algorithm in ("default", "thompson")
+            for runs, seed in chunks]
     with multiprocessing.get_context("fork").Pool(args.workers) as pool:
-        results = {(label, algorithm): value for label, algorithm, value in pool.imap_unordered(_run, jobs)}
+        parts = {(label, algorithm, seed): value for label, algorithm, seed, value in pool.imap_unordered(_run, jobs)}
+    # The chunks' runs in seed order, every figure per run.
+    results = {(label, algorithm): {key: (np.concatenate([parts[label, algorithm, seed][key] for _, seed in chunks])
+                                          if key != "seconds" else sum(parts[label, algorithm, seed][key]
+                                                                       for _, seed in chunks))
+                                    for key in parts[label, algorithm, chunks[0][1]]}
+               for label in labels for algorithm in ("default", "thompson")}
     rng = np.random.default_rng(0)
     rows = [summarise(label, results[label, "default"], results[label, "thompson"], rng) for label in labels]
-    section = table(rows, args.runs, args.seed, commit)
+    section = table(rows, args.runs, args.seed, commit, args.chunk)
     print(section)
     if args.write_docs:
         write_docs(section)
