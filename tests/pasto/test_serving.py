@@ -911,20 +911,30 @@ def test_a_relative_guardrails_reference_is_observed_while_its_uncertainty_costs
     assert shares[1] < 1e-6
 
 
+def _soft_reference():
+    """y at least 0.99 of arm 2's (a soft guardrail); arm 0 best alone, arm 1 its safe partner."""
+    return Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
+
+
+def _reference_seen_30_times():
+    """_observe_references' arguments for arm 0 served alone, the reference seen 30 times in 4000; and the counts."""
+    objective = _soft_reference()
+    means = np.array([[[1.0, 0.5, 0.2], [1.0, 1.5, 1.0]]])
+    counts = np.full((1, 2, 3), 4000.0)
+    counts[..., 2] = 30.0
+    alone = np.array([[1.0, 0.0, 0.0]])
+    return (objective, means, objective.thresholds(means), counts, alone, alone, alone, [(1, 2)], 20.0, 200), counts
+
+
 def test_the_reference_is_observed_for_what_its_uncertainty_costs_the_served_traffic():
     # The chosen mixture is arm 0 alone whether or not the reference is known (the hedge costs it
     # nothing), but the served draws hold the guardrail against the reference's upper bound and so
     # mix in 10% of arm 1 (0.05 of the primary a round): that is what observing the reference saves.
     # Wanted n = Q t C / (2 D) = 20 * 200 * 0.05 / (2 * 0.8) = 125 against 30 seen: a share of
     # (125 - 30) / (20 * 200). Without the served pair nothing is asked for.
-    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
-        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
-    means = np.array([[[1.0, 0.5, 0.2], [1.0, 1.5, 1.0]]])
-    thresholds = objective.thresholds(means)
-    counts = np.full((1, 2, 3), 4000.0)
-    counts[..., 2] = 30.0
+    arguments, counts = _reference_seen_30_times()
     alone, mixed = np.array([[1.0, 0.0, 0.0]]), np.array([[0.9, 0.1, 0.0]])
-    arguments = (objective, means, thresholds, counts, alone, alone, alone, [(1, 2)], 20.0, 200)
     assert serving._observe_references(*arguments)[0, 2] == 0.0
     served = serving._observe_references(*arguments, safe=(mixed, alone))
     assert served[0, 2] == pytest.approx((125.0 - 30.0) / 4000.0)
@@ -935,8 +945,7 @@ def test_the_reference_is_observed_for_what_its_uncertainty_costs_the_served_tra
 def test_the_value_of_knowing_the_reference_is_the_expected_loss_of_acting_on_its_estimate():
     # Oracle: E L(d) - L(0) over d ~ N(0, se^2) by 30-point Gauss-Hermite quadrature, each point
     # solved exactly; the sigma points agree up to the penalty's kink far out in the tails.
-    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
-        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
+    objective = _soft_reference()
     means = np.array([[[1.0, 0.5, 0.2], [0.5, 1.5, 1.0]]])
     errors = np.full((1, 2, 3), 0.01)
     errors[..., 2] = 0.02
@@ -963,14 +972,7 @@ def test_the_value_of_knowing_the_reference_is_the_expected_loss_of_acting_on_it
 def test_the_reference_is_observed_until_its_expected_loss_stops_paying_for_the_observations():
     # I = 0.01 per observation at n = 30: one more saves I / n on each of the Q t = 4000 to come,
     # at D = 0.8 each: wanted n = sqrt(Q t I n / D) = sqrt(4000 * 0.01 * 30 / 0.8) = sqrt(1500).
-    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
-        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 10.0}]}, ["0", "1", "2"])
-    means = np.array([[[1.0, 0.5, 0.2], [1.0, 1.5, 1.0]]])
-    thresholds = objective.thresholds(means)
-    counts = np.full((1, 2, 3), 4000.0)
-    counts[..., 2] = 30.0
-    alone = np.array([[1.0, 0.0, 0.0]])
-    arguments = (objective, means, thresholds, counts, alone, alone, alone, [(1, 2)], 20.0, 200)
+    arguments, _ = _reference_seen_30_times()
     served = serving._observe_references(*arguments, information=np.array([[0.01]]))
     assert served[0, 2] == pytest.approx((np.sqrt(1500.0) - 30.0) / 4000.0)
     assert serving._observe_references(*arguments, information=np.array([[0.0]]))[0, 2] == 0.0
