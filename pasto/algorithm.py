@@ -220,8 +220,8 @@ class AlgorithmConfig:
 
     ``serving`` is the rule, and its type says which: :class:`pasto.serving.ServingConfig` (safe
     serving, the default: per-arm pooled statistics since the last detected change, every hard
-    guardrail's lower confidence bound kept by the served mixture, optimistic exploration without a
-    floor, the deployed mixture only when it confidently beats the best single arm) or
+    guardrail's lower confidence bound kept by the served mixture, Thompson sampling over safe
+    mixtures without a floor, the deployed mixture only when it confidently beats the best single arm) or
     :class:`ExplorationConfig` (Algorithm 1 with the ``deploy`` rule; the ``paper`` preset). The
     estimation part takes in every round under either rule; with safe serving a discount < 1 makes
     the bounds use the discounted statistics.
@@ -327,8 +327,8 @@ def _check_names(options: dict[str, Any]) -> None:
 # ``AlgorithmConfig() == AlgorithmConfig.from_preset("default")``).
 PRESETS: dict[str, dict[str, Any]] = {
     # Safe serving (pasto.serving): per-arm pooled statistics since the last detected
-    # change, hard guardrails kept on their 95% lower bounds by the served traffic, optimistic
-    # exploration without a floor, deploy what beats the best single arm with confidence.
+    # change, hard guardrails kept on their 95% lower bounds by the served traffic, Thompson
+    # sampling over safe mixtures without a floor, deploy what beats the best single arm with confidence.
     "default": {},
     # Algorithm 1 with the paper's simulation settings (section 6): IPS history average with
     # U_0 = 0, gamma = 0.1 / K, eps_t = 0.1 / sqrt(t + 10), no directed exploration, no solve,

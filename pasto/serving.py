@@ -1,4 +1,4 @@
-"""Safe serving: what is served keeps the hard guardrails, exploration is optimistic and shrinks.
+"""Safe serving: what is served keeps the guardrails, exploration is Thompson sampling and shrinks.
 
 The paper's Algorithm 1 guarantees the *average* of the served mixtures p_t; users live with every
 p_t. This controller chooses each round's p_t from per-arm confidence bounds:
@@ -19,11 +19,12 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    p_b = 1 + theta). The baseline arm (``Objective.baseline_index``, known to be acceptable) is
    treated as meeting every absolute guardrail (its coefficient is max(L, c)) while its own upper
    bound does not refute that, so padding with it restores feasibility.
-3. **Serve.** With hard guardrails: the LP max U_primary . p subject to those constraints, U the
-   optimistic (upper) bound of the primary metrics with z_t = optimism * sqrt(2 ln t): arms whose
-   upper bound could enter the optimal support get traffic, and that traffic shrinks as the bounds
-   narrow. No fixed exploration floor. That optimistic mixture is padded, just enough that every
-   lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
+3. **Serve.** With hard guardrails: Thompson sampling with the constraints drawn too. Each of
+   ``posterior_draws`` posterior draws of the means is solved exactly (the LP max mu_primary . p
+   subject to every hard guardrail on the drawn means), so an arm that could enter the optimal
+   support, or make room for others under the guardrails, gets traffic as often as the posterior
+   says it could, and that traffic shrinks as the posterior concentrates. No fixed exploration
+   floor. The draws' average is padded, just enough that every lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
    baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
    Without hard guardrails (soft penalties only, or none): Thompson sampling over safe mixtures.
@@ -112,8 +113,6 @@ class ServingConfig:
     ----------
     level : float
         One-sided confidence level of the hard guardrails' lower bounds, in (0.5, 1) (0.95).
-    optimism : float
-        Scale of the primary metrics' upper-bound width z_t = optimism * sqrt(2 ln t) (>= 0).
     min_share : float
         Share every arm keeps, in [0, 1 / K) (0: no floor).
     holdout : float
@@ -127,10 +126,11 @@ class ServingConfig:
     change_every : int
         Rounds per change-test block: the detector looks every ``change_every`` rounds.
     posterior_draws : int
-        Soft guardrails: posterior draws of the means per round (0 to 64), each solved exactly
-        (:func:`pasto.optimum.solve`) with the guardrails the plug-in optimum keeps on their
-        pessimistic bounds; their optima's average is served (Thompson sampling over safe
-        mixtures, :func:`_safe_posterior_mixture`). 4 by default: the served share of an arm
+        Posterior draws of the means per round (0 to 64), each solved exactly: with soft
+        guardrails (:func:`pasto.optimum.solve`) with the guardrails the plug-in optimum keeps on
+        their pessimistic bounds (Thompson sampling over safe mixtures,
+        :func:`_safe_posterior_mixture`), with hard ones the LP on the drawn means, then padded
+        to the lower bounds (module docstring, step 3); their optima's average is served. 4 by default: the served share of an arm
         estimates its expected share under the posterior, with noise falling like
         1 / sqrt(draws), at one exact solve each; the objective is concave in the mixture, so
         serving that average is worth at least the average of the draws' values (Jensen). 0 serves
@@ -139,7 +139,6 @@ class ServingConfig:
     """
 
     level: float = 0.95
-    optimism: float = 1.0
     min_share: float = 0.0
     holdout: float = 0.0
     deploy_level: float = 0.95
@@ -148,7 +147,7 @@ class ServingConfig:
     posterior_draws: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("level", "optimism", "min_share", "holdout", "deploy_level", "change_level"):
+        for name in ("level", "min_share", "holdout", "deploy_level", "change_level"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"Serving option {name!r} must be a finite number, got {value!r}.")
@@ -156,8 +155,6 @@ class ServingConfig:
         for name in ("level", "deploy_level"):
             if not 0.5 < getattr(self, name) < 1.0:
                 raise ValueError(f"Serving option {name!r} must be in (0.5, 1), got {getattr(self, name)}.")
-        if self.optimism < 0:
-            raise ValueError(f"Serving option 'optimism' must be >= 0, got {self.optimism}.")
         for name in ("min_share", "holdout", "change_level"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"Serving option {name!r} must be in [0, 1), got {getattr(self, name)}.")
@@ -587,7 +584,7 @@ def choose(
     statistics : Statistics, shape (..., M, K)
         The evidence (since the last detected change, or all of it).
     round_number : int
-        t, the round just closed (1-based): the optimism width grows like sqrt(2 ln t).
+        t, the round just closed (1-based).
     log_weights : ndarray, shape (..., K)
         Warm start of the plug-in solve (the previous plug-in optimum's log).
     observations_per_round : float
@@ -625,16 +622,12 @@ def choose(
     # per-arm 95% bounds an arm seen 150 times at +2.5 standard errors got two thirds of the demo's
     # traffic (bench/demo_served_replica.py: 24% of 60-round runs broke the like-rate guardrail).
     z_guard = float(ndtri(1.0 - (1.0 - config.level) / n_arms))
-    z_optimism = config.optimism * math.sqrt(2.0 * math.log(max(t, 2)))
     z_deploy = float(ndtri(config.deploy_level))
     lower, upper = means - z_guard * errors, means + z_guard * errors
     constraints = hard_constraints(objective, lower, upper)
     thresholds = objective.thresholds(means)
     weights = objective.primary_weights
-    # Optimistic primary value of each arm: upper bound for positive weights, lower for negative.
-    primary_errors = np.sqrt(np.einsum("m,...mk->...k", weights**2, errors**2))
     plain_gains = np.einsum("m,...mk->...k", weights, means)
-    optimistic_gains = plain_gains + z_optimism * primary_errors
 
     flat = int(np.prod(batch)) if batch else 1
     flat_means = means.reshape((flat,) + means.shape[-2:])
@@ -653,7 +646,6 @@ def choose(
     deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
     if constraints.count:
         check_objective(objective)
-        optimistic = optimistic_gains.reshape((flat, n_arms))
         plain = plain_gains.reshape((flat, n_arms))
         # The reference arms of relative hard guardrails, and the rows with them known exactly
         # (their error 0): what the deployed mixture could do if their uncertainty were gone.
@@ -663,21 +655,22 @@ def choose(
             known_errors = _known_references(errors, references)
             known_rows = _unbatched(hard_constraints(objective, means - z_safe * known_errors,
                                                      means + z_safe * known_errors), flat)
-        # Every arm at its upper bound (the reference arm of a relative guardrail too).
-        hopeful = hard_constraints(objective, means + z_optimism * errors, means + z_optimism * errors)
-        hopeful_rows = _unbatched(hopeful, flat)
+        # Thompson sampling with the constraints drawn too: each posterior draw of the means is
+        # solved exactly (the arms that could improve the objective or make room for others under
+        # the guardrails get traffic as often as the posterior says they could) ...
+        noise = (rng.standard_normal((config.posterior_draws,) + means.shape[-2:]) if config.posterior_draws
+                 else np.zeros((1,) + means.shape[-2:]))
         for run in range(flat):
-            # Optimistic in the objective and in the guardrails (every arm at its upper bound):
-            # the arms that could improve the objective or make room for others get traffic ...
-            hopeful_mixture, _ = served_lp(optimistic[run], hopeful_rows[run], fixed)
+            drawn = flat_means[run] + flat_errors[run] * noise  # (D, M, K)
+            drawn_rows = _unbatched(hard_constraints(objective, drawn, drawn), len(noise))
+            sampled = np.mean([served_lp(weights @ draw, draw_rows, fixed)[0]
+                               for draw, draw_rows in zip(drawn, drawn_rows)], axis=0)
             # ... mixed with the mixture with the most pessimistic slack just enough that every
             # hard guardrail's lower bound holds (stochastic bandits with linear constraints).
-            # When the hopeful mixture already meets every lower bound, _pad returns it unchanged:
-            # the largest-slack LP (a quarter of a segmented run's time) is then skipped.
-            if _meets(hopeful_mixture, rows[run]):
-                served[run] = hopeful_mixture
+            if _meets(sampled, rows[run]):
+                served[run] = sampled
             else:
-                served[run] = _pad(hopeful_mixture, largest_slack(rows[run], fixed), rows[run])
+                served[run] = _pad(sampled, largest_slack(rows[run], fixed), rows[run])
             plug_in[run], _ = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
             if references:
                 known[run], _ = served_lp(plain[run], known_rows[run], np.zeros(n_arms))

@@ -114,7 +114,8 @@ def test_arms_seen_once_do_not_shrink_the_spread_of_the_well_measured_ones():
     estimate = serving.arm_posterior(statistics)
     unobserved_sd = estimate.standard_errors[0, -1]
     assert unobserved_sd > 0.3
-    # Its upper bound at the optimism width of round 1000 reaches the best arm's estimate.
+    # 3.7 of its standard errors (sqrt(2 ln 1000)) reach the best arm's estimate: a posterior draw
+    # can still put it on top.
     z = np.sqrt(2 * np.log(1000))
     assert estimate.means[0, -1] + z * unobserved_sd > estimate.means[0, 0]
 
@@ -1054,3 +1055,33 @@ def test_a_uniform_starts_unobserved_arms_get_the_cheapest_counts_that_defend_th
     rest = parts[:2].sum()
     assert rest + np.sum(parts[2:] * np.array([5.0, 5.0]) / counts) == pytest.approx(goal, rel=1e-6)
     assert shares[1] / shares[0] < 0.5  # the arm that costs more is asked for less
+
+
+def test_hard_guardrails_are_served_by_thompson_sampling_padded_to_their_lower_bounds():
+    # Arm 0 is best but breaks y >= 0.5; arm 1 keeps it; arm 2, seen 20 times, might be better
+    # than arm 0 and keep it too. With no draws the estimated means are solved (the LP on them),
+    # then padded to the lower bounds. With draws, arm 2 gets the traffic its
+    # posterior chance of being optimal earns, and every served mixture keeps the bounds.
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.5, "hard": True}]}, ["0", "1", "2"])
+    means = np.array([[1.0, 0.0, 0.9], [0.2, 1.0, 0.6]])
+    evidence = _evidence(means, [4000, 4000, 20], std=0.5)
+    start = np.full(3, 1 / 3)
+    n_arms = 3
+    z_guard = float(serving.ndtri(1.0 - 0.05 / n_arms))
+    posterior = serving.arm_posterior(evidence)
+    rows = serving.hard_constraints(objective, posterior.means - z_guard * posterior.standard_errors,
+                                    posterior.means + z_guard * posterior.standard_errors)
+    estimated = serving.hard_constraints(objective, posterior.means, posterior.means)
+    lone, _ = serving.served_lp(objective.primary_weights @ posterior.means, estimated, np.zeros(3))
+    quiet, _, _ = serving.choose(serving.ServingConfig(posterior_draws=0), objective, evidence, 200, np.zeros(3),
+                                 20.0, start, round_generator(0, 200))
+    expected = serving._pad(lone, serving.largest_slack(rows, np.zeros(3)), rows)
+    np.testing.assert_allclose(quiet, expected, atol=1e-9)
+    shares = []
+    for round_number in range(200, 210):
+        served, _, _ = serving.choose(serving.ServingConfig(), objective, evidence, round_number, np.zeros(3), 20.0,
+                                      start, round_generator(0, round_number))
+        assert serving._meets(served, rows)
+        shares.append(served[2])
+    assert 0.0 < np.mean(shares) < 1.0
