@@ -24,7 +24,8 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    subject to every hard guardrail on the drawn means), so an arm that could enter the optimal
    support, or make room for others under the guardrails, gets traffic as often as the posterior
    says it could, and that traffic shrinks as the posterior concentrates. No fixed exploration
-   floor. The draws' average is padded, just enough that every lower bound holds, with the mixture of largest worst relative slack on the lower bounds (the
+   floor. The draws' average is padded, just enough that every lower bound holds, with the
+   mixture of largest worst relative slack on the lower bounds (the
    baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
    Without hard guardrails (soft penalties only, or none): Thompson sampling over safe mixtures.
@@ -130,7 +131,8 @@ class ServingConfig:
         guardrails (:func:`pasto.optimum.solve`) with the guardrails the plug-in optimum keeps on
         their pessimistic bounds (Thompson sampling over safe mixtures,
         :func:`_safe_posterior_mixture`), with hard ones the LP on the drawn means, then padded
-        to the lower bounds (module docstring, step 3); their optima's average is served. 4 by default: the served share of an arm
+        to the lower bounds (module docstring, step 3); their optima's average is served. 4 by
+        default: the served share of an arm
         estimates its expected share under the posterior, with noise falling like
         1 / sqrt(draws), at one exact solve each; the objective is concave in the mixture, so
         serving that average is worth at least the average of the draws' values (Jensen). 0 serves
@@ -658,8 +660,7 @@ def choose(
         # Thompson sampling with the constraints drawn too: each posterior draw of the means is
         # solved exactly (the arms that could improve the objective or make room for others under
         # the guardrails get traffic as often as the posterior says they could) ...
-        noise = (rng.standard_normal((config.posterior_draws,) + means.shape[-2:]) if config.posterior_draws
-                 else np.zeros((1,) + means.shape[-2:]))
+        noise = _posterior_noise(rng, config.posterior_draws, means.shape[-2:])
         for run in range(flat):
             drawn = flat_means[run] + flat_errors[run] * noise  # (D, M, K)
             drawn_rows = _unbatched(hard_constraints(objective, drawn, drawn), len(noise))
@@ -1376,6 +1377,12 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)
 
 
+def _posterior_noise(rng: np.random.Generator, draws: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal draws (D, M, K) shared by every run of a batch, so each run draws what it would
+    draw alone; with no draws one zero draw (the estimated means themselves)."""
+    return rng.standard_normal((draws,) + tuple(shape)) if draws else np.zeros((1,) + tuple(shape))
+
+
 def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
     """Thompson sampling over safe mixtures: the average of the exact optima of posterior draws; (R, K).
 
@@ -1403,7 +1410,7 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
     cautious_thresholds = objective.thresholds(means + z * errors)  # (R, G)
     # Every run of a batch draws what it would draw alone (the same standard normal draws, as
     # best_arm_probabilities does), so the simulator's batches serve what the service serves.
-    noise = rng.standard_normal((draws,) + means.shape[-2:]) if draws else np.zeros((1,) + means.shape[-2:])
+    noise = _posterior_noise(rng, draws, means.shape[-2:])
     served = np.zeros((means.shape[0], means.shape[-1]))
     for run in range(means.shape[0]):
         kept = soft[held[run]]
