@@ -7,6 +7,9 @@ of f_mix* - f(mu p_t)) and whether every served mixture holds the guardrails the
 (soft ones too) under the true means. Reported with 90% bootstrap intervals over runs:
 
 - r: mean, median, share of runs below 0 (deployed worse than the best single arm);
+- the share of runs whose gap an oracle's split of the row's observations could resolve at the
+  deploy level (:func:`resolvable_z`; soft guardrails only), and r's mean over them: a run whose
+  gap no split of its data resolves deploys the best single arm (r = 0) by design;
 - the share of runs whose served objective is above Thompson's;
 - the median of the paired ratio (pasto's served regret / Thompson's);
 - the share of (run, round) pairs after round 20 whose served mixture keeps the optimum's guardrails.
@@ -34,6 +37,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pasto.cli import load_scenario  # noqa: E402
+from pasto.optimum import best_single, solve  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -57,15 +61,64 @@ ROWS = {
 AFTER_ROUND = 20
 
 
+# A run's gap is resolvable when it is at least this many standard errors of its estimate (the
+# deploy test's one-sided 95% level).
+RESOLVABLE_Z = 1.6448536269514722
+
+
+def resolvable_z(objective, means, noise_std, observations):
+    """Per run: gap / (standard error of the estimated gap with the run's observations split best).
+
+    The gap is f(mu p*) - f(mu e_b), p* the optimum and b the best single arm under the true means;
+    its estimate from arm means seen n_k times has variance sum_k a_k^2 / n_k with a_k^2 = sum_m
+    c_mk^2 sigma_m^2 (c the gap's gradient in arm k's mean of metric m, thresholds of relative
+    guardrails included), least, (sum_k a_k)^2 / N, when n_k is proportional to a_k (Neyman). An
+    oracle that knew which arms matter could defend the mixture at the deploy level only where
+    this is at least RESOLVABLE_Z. NaN for objectives with hard guardrails (their gap needs
+    feasibility resolved too) and for runs without a gap.
+    """
+    if any(guardrail.hard for guardrail in objective.guardrails):
+        return np.full(means.shape[0], np.nan)
+    sigma = np.broadcast_to(np.asarray(noise_std, dtype=float), (means.shape[1],))
+    z = np.full(means.shape[0], np.nan)
+    for run, mu in enumerate(means):
+        optimum = solve(objective, mu).probabilities
+        single = np.zeros_like(optimum)
+        single[int(best_single(objective, mu)[0])] = 1.0
+
+        def gap(m):
+            thresholds = objective.thresholds(m)
+            return objective.value(m @ optimum, thresholds) - objective.value(m @ single, thresholds)
+
+        base = gap(mu)
+        if base <= 1e-12:
+            continue
+        step = 1e-6 * max(1.0, float(np.abs(mu).max()))
+        squares = np.zeros(mu.shape[1])
+        for metric in range(mu.shape[0]):
+            for arm in range(mu.shape[1]):
+                moved = mu.copy()
+                moved[metric, arm] += step
+                squares[arm] += ((gap(moved) - base) / step * sigma[metric]) ** 2
+        z[run] = base / (np.sqrt(squares).sum() / np.sqrt(observations))
+    return z
+
+
 def _run(job):
     label, algorithm, runs, seed = job
     name, sigma, rounds = ROWS[label]
     scenario = load_scenario(name).with_overrides(runs=runs, rounds=rounds, seed=seed, noise_std=sigma)
-    references = reference_values(scenario.objective(), draw_means(scenario, runs), runs)
+    means = draw_means(scenario, runs)
+    references = reference_values(scenario.objective(), means, runs)
     started = time.perf_counter()
     result = simulate(scenario, make_policy(algorithm), references=references)
     best = references.best_mixture[-1]
+    # Drift rows have two optima (their r is against the second, on stale and fresh data): left out.
+    z = (resolvable_z(scenario.objective(), np.broadcast_to(means[0], (runs,) + means[0].shape[-2:]),
+                      scenario.noise.std, scenario.queries_per_round * rounds)
+         if algorithm == "default" and len(means) == 1 else np.full(runs, np.nan))
     return label, algorithm, seed, {
+        "resolvable_z": z,
         "r": result.relative_gains[-1],
         "deployed": result.deployed_values[-1],
         "served": result.served_values.mean(axis=0),
@@ -90,11 +143,15 @@ def _interval(values, statistic, rng, draws=2000):
 def summarise(label, default, thompson, rng):
     r = default["r"]
     ratio = default["regret"] / np.maximum(thompson["regret"], 1e-12)
+    z = default["resolvable_z"]
+    resolvable = np.where(np.isnan(r) | np.isnan(z), np.nan, z >= RESOLVABLE_Z)
     return {
         "label": label,
         "runs": int(r.size),
         "r_mean": _interval(r, np.mean, rng),
         "r_median": _interval(r, np.median, rng),
+        "resolvable": _interval(resolvable, np.mean, rng),
+        "r_mean_resolvable": _interval(np.where(resolvable == 1, r, np.nan), np.mean, rng),
         "r_negative": _interval(r, lambda v: np.mean(v < 0), rng),
         "served_above_thompson": _interval(default["served"] > thompson["served"], np.mean, rng),
         "deployed_below_thompson": _interval(default["deployed"] < thompson["deployed"] - 1e-12, np.mean, rng),
@@ -120,19 +177,23 @@ def table(rows, runs, seed, commit, chunk=0):
         "",
         f"`{command}` at {commit}: the `default` preset and Thompson "
         "best-arm sampling on the same runs (same true means). r is the deployed relative gain at the last "
-        "round (runs whose best mixture is no better than the best single arm are left out); served figures "
+        "round (runs whose best mixture is no better than the best single arm are left out); \"resolvable\" is "
+        "the share of runs whose gap is at least 1.645 standard errors of its estimate with the row's "
+        "observations split best for it (`resolvable_z`; soft guardrails only), and r's mean over them; served figures "
         "are what users got, round by round, under the true means; 90% bootstrap intervals over runs. "
         f"\"Keeps\" is the share of (run, round) pairs after round {AFTER_ROUND} whose served mixture holds "
         "every guardrail the best mixture holds (pasto / Thompson).",
         "",
-        "| row | runs | r mean | r median | r < 0 | deployed below Thompson | served above Thompson "
-        "| served regret ratio (median) | served regret pasto / Thompson | keeps pasto / Thompson |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | runs | r mean | r median | r < 0 | resolvable | r mean, resolvable runs | deployed below Thompson "
+        "| served above Thompson | served regret ratio (median) | served regret pasto / Thompson "
+        "| keeps pasto / Thompson |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['label']} | {row['runs']} | {_cell(row['r_mean'])} | {_cell(row['r_median'])} | "
-            f"{_cell(row['r_negative'])} | {_cell(row['deployed_below_thompson'])} | "
+            f"{_cell(row['r_negative'])} | {_cell(row['resolvable'])} | {_cell(row['r_mean_resolvable'])} | "
+            f"{_cell(row['deployed_below_thompson'])} | "
             f"{_cell(row['served_above_thompson'])} | "
             f"{_cell(row['regret_ratio_median'])} | {row['served_regret'][0]:.1f} / {row['served_regret'][1]:.1f} | "
             f"{row['keeps'][0]:.3f} / {row['keeps'][1]:.3f} |")
