@@ -86,7 +86,7 @@ def resolvable_z(objective, means, noise_std, observations):
         single = np.zeros_like(optimum)
         single[int(best_single(objective, mu)[0])] = 1.0
 
-        def gap(m):
+        def gap(m, optimum=optimum, single=single):
             thresholds = objective.thresholds(m)
             return objective.value(m @ optimum, thresholds) - objective.value(m @ single, thresholds)
 
