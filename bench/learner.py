@@ -35,9 +35,11 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from scipy.special import ndtri  # noqa: E402
 
 from pasto.cli import load_scenario  # noqa: E402
 from pasto.optimum import best_single, solve  # noqa: E402
+from pasto.serving import ServingConfig  # noqa: E402
 from pasto.simulate import draw_means, make_policy, reference_values, simulate  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -61,9 +63,9 @@ ROWS = {
 AFTER_ROUND = 20
 
 
-# A run's gap is resolvable when it is at least this many standard errors of its estimate (the
-# deploy test's one-sided 95% level).
-RESOLVABLE_Z = 1.6448536269514722
+# A run's gap is resolvable when it is at least this many standard errors of its estimate: the
+# default deploy test's one-sided level (1.645 at 95%).
+RESOLVABLE_Z = float(ndtri(ServingConfig().deploy_level))
 
 
 def resolvable_z(objective, means, noise_std, observations):
@@ -178,7 +180,7 @@ def table(rows, runs, seed, commit, chunk=0):
         f"`{command}` at {commit}: the `default` preset and Thompson "
         "best-arm sampling on the same runs (same true means). r is the deployed relative gain at the last "
         "round (runs whose best mixture is no better than the best single arm are left out); \"resolvable\" is "
-        "the share of runs whose gap is at least 1.645 standard errors of its estimate with the row's "
+        f"the share of runs whose gap is at least {RESOLVABLE_Z:.3f} standard errors of its estimate with the row's "
         "observations split best for it (`resolvable_z`; soft guardrails only), and r's mean over them; served figures "
         "are what users got, round by round, under the true means; 90% bootstrap intervals over runs. "
         f"\"Keeps\" is the share of (run, round) pairs after round {AFTER_ROUND} whose served mixture holds "
