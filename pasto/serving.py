@@ -56,7 +56,10 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
    uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
-   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom).
+   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom). With soft
+   guardrails these tests take each arm's standard error as at least the one its metric's pooled
+   noise variance gives (a skewed metric's own sample variance is most often low); the posterior
+   draws keep the arm's own.
 6. **Change.** Every ``change_every`` rounds the latest windows of observations are compared with
    the earlier ones since the last reset, per arm and metric, by a self-normalised statistic whose
    level does not rest on normal tails (:func:`change_detected`); ``change_level`` bounds the chance
@@ -241,7 +244,7 @@ def _arm_index(objective: Objective, name: str) -> int:
 # --------------------------------------------------------------------------- estimate
 
 
-def arm_posterior(statistics: Statistics) -> Estimate:
+def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimate:
     """Empirical-Bayes per-arm means and standard errors; shapes (..., M, K).
 
     Each metric's arm means get the normal prior N(m, tau^2): tau^2 the Paule-Mandel estimate of
@@ -251,6 +254,9 @@ def arm_posterior(statistics: Statistics) -> Estimate:
     with the metric's within-arm variance (``_VARIANCE_PRIOR_DF``). Posterior precision
     1 / tau^2 + n_k / s_k^2. Entries are infinite (standard error) while fewer than two arms of a
     metric have data or no arm has two observations.
+
+    With ``pooled_noise`` every arm's noise variance is the metric's pooled within-arm variance
+    alone (what the deploy tests bound an arm's own with: :func:`choose`).
     """
     n = statistics.counts
     has = n > 0
@@ -268,6 +274,8 @@ def arm_posterior(statistics: Statistics) -> Estimate:
             / (df + _VARIANCE_PRIOR_DF),
             np.inf,
         )
+        if pooled_noise:
+            noise_var = np.broadcast_to(pooled_var, noise_var.shape)
     noise_var = np.maximum(noise_var, 1e-300)
     observed_arms = has.sum(axis=-1, keepdims=True)
     plain_mean = np.divide(
@@ -705,8 +713,19 @@ def choose(
 
         z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
 
+    test_errors = flat_errors
+    if not constraints.count:
+        # The deploy tests hold their level only if no arm looks more certain than it is. An arm's
+        # own variance from a few hundred skewed observations is most often low (the tail not seen
+        # yet), and low together with its mean (docs/benchmarks.md: a reference arm read 0.08 low
+        # with its sample sd 0.33 against 0.5 deployed a mixture below its guardrail). The metric's
+        # pooled variance rests on every arm's observations, so each test takes the larger of the
+        # two standard errors: an arm whose noise is truly larger keeps its own. The posterior
+        # draws keep the posterior's (pooled everywhere, they cost served regret: ibid.).
+        pooled = arm_posterior(statistics, pooled_noise=True).standard_errors.reshape(flat_means.shape)
+        test_errors = np.where(np.isfinite(pooled), np.maximum(flat_errors, pooled), flat_errors)
     chosen, defended, arm_values = _defensible(
-        objective, flat_means, flat_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
+        objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
     )
     if not constraints.count:
         # What runs before pasto has learnt anything: the production setting when the objective
@@ -737,17 +756,17 @@ def choose(
                 objective, flat_means, flat_errors, flat_thresholds, best_arm_rng, allowed=np.isfinite(arm_values),
             )
             served = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * served, served)
-        served = _observe_start(objective, flat_means, flat_errors, flat_thresholds, flat_counts, served,
+        served = _observe_start(objective, flat_means, test_errors, flat_thresholds, flat_counts, served,
                                 chosen, start, z_student, observations_per_round, t)
         if references:
-            to_defend = _reference_counts_to_defend(objective, flat_means, flat_errors, flat_thresholds, plug_in,
+            to_defend = _reference_counts_to_defend(objective, flat_means, test_errors, flat_thresholds, plug_in,
                                                     chosen, undecided, flat_counts, references, z_deploy)
             # The served draws hold a kept guardrail against the reference's upper bound, so its
             # uncertainty costs the served traffic what the best known safe mixture loses to the
             # one it would serve with the reference known (no draws: the estimates alone).
             safe = tuple(_safe_posterior_mixture(objective, flat_means, spread, z_safe, plug_in, posterior_rng, 0)
                          for spread in (flat_errors, known_errors))
-            information = _reference_information(objective, flat_means, flat_errors, flat_thresholds, plug_in,
+            information = _reference_information(objective, flat_means, test_errors, flat_thresholds, plug_in,
                                                  references)
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
                                          known, references, observations_per_round, t, to_defend=to_defend,
@@ -757,7 +776,7 @@ def choose(
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
         # evidence defends it. Without it a run whose arms all look alike (an arm never observed
         # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
-        chosen, _ = _conservative(objective, flat_means, flat_errors, flat_thresholds, chosen, z_student, start)
+        chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)

@@ -1021,6 +1021,42 @@ def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_
     assert difference_error(int(wanted[0, 0] / 2)) > 1.2 * advantage[0] / z
 
 
+def test_the_deploy_tests_bound_an_arms_own_variance_by_the_metrics_pooled_one():
+    # The reference arm 2 of test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it,
+    # seen 60 times: with the others' noise (sd 0.1) the mixture cannot be defended. An own sample sd
+    # of 0.02 (a skewed metric's tail not seen yet) must not make it look known (on its own errors the
+    # mixture was deployed): the tests take the pooled standard error when it is larger, so the run
+    # stays undecided and observes the reference. The posterior (what the draws use) keeps its own.
+    guardrail = {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 50.0}
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [guardrail]}, ["0", "1", "2"])
+    means = np.array([[1.0, 0.9, 0.2], [0.95, 1.1, 1.0]])
+    config = serving.ServingConfig(posterior_draws=0)
+    quiet = np.array([[0.1, 0.1, 0.1], [0.1, 0.1, 0.02]])
+    results = {}
+    for name, std in (("same", 0.1), ("quiet", quiet)):
+        evidence = _evidence(means, [[4000, 4000, 60]] * 2, std=std)
+        results[name] = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0, np.full(3, 1 / 3),
+                                       round_generator(0, 200))
+        if name == "quiet":
+            own = serving.arm_posterior(evidence).standard_errors
+            pooled = serving.arm_posterior(evidence, pooled_noise=True).standard_errors
+            assert own[1, 2] < 0.5 * pooled[1, 2]  # the arm looks far more certain on its own
+            np.testing.assert_allclose(pooled[1, :2], own[1, :2], rtol=0.05)  # the others barely move
+    for name in ("same", "quiet"):
+        served, chosen, _ = results[name]
+        assert chosen[0] == 1.0, name  # arm 0 alone: the mixture is not defended
+        assert served[2] > 1e-3, name
+
+
+def test_pooled_noise_gives_every_arm_of_a_metric_its_pooled_variance():
+    means = np.array([[0.0, 0.5, 1.0]])
+    evidence = _evidence(means, [[50, 50, 50]], std=np.array([[0.1, 0.5, 1.0]]))
+    errors = serving.arm_posterior(evidence, pooled_noise=True).standard_errors
+    np.testing.assert_allclose(errors[0], errors[0, 0], rtol=1e-12)  # equal counts, equal errors
+    own = serving.arm_posterior(evidence).standard_errors
+    assert own[0, 0] < errors[0, 0] < own[0, 2]
+
+
 def test_a_uniform_starts_unobserved_arms_get_the_cheapest_counts_that_defend_the_step():
     """Without a baseline the start is uniform, and each arm the served traffic leaves out carries a
     part of the deploy test's variance. Arms 2 and 3 (5 observations each; arm 3 far worse) are
