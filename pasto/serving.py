@@ -261,12 +261,7 @@ def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimat
     n = statistics.counts
     has = n > 0
     mean = np.divide(statistics.sums, n, out=np.zeros_like(statistics.sums), where=has)
-    centred = np.maximum(statistics.sums_of_squares - n * mean**2, 0.0)
-    df = np.maximum(n - 1.0, 0.0)
-    pooled_df = df.sum(axis=-1, keepdims=True)
-    pooled_var = np.divide(
-        centred.sum(axis=-1, keepdims=True), pooled_df, out=np.full_like(pooled_df, np.inf), where=pooled_df > 0
-    )
+    centred, df, pooled_var = _within_arm_variance(statistics)
     with np.errstate(invalid="ignore"):
         noise_var = np.where(
             np.isfinite(pooled_var),
@@ -280,11 +275,11 @@ def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimat
     observed_arms = has.sum(axis=-1, keepdims=True)
     plain_mean = np.divide(
         np.where(has, mean, 0.0).sum(axis=-1, keepdims=True), observed_arms,
-        out=np.zeros_like(pooled_df), where=observed_arms > 0,
+        out=np.zeros_like(pooled_var), where=observed_arms > 0,
     )
     spread = np.divide(
         np.where(has, (mean - plain_mean) ** 2, 0.0).sum(axis=-1, keepdims=True), observed_arms - 1.0,
-        out=np.full_like(pooled_df, np.inf), where=observed_arms > 1,
+        out=np.full_like(pooled_var, np.inf), where=observed_arms > 1,
     )
     with np.errstate(invalid="ignore", divide="ignore"):
         sampling = np.divide(noise_var, n, out=np.zeros_like(noise_var), where=has)
@@ -301,6 +296,20 @@ def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimat
         error = np.where(precision > 0, 1.0 / np.sqrt(precision), np.inf)
     error = np.where(finite_noise | np.isfinite(prior_var), error, np.inf)
     return Estimate(means=posterior_mean, standard_errors=error)
+
+
+def _within_arm_variance(statistics: Statistics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each arm's sum of squared deviations from its mean and its degrees of freedom, shapes
+    (..., M, K), and each metric's pooled within-arm variance (infinite without any), (..., M, 1)."""
+    n = statistics.counts
+    mean = np.divide(statistics.sums, n, out=np.zeros_like(statistics.sums), where=n > 0)
+    centred = np.maximum(statistics.sums_of_squares - n * mean**2, 0.0)
+    df = np.maximum(n - 1.0, 0.0)
+    pooled_df = df.sum(axis=-1, keepdims=True)
+    pooled_var = np.divide(
+        centred.sum(axis=-1, keepdims=True), pooled_df, out=np.full_like(pooled_df, np.inf), where=pooled_df > 0
+    )
+    return centred, df, pooled_var
 
 
 # Newton steps on the Paule-Mandel equation at most (from the DerSimonian-Laird start: a handful).
@@ -549,11 +558,7 @@ def change_detected(evidence: Statistics, windows: list[Statistics], level: floa
     critical = change_threshold(level, check, tests)
     n = evidence.counts
     mean = np.divide(evidence.sums, n, out=np.zeros_like(evidence.sums), where=n > 0)
-    centred = np.maximum(evidence.sums_of_squares - n * mean**2, 0.0)
-    df = np.maximum(n - 1.0, 0.0)
-    pooled_df = df.sum(axis=-1, keepdims=True)
-    variance = np.divide(centred.sum(axis=-1, keepdims=True), pooled_df,
-                         out=np.full(centred.shape[:-1] + (1,), np.inf), where=pooled_df > 0)
+    _, _, variance = _within_arm_variance(evidence)
     changed = np.zeros(evidence.shape[:-2], dtype=bool)
     for window in windows:
         n_window = window.counts
@@ -654,6 +659,7 @@ def choose(
     # demo's deployed mixture too timid to learn: below half the gain of mixing at 12,000 sessions
     # in 37% of runs, against 1%).
     deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
+    test_errors = flat_errors
     if constraints.count:
         check_objective(objective)
         plain = plain_gains.reshape((flat, n_arms))
@@ -712,9 +718,6 @@ def choose(
         from scipy import stats
 
         z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
-
-    test_errors = flat_errors
-    if not constraints.count:
         # The deploy tests hold their level only if no arm looks more certain than it is. An arm's
         # own variance from a few hundred skewed observations is most often low (the tail not seen
         # yet), and low together with its mean (docs/benchmarks.md: a reference arm read 0.08 low
