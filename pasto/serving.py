@@ -260,8 +260,7 @@ def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimat
     """
     n = statistics.counts
     has = n > 0
-    mean = np.divide(statistics.sums, n, out=np.zeros_like(statistics.sums), where=has)
-    centred, df, pooled_var = _within_arm_variance(statistics)
+    mean, centred, df, pooled_var = _within_arm_variance(statistics)
     with np.errstate(invalid="ignore"):
         noise_var = np.where(
             np.isfinite(pooled_var),
@@ -298,9 +297,9 @@ def arm_posterior(statistics: Statistics, pooled_noise: bool = False) -> Estimat
     return Estimate(means=posterior_mean, standard_errors=error)
 
 
-def _within_arm_variance(statistics: Statistics) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each arm's sum of squared deviations from its mean and its degrees of freedom, shapes
-    (..., M, K), and each metric's pooled within-arm variance (infinite without any), (..., M, 1)."""
+def _within_arm_variance(statistics: Statistics) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each arm's mean (0 without data), sum of squared deviations from it and degrees of freedom,
+    shapes (..., M, K), and each metric's pooled within-arm variance (infinite without any), (..., M, 1)."""
     n = statistics.counts
     mean = np.divide(statistics.sums, n, out=np.zeros_like(statistics.sums), where=n > 0)
     centred = np.maximum(statistics.sums_of_squares - n * mean**2, 0.0)
@@ -309,7 +308,7 @@ def _within_arm_variance(statistics: Statistics) -> tuple[np.ndarray, np.ndarray
     pooled_var = np.divide(
         centred.sum(axis=-1, keepdims=True), pooled_df, out=np.full_like(pooled_df, np.inf), where=pooled_df > 0
     )
-    return centred, df, pooled_var
+    return mean, centred, df, pooled_var
 
 
 # Newton steps on the Paule-Mandel equation at most (from the DerSimonian-Laird start: a handful).
@@ -557,8 +556,7 @@ def change_detected(evidence: Statistics, windows: list[Statistics], level: floa
     tests = max(1, len(windows) * int(np.prod(evidence.shape[-2:])))
     critical = change_threshold(level, check, tests)
     n = evidence.counts
-    mean = np.divide(evidence.sums, n, out=np.zeros_like(evidence.sums), where=n > 0)
-    _, _, variance = _within_arm_variance(evidence)
+    mean, _, _, variance = _within_arm_variance(evidence)
     changed = np.zeros(evidence.shape[:-2], dtype=bool)
     for window in windows:
         n_window = window.counts
