@@ -50,11 +50,14 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
    among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
    standard errors of the difference (delta method, the reference arm of a relative threshold
-   included); otherwise that single arm. An undecided run whose test would pass with more
-   observations of a relative threshold's reference arm (the estimates unchanged) observes it that
-   far when the mixture's advantage over the horizon pays for it (:func:`_reference_counts_to_defend`).
-   With soft guardrails the deployed mixture is then the starting mixture (the baseline arm, else
-   uniform) moved towards that choice only as far as the evidence defends (conservative bandits:
+   included); otherwise that single arm (with soft guardrails, moved towards the plug-in mixture
+   as far as the same test defends: the gain is concave in the step, its standard error about
+   linear, so part of the way can be defended where the whole is not). An undecided run whose test
+   would pass with more observations of a relative threshold's reference arm (the estimates
+   unchanged) observes it that far when the mixture's advantage over the horizon pays for it
+   (:func:`_reference_counts_to_defend`). With soft guardrails the deployed mixture is then the
+   starting mixture (the baseline arm, else uniform) moved towards that choice only as far as the
+   evidence defends (conservative bandits:
    p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
    by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom). With soft
    guardrails these tests take each arm's standard error as at least the one its metric's pooled
@@ -777,6 +780,17 @@ def choose(
         # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
         # evidence defends it. Without it a run whose arms all look alike (an arm never observed
         # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
+        # The deploy test need not be all or nothing. Along the segment from the best single arm s
+        # to the plug-in mixture p the expected gain is concave in the step a while the standard
+        # error of the difference grows about like a, so part of the way can be defended where p
+        # is not, and keeps more than that part of the gain (a half step about three quarters of a
+        # quadratic one). An undecided run's choice is s + a (p - s) with the largest a the deploy
+        # test defends against s (a = 0: s itself). Only from an arm with data: an arm never observed
+        # has the prior's mean, and the prior's error is 0 when the observed arms' means agree, so
+        # the test would measure a step against a guess it takes for certain.
+        stepped, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen)
+        observed = np.einsum("rk,rk->r", chosen, (flat_counts.min(axis=-2) > 0).astype(float)) > 0.5
+        chosen = np.where((~defended & observed)[:, None], stepped, chosen)
         chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
@@ -1329,15 +1343,16 @@ _CONSERVATIVE_STEPS = np.linspace(0.0, 1.0, 11)
 
 
 def _conservative(objective, means, errors, thresholds, target, z, start):
-    """Serve ``target`` only as far from the starting mixture ``start`` as the evidence defends; (R, K).
+    """Move from the mixture ``start`` towards ``target`` only as far as the evidence defends; (R, K).
 
-    Conservative bandits (Wu et al., ICML 2016): the starting mixture p0 (R, K) is what a team
-    runs before pasto learns anything (the baseline arm, else uniform). The
-    served mixture is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose posterior
-    expected objective beats p0's by ``z`` standard errors of the difference (delta method), or
-    a = 0. With little data the traffic stays at p0 instead of following a plug-in optimum that the
-    noise moves around; a good plug-in optimum is served as soon as it is confidently better.
-    Returns the mixture (R, K) and a (R,).
+    Conservative bandits (Wu et al., ICML 2016): p0 = ``start`` (R, K) is what stays if nothing is
+    defended (:func:`choose` anchors it at the best single arm, to step towards an undefended
+    plug-in mixture, then at what a team runs before pasto learns anything: the baseline arm,
+    else uniform). The result is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose
+    posterior expected objective beats p0's by ``z`` standard errors of the difference (delta
+    method), or a = 0. With little data the deployed mixture stays at p0 instead of following a
+    plug-in optimum that the noise moves around; a good plug-in optimum is deployed as soon as it
+    is confidently better. Returns the mixture (R, K) and a (R,).
     """
     runs = means.shape[0]
     # The posterior's and the starting mixture's parts are the same at every step: computed once.

@@ -648,6 +648,38 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     assert served[0, 0] + served[0, 1] > 0.85
 
 
+def test_an_undefended_mixture_is_deployed_as_far_as_the_deploy_test_defends_the_step():
+    """With 3,000 observations per arm the mixture of arms 0 and 1 (f 0.7) is still not defended
+    against arm 2 (f 0.6), and arm 2 alone is not defended against the uniform start (f 0.575):
+    the whole step was all or nothing, so the start stayed deployed. Part of the way from arm 2
+    towards the mixture is defended (the gain's standard error shrinks with the step), and
+    deployed; with 5,000 the whole mixture is."""
+    objective = load_scenario("setup-b").objective()
+    truth = np.array([[0.7, 0.7, 0.6, 0.3], [1.0, 0.0, 0.5, 0.5], [0.0, 1.0, 0.5, 0.5]])
+    arm_2, uniform = np.array([0.0, 0.0, 1.0, 0.0]), np.full(4, 0.25)
+    values = {}
+    for n in (3000, 5000):
+        objective, statistics = _complementary_arms_statistics(n)
+        _, deployed, log_weights = serving.choose(serving.ServingConfig(), objective, statistics, 500,
+                                                  np.zeros((1, 4)), 10.0, uniform[None], np.random.default_rng(2))
+        plug_in = np.exp(log_weights[0] - log_weights[0].max())
+        plug_in /= plug_in.sum()
+        posterior = serving.arm_posterior(statistics)
+        _, defended, _ = serving._defensible(
+            objective, posterior.means, posterior.standard_errors, objective.thresholds(posterior.means),
+            plug_in[None], [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.0,
+            1.6448536269514722)
+        step = deployed[0, 0] + deployed[0, 1]
+        np.testing.assert_allclose(deployed[0], arm_2 + step * (plug_in - arm_2), atol=1e-9)
+        values[n] = objective.mixture_value(truth, deployed[0])
+        if n == 3000:
+            assert not defended[0] and 0.1 <= step < 1.0, step
+            assert values[n] > objective.mixture_value(truth, arm_2) > objective.mixture_value(truth, uniform)
+        else:
+            assert defended[0] and step == pytest.approx(1.0)
+    assert values[3000] < values[5000]
+
+
 def test_an_arm_never_observed_is_not_deployed_when_the_arms_look_alike():
     """Setup A with a third arm (x 2, y -2: f -18) that breaks the guardrail: arms 1 and 2 were
     seen twice each with nearly equal means, so the prior's spread is 0 and the unseen arm 0 gets
@@ -982,22 +1014,31 @@ def test_the_reference_is_observed_until_its_expected_loss_stops_paying_for_the_
 def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it():
     # Arms 0 and 1 mixed to y = 0.99 y_2 beat arm 0 alone (its shortfall 0.04 costs 0.08), but with
     # the reference arm 2 seen 30 or 100 times the threshold is too uncertain for the deploy test:
-    # the run deploys arm 0. Observing the reference is what decides it, so it is observed (before,
-    # its share was 0: the hedge alone cost too little to ask for it); with 300 observations the
-    # mixture is defended and the reference gets no traffic of its own.
+    # the run deploys arm 0 moved only part of the way towards the mixture, less of it with fewer
+    # observations. Observing the reference is what decides it, so it is observed (before, its share
+    # was 0: the hedge alone cost too little to ask for it); with 300 observations the mixture is
+    # defended and the reference gets no traffic of its own.
     guardrail = {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 50.0}
     objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [guardrail]}, ["0", "1", "2"])
     means = np.array([[1.0, 0.9, 0.2], [0.95, 1.1, 1.0]])
     config = serving.ServingConfig(posterior_draws=0)
+    steps = []
     for reference_count, undecided in ((30, True), (100, True), (300, False)):
         evidence = _evidence(means, [[4000, 4000, reference_count]] * 2)
-        served, chosen, _ = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0, np.full(3, 1 / 3),
-                                           round_generator(0, 200))
-        assert (chosen[0] == 1.0) == undecided, reference_count
+        served, chosen, log_weights = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0,
+                                                     np.full(3, 1 / 3), round_generator(0, 200))
+        plug_in = np.exp(log_weights - log_weights.max())
+        plug_in /= plug_in.sum()
+        # On the segment from arm 0 to the plug-in mixture, at it only when the mixture is defended.
+        step = (1.0 - chosen[0]) / (1.0 - plug_in[0])
+        np.testing.assert_allclose(chosen, np.array([1.0, 0.0, 0.0]) + step * (plug_in - [1.0, 0.0, 0.0]), atol=1e-12)
+        assert (step < 1.0 - 1e-9) == undecided, (reference_count, step)
+        steps.append(step)
         if undecided:
             assert served[2] > 1e-3, reference_count
         else:
             assert served[2] < 1e-9
+    assert steps[0] < steps[1] < steps[2]
     # The count it asks for is where the deploy test's standard error reaches advantage / z (the
     # estimates unchanged): half of it is not enough.
     z = 1.6448536269514722
@@ -1043,8 +1084,10 @@ def test_the_deploy_tests_bound_an_arms_own_variance_by_the_metrics_pooled_one()
             assert own[1, 2] < 0.5 * pooled[1, 2]  # the arm looks far more certain on its own
             np.testing.assert_allclose(pooled[1, :2], own[1, :2], rtol=0.05)  # the others barely move
     for name in ("same", "quiet"):
-        served, chosen, _ = results[name]
-        assert chosen[0] == 1.0, name  # arm 0 alone: the mixture is not defended
+        served, chosen, log_weights = results[name]
+        plug_in = np.exp(log_weights - log_weights.max())
+        plug_in /= plug_in.sum()
+        assert chosen[0] > plug_in[0] + 0.05, name  # short of the plug-in: the mixture is not defended
         assert served[2] > 1e-3, name
 
 
