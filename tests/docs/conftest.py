@@ -60,8 +60,10 @@ def running_doc_server(folder: Path) -> Iterator[DocServer]:
         deadline = time.monotonic() + 60
         while True:
             assert process.poll() is None, log_path.read_text()
-            with contextlib.suppress(requests.ConnectionError):  # not listening yet: ask again
-                if requests.get(f"{url}/healthz", timeout=2).status_code == 200:
+            # Not listening yet, or listening but not answering yet (its first answer loads the app,
+            # which took over 2 s on a machine busy with other jobs): ask again until the deadline.
+            with contextlib.suppress(requests.ConnectionError, requests.Timeout):
+                if requests.get(f"{url}/healthz", timeout=10).status_code == 200:
                     break
             assert time.monotonic() < deadline, f"pasto serve did not answer in 60 s:\n{log_path.read_text()}"
             time.sleep(0.2)
