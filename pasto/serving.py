@@ -776,10 +776,6 @@ def choose(
                                          known, references, observations_per_round, t, to_defend=to_defend,
                                          safe=safe, information=information)
         served = fixed + (1.0 - fixed.sum()) * served
-        # The deployed mixture answers to a conservative test: what the deploy test picked (the
-        # plug-in mixture, or the best single arm) replaces the starting mixture only as far as the
-        # evidence defends it. Without it a run whose arms all look alike (an arm never observed
-        # gets the pooled mean) deployed whichever arm came first, one that breaks a guardrail too.
         # The deploy test need not be all or nothing. Along the segment from the best single arm s
         # to the plug-in mixture p the expected gain is concave in the step a while the standard
         # error of the difference grows about like a, so part of the way can be defended where p
@@ -791,6 +787,11 @@ def choose(
         stepped, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen)
         observed = np.einsum("rk,rk->r", chosen, (flat_counts.min(axis=-2) > 0).astype(float)) > 0.5
         chosen = np.where((~defended & observed)[:, None], stepped, chosen)
+        # The deployed mixture answers to a conservative test: what the deploy test picked (the
+        # plug-in mixture, or the step towards it from the best single arm) replaces the starting
+        # mixture only as far as the evidence defends it. Without it a run whose arms all look alike
+        # (an arm never observed gets the pooled mean) deployed whichever arm came first, one that
+        # breaks a guardrail too.
         chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
