@@ -654,7 +654,6 @@ def test_an_undefended_mixture_is_deployed_as_far_as_the_deploy_test_defends_the
     the whole step was all or nothing, so the start stayed deployed. Part of the way from arm 2
     towards the mixture is defended (the gain's standard error shrinks with the step), and
     deployed; with 5,000 the whole mixture is."""
-    objective = load_scenario("setup-b").objective()
     truth = np.array([[0.7, 0.7, 0.6, 0.3], [1.0, 0.0, 0.5, 0.5], [0.0, 1.0, 0.5, 0.5]])
     arm_2, uniform = np.array([0.0, 0.0, 1.0, 0.0]), np.full(4, 0.25)
     values = {}
