@@ -1374,16 +1374,39 @@ def _reference_entries(objective: Objective, n_arms: int) -> tuple[np.ndarray, n
     return rows, columns, link
 
 
+@dataclass(frozen=True)
+class _TestDraws:
+    """One round's draws for :func:`_probability_better`, with what every test of the round shares.
+
+    normal (D, 2M + J) standard normals; scales (R, D) Student-t scales sqrt(degrees / chi-square)
+    or None; rows, columns (J,) and link (G, J) from :func:`_reference_entries`; base (G,) the
+    thresholds' constant parts (the relative ones 0).
+    """
+
+    normal: np.ndarray
+    scales: np.ndarray | None
+    rows: np.ndarray
+    columns: np.ndarray
+    link: np.ndarray
+    base: np.ndarray
+
+    def of_runs(self, runs: np.ndarray) -> _TestDraws:
+        """The same draws for the runs ``runs`` only (their scales)."""
+        return dataclasses.replace(self, scales=None if self.scales is None else self.scales[runs])
+
+
 def _deploy_test_noise(rng: np.random.Generator, objective: Objective, n_arms: int,
-                       degrees: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+                       degrees: np.ndarray | None = None) -> _TestDraws:
     """The draws of :func:`_probability_better` for one round: standard normals (D, 2M + J) and,
     with ``degrees`` (R,), each run's Student-t scales sqrt(degrees / chi-square), (R, D)."""
-    size = 2 * objective.n_metrics + len(_reference_entries(objective, n_arms)[0])
-    normal = rng.standard_normal((_DEPLOY_TEST_DRAWS, size))
-    if degrees is None:
-        return normal, None
-    freedom = np.asarray(degrees, dtype=float)[:, None]
-    return normal, np.sqrt(freedom / rng.chisquare(freedom, (freedom.shape[0], _DEPLOY_TEST_DRAWS)))
+    rows, columns, link = _reference_entries(objective, n_arms)
+    normal = rng.standard_normal((_DEPLOY_TEST_DRAWS, 2 * objective.n_metrics + len(rows)))
+    scales = None
+    if degrees is not None:
+        freedom = np.asarray(degrees, dtype=float)[:, None]
+        scales = np.sqrt(freedom / rng.chisquare(freedom, (freedom.shape[0], _DEPLOY_TEST_DRAWS)))
+    base = objective.thresholds(np.zeros((objective.n_metrics, n_arms)))
+    return _TestDraws(normal, scales, rows, columns, link, base)
 
 
 def _probability_better(objective, means, errors, first, second, noise, student=False):
@@ -1398,12 +1421,11 @@ def _probability_better(objective, means, errors, first, second, noise, student=
     difference depends on V only through x1 = V first, x2 = V second (M each) and the reference
     entries of relative thresholds (J), jointly normal with a covariance built in O(M K); the
     probability is the share of D draws of that (2M + J)-vector in which f(x1) > f(x2), exact
-    but for the draws' noise. With ``student`` each draw's deviation is scaled by the noise's
+    but for the draws' noise. With ``student`` each draw's deviation is scaled by the draws'
     Student-t scales: Student's t, as the start test's z.
     """
-    normal, scales = noise
     runs, n_metrics, n_arms = means.shape
-    rows, columns, link = _reference_entries(objective, n_arms)
+    rows, columns, link = noise.rows, noise.columns, noise.link
     size = 2 * n_metrics + len(rows)
     variance = errors**2
     covariance = np.zeros((runs, size, size))
@@ -1411,7 +1433,7 @@ def _probability_better(objective, means, errors, first, second, noise, student=
     both = n_metrics + metric
     covariance[:, metric, metric] = np.einsum("rk,rmk->rm", first**2, variance)
     covariance[:, both, both] = np.einsum("rk,rmk->rm", second**2, variance)
-    covariance[:, metric, both] = covariance[:, both, metric] = np.einsum("rk,rk,rmk->rm", first, second, variance)
+    covariance[:, metric, both] = covariance[:, both, metric] = np.einsum("rk,rmk->rm", first * second, variance)
     if len(rows):
         entry = 2 * n_metrics + np.arange(len(rows))
         own = variance[:, rows, columns]  # (R, J)
@@ -1422,12 +1444,11 @@ def _probability_better(objective, means, errors, first, second, noise, student=
                              means[:, rows, columns]], axis=-1)  # (R, 2M + J)
     eigenvalues, eigenvectors = np.linalg.eigh(covariance)
     factor = eigenvectors * np.sqrt(np.maximum(eigenvalues, 0.0))[:, None, :]  # covariance = factor factor'
-    deviation = normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
+    deviation = noise.normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
     if student:
-        deviation *= scales[:, :, None]
+        deviation *= noise.scales[:, :, None]
     drawn = centre[:, None, :] + deviation
-    base = objective.thresholds(np.zeros((n_metrics, n_arms)))  # (G,): the relative ones 0
-    thresholds = base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
+    thresholds = noise.base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
     better = (objective.value(drawn[..., :n_metrics], thresholds)
               > objective.value(drawn[..., n_metrics:2 * n_metrics], thresholds))
     return better.mean(axis=-1)
@@ -1461,9 +1482,8 @@ def _conservative(objective, means, errors, thresholds, target, z, start, level=
             if not open_runs.size:
                 break
             mixture = start[open_runs] + a * (target[open_runs] - start[open_runs])
-            scales = None if noise[1] is None else noise[1][open_runs]
             better = _probability_better(objective, means[open_runs], errors[open_runs], mixture, start[open_runs],
-                                         (noise[0], scales), student)
+                                         noise.of_runs(open_runs), student)
             chosen[open_runs[better > level]] = a
             open_runs = open_runs[better <= level]
         return start + chosen[:, None] * (target - start), chosen
