@@ -46,20 +46,24 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
 4. **Fixed shares.** Optional per-arm ``min_share`` and a ``holdout`` share on the baseline arm are
    carved out first: p = fixed + (1 - sum fixed) q, q optimised on the simplex.
 5. **Deploy what can be defended.** The plug-in mixture (pessimistic hard constraints, no
-   optimism, no fixed shares) is chosen when its posterior expected objective beats the best
-   single arm's (the arm a best-arm bandit settles on: the highest posterior expected objective
-   among the arms that meet the hard constraints on their lower bounds) by more than ``z_deploy``
-   standard errors of the difference (delta method, the reference arm of a relative threshold
-   included); otherwise that single arm (with soft guardrails, moved towards the plug-in mixture
-   as far as the same test defends: the gain is concave in the step, its standard error about
-   linear, so part of the way can be defended where the whole is not). An undecided run whose test
+   optimism, no fixed shares) is chosen when it beats the best single arm (the arm a best-arm
+   bandit settles on: the highest posterior expected objective among the arms that meet the hard
+   constraints on their lower bounds) with posterior probability above ``deploy_level``: with soft
+   guardrails estimated by drawing the two mixtures' metric vectors and the reference means of
+   relative thresholds (:func:`_probability_better`), otherwise in closed form (its posterior
+   expected objective ahead by ``z_deploy`` standard errors of the difference, delta method, the
+   reference arm of a relative threshold included). Otherwise that single arm is deployed (with
+   soft guardrails, moved towards the plug-in mixture as far as the same test defends: the gain is
+   concave in the step, its noise about linear, so part of the way can be defended where the
+   whole is not). What is served reads the delta method's answer to this test (which runs are
+   undecided, step 3), the deployed mixture the probability's. An undecided run whose test
    would pass with more observations of a relative threshold's reference arm (the estimates
    unchanged) observes it that far when the mixture's advantage over the horizon pays for it
    (:func:`_reference_counts_to_defend`). With soft guardrails the deployed mixture is then the
    starting mixture (the baseline arm, else uniform) moved towards that choice only as far as the
    evidence defends (conservative bandits:
-   p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} whose expected objective beats p0's
-   by ``deploy_level`` Student-t standard errors on the pooled degrees of freedom). With soft
+   p0 + a (choice - p0) with the largest a in {0, 0.1, ..., 1} that beats p0 with posterior
+   probability above ``deploy_level``, Student's t on the pooled degrees of freedom). With soft
    guardrails these tests take each arm's standard error as at least the one its metric's pooled
    noise variance gives (a skewed metric's own sample variance is most often low); the posterior
    draws keep the arm's own.
@@ -728,8 +732,21 @@ def choose(
         # draws keep the posterior's (pooled everywhere, they cost served regret: ibid.).
         pooled = arm_posterior(statistics, pooled_noise=True).standard_errors.reshape(flat_means.shape)
         test_errors = np.where(np.isfinite(pooled), np.maximum(flat_errors, pooled), flat_errors)
+    # Streams: the best-arm draws and the posterior draws of an undecided run (soft guardrails),
+    # and the deploy tests' (soft guardrails: their probabilities are estimated by drawing).
+    best_arm_rng, posterior_rng, test_rng = rng.spawn(3)
+    noise = None
+    if _has_soft_guardrails(objective):
+        noise = _deploy_test_noise(test_rng, objective, n_arms, None if constraints.count else np.maximum(degrees, 1.0))
+    # With soft guardrails what is served reads the delta method's test (which runs are undecided,
+    # how far the start and a reference are observed) and the deployed mixture the posterior
+    # probability (below). Serving on the probability's answers changed what setup B observed and
+    # cost its deployed mixture more than the exact test gained (docs/benchmarks.md, "What we
+    # tried"); the deployed mixture depends on the last round's statistics alone, so the exact test
+    # there changes nothing that is served.
     chosen, defended, arm_values = _defensible(
-        objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, z_safe, z_deploy
+        objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, config.deploy_level,
+        noise if constraints.count else None
     )
     if not constraints.count:
         # What runs before pasto has learnt anything: the production setting when the objective
@@ -746,7 +763,6 @@ def choose(
         # belonging to the optimal mixture times its share there, so the exploration is what the
         # posterior still allows and vanishes as it concentrates; every guardrail the plug-in
         # optimum keeps is kept on its pessimistic bounds in every draw.
-        best_arm_rng, posterior_rng = rng.spawn(2)
         served = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in, posterior_rng,
                                          config.posterior_draws)
         if undecided.any():
@@ -784,7 +800,11 @@ def choose(
         # test defends against s (a = 0: s itself). Only from an arm with data: an arm never observed
         # has the prior's mean, and the prior's error is 0 when the observed arms' means agree, so
         # the test would measure a step against a guess it takes for certain.
-        stepped, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen)
+        if noise is not None:
+            chosen, defended, _ = _defensible(objective, flat_means, test_errors, flat_thresholds, plug_in,
+                                              deploy_rows, config.deploy_level, noise)
+        stepped, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen,
+                                   config.deploy_level, noise)
         observed = np.einsum("rk,rk->r", chosen, (flat_counts.min(axis=-2) > 0).astype(float)) > 0.5
         chosen = np.where((~defended & observed)[:, None], stepped, chosen)
         # The deployed mixture answers to a conservative test: what the deploy test picked (the
@@ -792,7 +812,8 @@ def choose(
         # mixture only as far as the evidence defends it. Without it a run whose arms all look alike
         # (an arm never observed gets the pooled mean) deployed whichever arm came first, one that
         # breaks a guardrail too.
-        chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start)
+        chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
+                                  config.deploy_level, noise, student=True)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)
@@ -1339,11 +1360,116 @@ def _one_hot(index: np.ndarray, n_arms: int) -> np.ndarray:
     return rows
 
 
+# Posterior draws with which the deploy tests estimate a probability under soft guardrails: about
+# +-0.0034 (one standard error) at 0.95. One set per round serves every test of that round, so the
+# steps of one test are judged on one sample.
+_DEPLOY_TEST_DRAWS = 4096
+
+
+def _has_soft_guardrails(objective: Objective) -> bool:
+    return any(not _is_hard(g) for g in objective.guardrails)
+
+
+def _reference_entries(objective: Objective, n_arms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entries (row, arm) of V that relative thresholds rest on, (J,) each, and each
+    threshold's weight on them, (G, J): c = c0 + link . V[rows, arms]."""
+    weights = objective.threshold_weights(n_arms)  # (G, K)
+    guards, arms = np.nonzero(weights)
+    entries = sorted(set(zip(objective.guardrail_rows[guards].tolist(), arms.tolist())))
+    rows = np.array([row for row, _ in entries], dtype=int)
+    columns = np.array([arm for _, arm in entries], dtype=int)
+    link = np.zeros((len(objective.guardrails), len(entries)))
+    for j, (row, arm) in enumerate(entries):
+        on_row = objective.guardrail_rows == row
+        link[on_row, j] = weights[on_row, arm]
+    return rows, columns, link
+
+
+@dataclass(frozen=True)
+class _TestDraws:
+    """One round's draws for :func:`_probability_better`, with what every test of the round shares.
+
+    normal (D, 2M + J) standard normals; scales (R, D) Student-t scales sqrt(degrees / chi-square)
+    or None; rows, columns (J,) and link (G, J) from :func:`_reference_entries`; base (G,) the
+    thresholds' constant parts (the relative ones 0).
+    """
+
+    normal: np.ndarray
+    scales: np.ndarray | None
+    rows: np.ndarray
+    columns: np.ndarray
+    link: np.ndarray
+    base: np.ndarray
+
+    def of_runs(self, runs: np.ndarray) -> _TestDraws:
+        """The same draws for the runs ``runs`` only (their scales)."""
+        return dataclasses.replace(self, scales=None if self.scales is None else self.scales[runs])
+
+
+def _deploy_test_noise(rng: np.random.Generator, objective: Objective, n_arms: int,
+                       degrees: np.ndarray | None = None) -> _TestDraws:
+    """The draws of :func:`_probability_better` for one round: standard normals (D, 2M + J) and,
+    with ``degrees`` (R,), each run's Student-t scales sqrt(degrees / chi-square), (R, D)."""
+    rows, columns, link = _reference_entries(objective, n_arms)
+    normal = rng.standard_normal((_DEPLOY_TEST_DRAWS, 2 * objective.n_metrics + len(rows)))
+    scales = None
+    if degrees is not None:
+        freedom = np.asarray(degrees, dtype=float)[:, None]
+        scales = np.sqrt(freedom / rng.chisquare(freedom, (freedom.shape[0], _DEPLOY_TEST_DRAWS)))
+    base = objective.thresholds(np.zeros((objective.n_metrics, n_arms)))
+    return _TestDraws(normal, scales, rows, columns, link, base)
+
+
+def _probability_better(objective, means, errors, first, second, noise, student=False):
+    """P(f(V first) > f(V second)) for V ~ N(means, errors^2) entry by entry; (R,).
+
+    means, errors (R, M, K); first, second (R, K); ``noise`` from :func:`_deploy_test_noise`.
+    With soft guardrails f has a kink where a slack crosses 0, and the delta method
+    (:func:`_difference_error`) sees only its first derivative there, which is 0: two mixtures at a
+    guardrail's estimated threshold looked as certain as their primary metric however uncertain
+    the threshold (a reference arm seen 196 times, its estimate 1.8 standard errors low: a step
+    to a mixture on the estimated threshold was "defended" and lost 0.016 under the truth). The
+    difference depends on V only through x1 = V first, x2 = V second (M each) and the reference
+    entries of relative thresholds (J), jointly normal with a covariance built in O(M K); the
+    probability is the share of D draws of that (2M + J)-vector in which f(x1) > f(x2), exact
+    but for the draws' noise. With ``student`` each draw's deviation is scaled by the draws'
+    Student-t scales: Student's t, as the start test's z.
+    """
+    runs, n_metrics, _ = means.shape
+    rows, columns, link = noise.rows, noise.columns, noise.link
+    size = 2 * n_metrics + len(rows)
+    variance = errors**2
+    covariance = np.zeros((runs, size, size))
+    metric = np.arange(n_metrics)
+    both = n_metrics + metric
+    covariance[:, metric, metric] = np.einsum("rk,rmk->rm", first**2, variance)
+    covariance[:, both, both] = np.einsum("rk,rmk->rm", second**2, variance)
+    covariance[:, metric, both] = covariance[:, both, metric] = np.einsum("rk,rmk->rm", first * second, variance)
+    if len(rows):
+        entry = 2 * n_metrics + np.arange(len(rows))
+        own = variance[:, rows, columns]  # (R, J)
+        covariance[:, entry, entry] = own
+        covariance[:, rows, entry] = covariance[:, entry, rows] = first[:, columns] * own
+        covariance[:, n_metrics + rows, entry] = covariance[:, entry, n_metrics + rows] = second[:, columns] * own
+    centre = np.concatenate([np.einsum("rmk,rk->rm", means, first), np.einsum("rmk,rk->rm", means, second),
+                             means[:, rows, columns]], axis=-1)  # (R, 2M + J)
+    eigenvalues, eigenvectors = np.linalg.eigh(covariance)
+    factor = eigenvectors * np.sqrt(np.maximum(eigenvalues, 0.0))[:, None, :]  # covariance = factor factor'
+    deviation = noise.normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
+    if student:
+        deviation *= noise.scales[:, :, None]
+    drawn = centre[:, None, :] + deviation
+    thresholds = noise.base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
+    better = (objective.value(drawn[..., :n_metrics], thresholds)
+              > objective.value(drawn[..., n_metrics:2 * n_metrics], thresholds))
+    return better.mean(axis=-1)
+
+
 # Steps from the starting mixture towards the plug-in optimum tried by _conservative.
 _CONSERVATIVE_STEPS = np.linspace(0.0, 1.0, 11)
 
 
-def _conservative(objective, means, errors, thresholds, target, z, start):
+def _conservative(objective, means, errors, thresholds, target, z, start, level=None, noise=None, student=False):
     """Move from the mixture ``start`` towards ``target`` only as far as the evidence defends; (R, K).
 
     Conservative bandits (Wu et al., ICML 2016): p0 = ``start`` (R, K) is what stays if nothing is
@@ -1351,11 +1477,27 @@ def _conservative(objective, means, errors, thresholds, target, z, start):
     plug-in mixture, then at what a team runs before pasto learns anything: the baseline arm,
     else uniform). The result is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose
     posterior expected objective beats p0's by ``z`` standard errors of the difference (delta
-    method), or a = 0. With little data the deployed mixture stays at p0 instead of following a
-    plug-in optimum that the noise moves around; a good plug-in optimum is deployed as soon as it
-    is confidently better. Returns the mixture (R, K) and a (R,).
+    method), or a = 0. With the draws ``noise`` (soft guardrails), a step is defended when it
+    beats p0 with posterior probability above ``level`` instead (:func:`_probability_better`;
+    Student's t with ``student``, as ``z`` is then). With little data the deployed
+    mixture stays at p0 instead of following a plug-in optimum that the noise moves around; a good
+    plug-in optimum is deployed as soon as it is confidently better. Returns the mixture (R, K)
+    and a (R,).
     """
     runs = means.shape[0]
+    if noise is not None:
+        # The largest step first: a run leaves the loop at its first defended step.
+        chosen = np.zeros(runs)
+        open_runs = np.arange(runs)
+        for a in _CONSERVATIVE_STEPS[:0:-1]:
+            if not open_runs.size:
+                break
+            mixture = start[open_runs] + a * (target[open_runs] - start[open_runs])
+            better = _probability_better(objective, means[open_runs], errors[open_runs], mixture, start[open_runs],
+                                         noise.of_runs(open_runs), student)
+            chosen[open_runs[better > level]] = a
+            open_runs = open_runs[better <= level]
+        return start + chosen[:, None] * (target - start), chosen
     # The posterior's and the starting mixture's parts are the same at every step: computed once.
     weights = objective.threshold_weights(means.shape[-1])  # (G, K)
     variance = errors[..., objective.guardrail_rows, :] ** 2  # (R, G, K)
@@ -1373,7 +1515,7 @@ def _conservative(objective, means, errors, thresholds, target, z, start):
     return start + chosen[:, None] * (target - start), chosen
 
 
-def _defensible(objective, means, errors, thresholds, mixture, constraints, z_safe, z_deploy):
+def _defensible(objective, means, errors, thresholds, mixture, constraints, level, noise=None):
     """The plug-in mixture when it confidently beats the best single arm, else that arm.
 
     Returns (deployed (R, K), mixture_defended (R,) bool, arm_values (R, K)): the per-arm
@@ -1383,10 +1525,11 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     The best single arm is the one a best-arm bandit settles on: the highest posterior expected
     objective E f(mu e_k) among the arms that meet the hard constraints on their lower bounds (its
     posterior mean is already shrunk towards the other arms', so an arm with little data does not
-    win on luck). The mixture must beat it in posterior expected objective by ``z_deploy``
-    standard errors of the difference (delta method).
+    win on luck). The mixture must beat it with posterior probability above ``level``: with soft
+    guardrails estimated from the draws ``noise`` (:func:`_probability_better`), else (the
+    objective linear in the means) when its posterior expected objective beats the arm's by
+    ndtri(``level``) standard errors of the difference, the same probability in closed form.
     """
-    del z_safe
     runs, n_metrics, n_arms = means.shape
     per_arm_x = np.swapaxes(means, -1, -2)  # (R, K, M)
     # Var of each arm's guardrail slacks: its own entry, and a relative threshold's reference arm.
@@ -1407,8 +1550,11 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, z_sa
     x = np.einsum("rmk,rk->rm", means, mixture)
     mixture_value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
     best_value = arm_values[np.arange(runs), best]
-    difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
-    confident = mixture_value - best_value > z_deploy * difference_error
+    if noise is None:
+        difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
+        confident = mixture_value - best_value > ndtri(level) * difference_error
+    else:
+        confident = _probability_better(objective, means, errors, mixture, single, noise) > level
     use_mixture = confident | none_allowed
     return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)
 

@@ -627,9 +627,10 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     thresholds = objective.thresholds(posterior.means)
     plug_in = np.exp(log_weights - log_weights.max())
     plug_in /= plug_in.sum()
+    # Serving reads the delta method's test (the deployed mixture the posterior probability).
     _, defended, values = serving._defensible(
         objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
-        [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.0, 1.6448536269514722)
+        [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.95)
     assert not defended[0]
     best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
     best_arm = serving.best_arm_probabilities(
@@ -649,34 +650,114 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
 
 
 def test_an_undefended_mixture_is_deployed_as_far_as_the_deploy_test_defends_the_step():
-    """With 3,000 observations per arm the mixture of arms 0 and 1 (f 0.7) is still not defended
-    against arm 2 (f 0.6), and arm 2 alone is not defended against the uniform start (f 0.575):
-    the whole step was all or nothing, so the start stayed deployed. Part of the way from arm 2
-    towards the mixture is defended (the gain's standard error shrinks with the step), and
-    deployed; with 5,000 the whole mixture is."""
-    truth = np.array([[0.7, 0.7, 0.6, 0.3], [1.0, 0.0, 0.5, 0.5], [0.0, 1.0, 0.5, 0.5]])
-    arm_2, uniform = np.array([0.0, 0.0, 1.0, 0.0]), np.full(4, 0.25)
-    values = {}
-    for n in (3000, 5000):
-        objective, statistics = _complementary_arms_statistics(n)
-        _, deployed, log_weights = serving.choose(serving.ServingConfig(), objective, statistics, 500,
-                                                  np.zeros((1, 4)), 10.0, uniform[None], np.random.default_rng(2))
-        plug_in = np.exp(log_weights[0] - log_weights[0].max())
+    """Arm 1 (x 0.6, y 0.5) keeps the guardrail y >= 0.5 (penalty 5) exactly; a share a moved to
+    arm 0 (x 1, y 0) gains 0.4 a - 1.25 a^2, most at a = 0.16 (f 0.632 against 0.6). The gain is
+    concave along the segment while its noise grows like the step, so with 1,000 observations per
+    arm (noise sd 1) part of the way is defended where the whole is not (the all-or-nothing test
+    deployed arm 1); with 2,000 the whole is."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.5, "penalty": 5.0}]}, ["0", "1", "2"])
+    truth = np.array([[1.0, 0.6, 0.3], [0.0, 0.5, 0.5]])
+    arm_1 = np.array([0.0, 1.0, 0.0])
+    for n, whole in ((1000, False), (2000, True)):
+        statistics = _evidence(truth, [[n, n, n]] * 2, std=1.0)
+        _, deployed, log_weights = serving.choose(serving.ServingConfig(), objective, statistics, 200, np.zeros(3),
+                                                  20.0, np.full(3, 1 / 3), np.random.default_rng(0))
+        plug_in = np.exp(log_weights - log_weights.max())
         plug_in /= plug_in.sum()
+        assert plug_in[0] == pytest.approx(0.16, abs=0.01)
+        step = deployed[0] / plug_in[0]
+        np.testing.assert_allclose(deployed, arm_1 + step * (plug_in - arm_1), atol=1e-9)
         posterior = serving.arm_posterior(statistics)
+        noise = serving._deploy_test_noise(np.random.default_rng(0).spawn(3)[2], objective, 3)
         _, defended, _ = serving._defensible(
-            objective, posterior.means, posterior.standard_errors, objective.thresholds(posterior.means),
-            plug_in[None], [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.0,
-            1.6448536269514722)
-        step = deployed[0, 0] + deployed[0, 1]
-        np.testing.assert_allclose(deployed[0], arm_2 + step * (plug_in - arm_2), atol=1e-9)
-        values[n] = objective.mixture_value(truth, deployed[0])
-        if n == 3000:
-            assert not defended[0] and 0.1 <= step < 1.0, step
-            assert values[n] > objective.mixture_value(truth, arm_2) > objective.mixture_value(truth, uniform)
+            objective, posterior.means[None], posterior.standard_errors[None],
+            objective.thresholds(posterior.means[None]), plug_in[None],
+            [serving.HardConstraints(np.zeros((0, 3)), np.zeros(0), np.zeros(0))], 0.95, noise)
+        assert defended[0] == whole
+        if whole:
+            assert step == pytest.approx(1.0)
         else:
-            assert defended[0] and step == pytest.approx(1.0)
-    assert values[3000] < values[5000]
+            assert 0.1 <= step < 1.0 - 1e-9, step
+            assert objective.mixture_value(truth, deployed) > objective.mixture_value(truth, arm_1) + 0.01
+
+
+def _relative_kink_case(penalty=40.0):
+    """Arm 1 keeps y >= 0.99 y_2 with slack 0.025 on the estimates; the mixture 0.95 arm 1 +
+    0.05 arm 0 sits on the estimated threshold (x 0.62 against 0.6). The arms 0 and 1 are known
+    (10^5 observations), the reference arm 2 seen 20 times (noise sd 0.1: its mean's standard
+    error 0.022). Returns (objective, means, errors (1, 2, 3), mixture, arm 1)."""
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": penalty}]}, ["0", "1", "2"])
+    means = np.array([[1.0, 0.6, 0.0], [0.0, 0.52, 0.5]])
+    posterior = serving.arm_posterior(_evidence(means, [[1e5, 1e5, 20]] * 2, std=0.1))
+    y_share = 1.0 - 0.99 * posterior.means[1, 2] / posterior.means[1, 1]
+    mixture = np.array([[y_share, 1.0 - y_share, 0.0]])
+    return objective, posterior.means[None], posterior.standard_errors[None], mixture, np.array([[0.0, 1.0, 0.0]])
+
+
+def test_the_deploy_test_does_not_defend_a_step_onto_an_uncertain_threshold():
+    """At the threshold the soft penalty's derivative is 0, so the delta method saw only the known
+    arms' noise and defended the mixture by hundreds of standard errors; but with the reference one
+    standard error higher the mixture's shortfall costs it (40 x 0.022^2) about what it gains
+    (0.02), and more beyond. The posterior probability that the mixture is better is about 0.83,
+    short of 0.95."""
+    objective, means, errors, mixture, arm_1 = _relative_kink_case()
+    thresholds = objective.thresholds(means)
+    rows = [serving.HardConstraints(np.zeros((0, 3)), np.zeros(0), np.zeros(0))]
+    _, by_delta, _ = serving._defensible(objective, means, errors, thresholds, mixture, rows, 0.95)
+    assert by_delta[0]
+    noise = serving._deploy_test_noise(np.random.default_rng(0), objective, 3)
+    _, defended, _ = serving._defensible(objective, means, errors, thresholds, mixture, rows, 0.95, noise)
+    assert not defended[0]
+    probability = serving._probability_better(objective, means, errors, mixture, arm_1, noise)[0]
+    assert 0.75 < probability < 0.9, probability
+
+
+def test_the_deploy_tests_probabilities_change_the_deployed_mixture_and_nothing_served(monkeypatch):
+    """What is served reads the delta method's test (which runs are undecided); only the deployed
+    mixture reads the posterior probability. The reference case of
+    test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it (seen 60 times,
+    undecided) with every probability forced to 0 and then to 1: the deployed mixture goes from the
+    starting mixture (the reference arm, the objective's baseline) to the plug-in mixture, the
+    served one stays the same to the bit."""
+    guardrail = {"metric": "y", "threshold": -0.01, "relative_to": "2", "penalty": 50.0}
+    objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [guardrail]}, ["0", "1", "2"])
+    evidence = _evidence(np.array([[1.0, 0.9, 0.2], [0.95, 1.1, 1.0]]), [[4000, 4000, 60]] * 2)
+    results = []
+    for probability in (0.0, 1.0):
+        monkeypatch.setattr(serving, "_probability_better",
+                            lambda objective, means, *_, p=probability, **__: np.full(means.shape[0], p))
+        results.append(serving.choose(serving.ServingConfig(), objective, evidence, 200, np.zeros(3), 20.0,
+                                      np.full(3, 1 / 3), round_generator(0, 200)))
+    (served_never, deployed_never, log_weights), (served_always, deployed_always, _) = results
+    plug_in = np.exp(log_weights - log_weights.max())
+    np.testing.assert_allclose(deployed_never, [0.0, 0.0, 1.0], atol=1e-12)
+    np.testing.assert_allclose(deployed_always, plug_in / plug_in.sum(), atol=1e-12)
+    np.testing.assert_array_equal(served_never, served_always)
+
+
+@pytest.mark.parametrize("student", [False, True])
+def test_the_deploy_tests_probability_matches_drawing_every_mean(student):
+    """The oracle: draw all of V (and, for Student's t, one chi-square per draw) and count the draws
+    in which the first mixture is better. The test's draws of the (2M + J)-vector must agree to
+    within four binomial standard errors, on the kink case and on mixtures over every arm."""
+    objective, means, errors, mixture, arm_1 = _relative_kink_case()
+    rng = np.random.default_rng(5)
+    cases = [(mixture, arm_1), (np.array([[0.2, 0.3, 0.5]]), np.array([[0.5, 0.4, 0.1]]))]
+    degrees = np.array([8.0])
+    for first, second in cases:
+        noise = serving._deploy_test_noise(np.random.default_rng(1), objective, 3, degrees if student else None)
+        probability = serving._probability_better(objective, means, errors * 30, first, second, noise, student)[0]
+        draws = 200_000
+        deviation = rng.standard_normal((draws,) + means.shape[1:]) * errors[0] * 30
+        if student:
+            deviation *= np.sqrt(degrees[0] / rng.chisquare(degrees[0], draws))[:, None, None]
+        drawn = means[0] + deviation  # (D, M, K)
+        thresholds = objective.thresholds(drawn)
+        oracle = np.mean(objective.value(drawn @ first[0], thresholds) > objective.value(drawn @ second[0], thresholds))
+        spread = np.sqrt(oracle * (1 - oracle) / serving._DEPLOY_TEST_DRAWS)
+        assert abs(probability - oracle) < 4 * spread + 1e-3, (probability, oracle)
 
 
 def test_an_arm_never_observed_is_not_deployed_when_the_arms_look_alike():
@@ -1012,7 +1093,7 @@ def test_the_reference_is_observed_until_its_expected_loss_stops_paying_for_the_
 
 def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it():
     # Arms 0 and 1 mixed to y = 0.99 y_2 beat arm 0 alone (its shortfall 0.04 costs 0.08), but with
-    # the reference arm 2 seen 30 or 100 times the threshold is too uncertain for the deploy test:
+    # the reference arm 2 seen 30 or 60 times the threshold is too uncertain for the deploy test:
     # the run deploys arm 0 moved only part of the way towards the mixture, less of it with fewer
     # observations. Observing the reference is what decides it, so it is observed (before, its share
     # was 0: the hedge alone cost too little to ask for it); with 300 observations the mixture is
@@ -1022,7 +1103,7 @@ def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_
     means = np.array([[1.0, 0.9, 0.2], [0.95, 1.1, 1.0]])
     config = serving.ServingConfig(posterior_draws=0)
     steps = []
-    for reference_count, undecided in ((30, True), (100, True), (300, False)):
+    for reference_count, undecided in ((30, True), (60, True), (300, False)):
         evidence = _evidence(means, [[4000, 4000, reference_count]] * 2)
         served, chosen, log_weights = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0,
                                                      np.full(3, 1 / 3), round_generator(0, 200))
@@ -1063,7 +1144,7 @@ def test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_
 
 def test_the_deploy_tests_bound_an_arms_own_variance_by_the_metrics_pooled_one():
     # The reference arm 2 of test_an_undecided_mixture_gets_the_reference_observations_that_would_defend_it,
-    # seen 60 times: with the others' noise (sd 0.1) the mixture cannot be defended. An own sample sd
+    # seen 45 times: with the others' noise (sd 0.1) the mixture cannot be defended. An own sample sd
     # of 0.02 (a skewed metric's tail not seen yet) must not make it look known (on its own errors the
     # mixture was deployed): the tests take the pooled standard error when it is larger, so the run
     # stays undecided and observes the reference. The posterior (what the draws use) keeps its own.
@@ -1074,7 +1155,7 @@ def test_the_deploy_tests_bound_an_arms_own_variance_by_the_metrics_pooled_one()
     quiet = np.array([[0.1, 0.1, 0.1], [0.1, 0.1, 0.02]])
     results = {}
     for name, std in (("same", 0.1), ("quiet", quiet)):
-        evidence = _evidence(means, [[4000, 4000, 60]] * 2, std=std)
+        evidence = _evidence(means, [[4000, 4000, 45]] * 2, std=std)
         results[name] = serving.choose(config, objective, evidence, 200, np.zeros(3), 20.0, np.full(3, 1 / 3),
                                        round_generator(0, 200))
         if name == "quiet":
