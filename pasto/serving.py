@@ -735,19 +735,21 @@ def choose(
     # Streams: the best-arm draws and the posterior draws of an undecided run (soft guardrails),
     # and the deploy tests' (soft guardrails: their probabilities are estimated by drawing).
     best_arm_rng, posterior_rng, test_rng = rng.spawn(3)
-    noise = None
+    test_draws = None
     if _has_soft_guardrails(objective):
-        noise = _deploy_test_noise(test_rng, objective, n_arms, None if constraints.count else np.maximum(degrees, 1.0))
+        test_draws = _deploy_test_draws(test_rng, objective, n_arms, None if constraints.count else np.maximum(degrees, 1.0))
     # With soft guardrails what is served reads the delta method's test (which runs are undecided,
     # how far the start and a reference are observed) and the deployed mixture the posterior
     # probability (below). Serving on the probability's answers changed what setup B observed and
     # cost its deployed mixture more than the exact test gained (docs/benchmarks.md, "What we
     # tried"); the deployed mixture depends on the last round's statistics alone, so the exact test
     # there changes nothing that is served.
-    chosen, defended, arm_values = _defensible(
-        objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, config.deploy_level,
-        noise if constraints.count else None
+    single, arm_values, by_delta, by_probability = _defensible(
+        objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, config.deploy_level, test_draws
     )
+    deploy_defended = by_delta if by_probability is None else by_probability
+    defended = deploy_defended if constraints.count else by_delta
+    chosen = np.where(defended[:, None], plug_in, single)
     if not constraints.count:
         # What runs before pasto has learnt anything: the production setting when the objective
         # names one, else the uniform mixture (Algorithm 1's start). The deployed mixture leaves it
@@ -800,20 +802,20 @@ def choose(
         # test defends against s (a = 0: s itself). Only from an arm with data: an arm never observed
         # has the prior's mean, and the prior's error is 0 when the observed arms' means agree, so
         # the test would measure a step against a guess it takes for certain.
-        if noise is not None:
-            chosen, defended, _ = _defensible(objective, flat_means, test_errors, flat_thresholds, plug_in,
-                                              deploy_rows, config.deploy_level, noise)
-        stepped, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen,
-                                   config.deploy_level, noise)
+        defended = deploy_defended
+        chosen = np.where(defended[:, None], plug_in, single)
         observed = np.einsum("rk,rk->r", chosen, (flat_counts.min(axis=-2) > 0).astype(float)) > 0.5
-        chosen = np.where((~defended & observed)[:, None], stepped, chosen)
+        stepping = ~defended & observed
+        stepped = _conservative(objective, flat_means, test_errors, flat_thresholds, plug_in, z_deploy, chosen,
+                                config.deploy_level, test_draws, runs=stepping)
+        chosen = np.where(stepping[:, None], stepped, chosen)
         # The deployed mixture answers to a conservative test: what the deploy test picked (the
         # plug-in mixture, or the step towards it from the best single arm) replaces the starting
         # mixture only as far as the evidence defends it. Without it a run whose arms all look alike
         # (an arm never observed gets the pooled mean) deployed whichever arm came first, one that
         # breaks a guardrail too.
-        chosen, _ = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
-                                  config.deploy_level, noise, student=True)
+        chosen = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
+                                  config.deploy_level, test_draws, student=True)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)
@@ -1406,7 +1408,7 @@ class _TestDraws:
         return dataclasses.replace(self, scales=None if self.scales is None else self.scales[runs])
 
 
-def _deploy_test_noise(rng: np.random.Generator, objective: Objective, n_arms: int,
+def _deploy_test_draws(rng: np.random.Generator, objective: Objective, n_arms: int,
                        degrees: np.ndarray | None = None) -> _TestDraws:
     """The draws of :func:`_probability_better` for one round: standard normals (D, 2M + J) and,
     with ``degrees`` (R,), each run's Student-t scales sqrt(degrees / chi-square), (R, D)."""
@@ -1420,10 +1422,10 @@ def _deploy_test_noise(rng: np.random.Generator, objective: Objective, n_arms: i
     return _TestDraws(normal, scales, rows, columns, link, base)
 
 
-def _probability_better(objective, means, errors, first, second, noise, student=False):
+def _probability_better(objective, means, errors, first, second, draws, student=False):
     """P(f(V first) > f(V second)) for V ~ N(means, errors^2) entry by entry; (R,).
 
-    means, errors (R, M, K); first, second (R, K); ``noise`` from :func:`_deploy_test_noise`.
+    means, errors (R, M, K); first, second (R, K); ``draws`` from :func:`_deploy_test_draws`.
     With soft guardrails f has a kink where a slack crosses 0, and the delta method
     (:func:`_difference_error`) sees only its first derivative there, which is 0: two mixtures at a
     guardrail's estimated threshold looked as certain as their primary metric however uncertain
@@ -1432,11 +1434,11 @@ def _probability_better(objective, means, errors, first, second, noise, student=
     difference depends on V only through x1 = V first, x2 = V second (M each) and the reference
     entries of relative thresholds (J), jointly normal with a covariance built in O(M K); the
     probability is the share of D draws of that (2M + J)-vector in which f(x1) > f(x2), exact
-    but for the draws' noise. With ``student`` each draw's deviation is scaled by the draws'
+    but for the draws' own noise. With ``student`` each draw's deviation is scaled by the draws'
     Student-t scales: Student's t, as the start test's z.
     """
     runs, n_metrics, _ = means.shape
-    rows, columns, link = noise.rows, noise.columns, noise.link
+    rows, columns, link = draws.rows, draws.columns, draws.link
     size = 2 * n_metrics + len(rows)
     variance = errors**2
     covariance = np.zeros((runs, size, size))
@@ -1455,11 +1457,11 @@ def _probability_better(objective, means, errors, first, second, noise, student=
                              means[:, rows, columns]], axis=-1)  # (R, 2M + J)
     eigenvalues, eigenvectors = np.linalg.eigh(covariance)
     factor = eigenvectors * np.sqrt(np.maximum(eigenvalues, 0.0))[:, None, :]  # covariance = factor factor'
-    deviation = noise.normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
+    deviation = draws.normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
     if student:
-        deviation *= noise.scales[:, :, None]
+        deviation *= draws.scales[:, :, None]
     drawn = centre[:, None, :] + deviation
-    thresholds = noise.base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
+    thresholds = draws.base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
     better = (objective.value(drawn[..., :n_metrics], thresholds)
               > objective.value(drawn[..., n_metrics:2 * n_metrics], thresholds))
     return better.mean(axis=-1)
@@ -1469,7 +1471,8 @@ def _probability_better(objective, means, errors, first, second, noise, student=
 _CONSERVATIVE_STEPS = np.linspace(0.0, 1.0, 11)
 
 
-def _conservative(objective, means, errors, thresholds, target, z, start, level=None, noise=None, student=False):
+def _conservative(objective, means, errors, thresholds, target, z, start, level=None, draws=None, student=False,
+                  runs=None):
     """Move from the mixture ``start`` towards ``target`` only as far as the evidence defends; (R, K).
 
     Conservative bandits (Wu et al., ICML 2016): p0 = ``start`` (R, K) is what stays if nothing is
@@ -1477,27 +1480,27 @@ def _conservative(objective, means, errors, thresholds, target, z, start, level=
     plug-in mixture, then at what a team runs before pasto learns anything: the baseline arm,
     else uniform). The result is p0 + a (target - p0) with the largest a in {0, 0.1, ..., 1} whose
     posterior expected objective beats p0's by ``z`` standard errors of the difference (delta
-    method), or a = 0. With the draws ``noise`` (soft guardrails), a step is defended when it
+    method), or a = 0. With ``draws`` (soft guardrails), a step is defended when it
     beats p0 with posterior probability above ``level`` instead (:func:`_probability_better`;
     Student's t with ``student``, as ``z`` is then). With little data the deployed
     mixture stays at p0 instead of following a plug-in optimum that the noise moves around; a good
-    plug-in optimum is deployed as soon as it is confidently better. Returns the mixture (R, K)
-    and a (R,).
+    plug-in optimum is deployed as soon as it is confidently better. Returns the mixture (R, K).
+    With ``draws``, only the runs ``runs`` (R,) bool (default all) are tested: the others, and a run
+    whose target is its start, keep p0 (the caller reads no other), which spares their draws.
     """
-    runs = means.shape[0]
-    if noise is not None:
+    if draws is not None:
         # The largest step first: a run leaves the loop at its first defended step.
-        chosen = np.zeros(runs)
-        open_runs = np.arange(runs)
+        chosen = np.zeros(means.shape[0])
+        open_runs = np.flatnonzero(np.any(target != start, axis=-1) & (True if runs is None else runs))
         for a in _CONSERVATIVE_STEPS[:0:-1]:
             if not open_runs.size:
                 break
             mixture = start[open_runs] + a * (target[open_runs] - start[open_runs])
             better = _probability_better(objective, means[open_runs], errors[open_runs], mixture, start[open_runs],
-                                         noise.of_runs(open_runs), student)
+                                         draws.of_runs(open_runs), student)
             chosen[open_runs[better > level]] = a
             open_runs = open_runs[better <= level]
-        return start + chosen[:, None] * (target - start), chosen
+        return start + chosen[:, None] * (target - start)
     # The posterior's and the starting mixture's parts are the same at every step: computed once.
     weights = objective.threshold_weights(means.shape[-1])  # (G, K)
     variance = errors[..., objective.guardrail_rows, :] ** 2  # (R, G, K)
@@ -1505,30 +1508,34 @@ def _conservative(objective, means, errors, thresholds, target, z, start, level=
     x0 = np.einsum("rmk,rk->rm", means, start)
     value0 = _expected_soft_value(objective, x0, _slack_variance(start, weights, variance), thresholds)
     reference = _reference_side(objective, means, thresholds, start, x0)
-    chosen = np.zeros(runs)
+    chosen = np.zeros(means.shape[0])
     for a in _CONSERVATIVE_STEPS[1:]:
         mixture = start + a * (target - start)
         x = np.einsum("rmk,rk->rm", means, mixture)
         value = _expected_soft_value(objective, x, _slack_variance(mixture, weights, variance), thresholds)
         error = _difference_error_against(objective, means, squared_errors, thresholds, weights, mixture, reference, x)
         chosen = np.where(value - value0 > np.asarray(z) * error, a, chosen)
-    return start + chosen[:, None] * (target - start), chosen
+    return start + chosen[:, None] * (target - start)
 
 
-def _defensible(objective, means, errors, thresholds, mixture, constraints, level, noise=None):
-    """The plug-in mixture when it confidently beats the best single arm, else that arm.
+def _defensible(objective, means, errors, thresholds, mixture, constraints, level, draws=None):
+    """The best single arm, and whether the plug-in mixture confidently beats it.
 
-    Returns (deployed (R, K), mixture_defended (R,) bool, arm_values (R, K)): the per-arm
-    posterior expected objective (-inf for arms that fail a hard constraint on their lower
-    bounds).
+    Returns (single (R, K) one-hot, arm_values (R, K), by_delta (R,) bool, by_probability (R,) bool
+    or None): the per-arm posterior expected objective (-inf for arms that fail a hard constraint
+    on their lower bounds), and the two answers of the one question (both True for a run where no
+    single arm is allowed).
 
     The best single arm is the one a best-arm bandit settles on: the highest posterior expected
     objective E f(mu e_k) among the arms that meet the hard constraints on their lower bounds (its
     posterior mean is already shrunk towards the other arms', so an arm with little data does not
-    win on luck). The mixture must beat it with posterior probability above ``level``: with soft
-    guardrails estimated from the draws ``noise`` (:func:`_probability_better`), else (the
-    objective linear in the means) when its posterior expected objective beats the arm's by
-    ndtri(``level``) standard errors of the difference, the same probability in closed form.
+    win on luck). The mixture must beat it with posterior probability above ``level``. By the
+    delta method (``by_delta``): its posterior expected objective beats the arm's by
+    ndtri(``level``) standard errors of the difference, that probability in closed form when the
+    objective is linear in the means. With soft guardrails ``draws`` estimates the probability
+    itself (``by_probability``; :func:`_probability_better`): the delta method misses a threshold's
+    uncertainty where the penalty's derivative is 0. :func:`choose` serves on the first answer and
+    deploys on the second.
     """
     runs, n_metrics, n_arms = means.shape
     per_arm_x = np.swapaxes(means, -1, -2)  # (R, K, M)
@@ -1550,13 +1557,12 @@ def _defensible(objective, means, errors, thresholds, mixture, constraints, leve
     x = np.einsum("rmk,rk->rm", means, mixture)
     mixture_value = _expected_soft_value(objective, x, _guardrail_variance(objective, errors, mixture), thresholds)
     best_value = arm_values[np.arange(runs), best]
-    if noise is None:
-        difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
-        confident = mixture_value - best_value > ndtri(level) * difference_error
-    else:
-        confident = _probability_better(objective, means, errors, mixture, single, noise) > level
-    use_mixture = confident | none_allowed
-    return np.where(use_mixture[:, None], mixture, single), use_mixture, np.where(allowed, arm_values, -np.inf)
+    difference_error = _difference_error(objective, means, errors, thresholds, mixture, single)
+    by_delta = (mixture_value - best_value > ndtri(level) * difference_error) | none_allowed
+    by_probability = None
+    if draws is not None:
+        by_probability = (_probability_better(objective, means, errors, mixture, single, draws) > level) | none_allowed
+    return single, np.where(allowed, arm_values, -np.inf), by_delta, by_probability
 
 
 def _posterior_noise(rng: np.random.Generator, draws: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -628,7 +628,7 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     plug_in = np.exp(log_weights - log_weights.max())
     plug_in /= plug_in.sum()
     # Serving reads the delta method's test (the deployed mixture the posterior probability).
-    _, defended, values = serving._defensible(
+    _, values, defended, _ = serving._defensible(
         objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
         [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.95)
     assert not defended[0]
@@ -669,8 +669,8 @@ def test_an_undefended_mixture_is_deployed_as_far_as_the_deploy_test_defends_the
         step = deployed[0] / plug_in[0]
         np.testing.assert_allclose(deployed, arm_1 + step * (plug_in - arm_1), atol=1e-9)
         posterior = serving.arm_posterior(statistics)
-        noise = serving._deploy_test_noise(np.random.default_rng(0).spawn(3)[2], objective, 3)
-        _, defended, _ = serving._defensible(
+        noise = serving._deploy_test_draws(np.random.default_rng(0).spawn(3)[2], objective, 3)
+        _, _, _, defended = serving._defensible(
             objective, posterior.means[None], posterior.standard_errors[None],
             objective.thresholds(posterior.means[None]), plug_in[None],
             [serving.HardConstraints(np.zeros((0, 3)), np.zeros(0), np.zeros(0))], 0.95, noise)
@@ -705,11 +705,11 @@ def test_the_deploy_test_does_not_defend_a_step_onto_an_uncertain_threshold():
     objective, means, errors, mixture, arm_1 = _relative_kink_case()
     thresholds = objective.thresholds(means)
     rows = [serving.HardConstraints(np.zeros((0, 3)), np.zeros(0), np.zeros(0))]
-    _, by_delta, _ = serving._defensible(objective, means, errors, thresholds, mixture, rows, 0.95)
+    noise = serving._deploy_test_draws(np.random.default_rng(0), objective, 3)
+    _, _, by_delta, by_probability = serving._defensible(objective, means, errors, thresholds, mixture, rows, 0.95,
+                                                         noise)
     assert by_delta[0]
-    noise = serving._deploy_test_noise(np.random.default_rng(0), objective, 3)
-    _, defended, _ = serving._defensible(objective, means, errors, thresholds, mixture, rows, 0.95, noise)
-    assert not defended[0]
+    assert not by_probability[0]
     probability = serving._probability_better(objective, means, errors, mixture, arm_1, noise)[0]
     assert 0.75 < probability < 0.9, probability
 
@@ -747,7 +747,7 @@ def test_the_deploy_tests_probability_matches_drawing_every_mean(student):
     cases = [(mixture, arm_1), (np.array([[0.2, 0.3, 0.5]]), np.array([[0.5, 0.4, 0.1]]))]
     degrees = np.array([8.0])
     for first, second in cases:
-        noise = serving._deploy_test_noise(np.random.default_rng(1), objective, 3, degrees if student else None)
+        noise = serving._deploy_test_draws(np.random.default_rng(1), objective, 3, degrees if student else None)
         probability = serving._probability_better(objective, means, errors * 30, first, second, noise, student)[0]
         draws = 200_000
         deviation = rng.standard_normal((draws,) + means.shape[1:]) * errors[0] * 30
