@@ -1416,8 +1416,14 @@ def _deploy_test_draws(rng: np.random.Generator, objective: Objective, n_arms: i
     normal = rng.standard_normal((_DEPLOY_TEST_DRAWS, 2 * objective.n_metrics + len(rows)))
     scales = None
     if degrees is not None:
-        freedom = np.asarray(degrees, dtype=float)[:, None]
-        scales = np.sqrt(freedom / rng.chisquare(freedom, (freedom.shape[0], _DEPLOY_TEST_DRAWS)))
+        # Every run of a batch draws what it would draw alone (the simulator's batches decide what
+        # the service decides): each run's chi-square draws start from the same generator state.
+        freedom = np.asarray(degrees, dtype=float)
+        scales = np.empty((freedom.shape[0], _DEPLOY_TEST_DRAWS))
+        state = rng.bit_generator.state
+        for run, run_freedom in enumerate(freedom):
+            rng.bit_generator.state = state
+            scales[run] = np.sqrt(run_freedom / rng.chisquare(run_freedom, _DEPLOY_TEST_DRAWS))
     base = objective.thresholds(np.zeros((objective.n_metrics, n_arms)))
     return _TestDraws(normal, scales, rows, columns, link, base)
 

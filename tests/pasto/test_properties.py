@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pasto.algorithm import AlgorithmConfig, exploration_rate, initial_state, round_generator, update
@@ -132,6 +132,9 @@ def test_same_inputs_same_result(config, n_arms, seed):
 
 @SETTINGS
 @given(configs, st.integers(1, 5), st.integers(0, 2**32 - 1))
+# The deploy test's Student-t scales were drawn for the batch at once, so the third run of a batch
+# deployed a step of 0.8 where alone it deployed 0.6.
+@example(AlgorithmConfig.from_preset("default"), 3, 397)
 def test_batched_update_equals_per_run_updates(config, n_arms, seed):
     objective = _objective(2)
     rng = np.random.default_rng(seed)
