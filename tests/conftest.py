@@ -15,6 +15,7 @@ next to the bound, with the reason for the figure.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import subprocess
@@ -48,6 +49,18 @@ def pytest_runtest_makereport(item, call):
             f"CI=true: a test marked {', '.join(markers)} was skipped ({reason}); "
             "CI must install and run that backend."
         )
+
+
+def pytest_sessionfinish(session):
+    """Collect the session's garbage now and freeze what survives. An xdist worker reports itself
+    finished after this hook; then pytest's cleanup runs five full garbage collections (to report
+    objects whose finaliser raised), and execnet interrupts a worker still busy 5 s after the
+    controller asked it to exit. A worker's heap after a few hundred tests took longer than that
+    on a loaded machine: the SIGINT landed in a gc callback and was reported as a warning. Collected
+    here, before the report, the finalisers still run under pytest's hook; frozen, the survivors
+    cost the later collections nothing."""
+    gc.collect()
+    gc.freeze()
 
 
 #: Session-scoped fixtures that cost seconds to build (a JVM): the tests that use one run in one worker,
