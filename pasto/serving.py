@@ -815,7 +815,7 @@ def choose(
         # (an arm never observed gets the pooled mean) deployed whichever arm came first, one that
         # breaks a guardrail too.
         chosen = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
-                                  config.deploy_level, test_draws, student=True)
+                               config.deploy_level, test_draws, student=True)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)
