@@ -11,7 +11,7 @@ algorithm's solve-per-round mode uses for warm-started steps.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
@@ -257,6 +257,11 @@ class Solution:
         An upper bound on (optimum - value) from the Lagrangian dual at the solver's multipliers
         (weak duality; computed from the problem data, not trusted from the solver). About 1e-12
         when the solution is exact; nan when infeasible.
+    active_set : tuple of three bool ndarrays, or None
+        Where the optimum sits: the arms above their lower bounds (K,), the soft guardrails with a
+        penalty that it falls short of (in the order of ``Objective.soft_indices`` with a positive
+        penalty), the hard guardrails whose multiplier is positive (H,). :func:`solve` given this
+        solution as ``warm_start`` tries it first. None when the optimum was not verified exactly.
     """
 
     probabilities: np.ndarray
@@ -266,6 +271,7 @@ class Solution:
     hard_slack: np.ndarray
     largest_shortfall: float
     optimality_gap: float
+    active_set: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False, compare=False)
 
 
 def _as_shares(name: str, shares, k: int) -> np.ndarray:
@@ -637,7 +643,7 @@ def _smallest(values: np.ndarray, count: int, kth: int) -> np.ndarray:
     return np.argpartition(values, kth)[:count]
 
 
-def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
+def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray, warm=None):
     """(p, mu, nu, exact) maximising the problem, or None if the hard guardrails are infeasible.
 
     With many arms, column generation: some optimum uses at most J + H + 1 arms above their lower
@@ -648,7 +654,7 @@ def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
     """
     k = problem.k
     if k <= _WORKING_SET_FROM:
-        return _solve_direct(problem, hard_thresholds)
+        return _solve_direct(problem, hard_thresholds, warm)
     rows = np.vstack([problem.a[None, :], problem.B, problem.D])
     negated = -rows
     working = np.unique(np.concatenate([_smallest(row, _WORKING_SET_STEP, _WORKING_SET_STEP) for row in negated]))
@@ -679,14 +685,20 @@ def _solve_problem(problem: _Problem, hard_thresholds: np.ndarray):
     return _solve_direct(problem, hard_thresholds)
 
 
-def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray):
+def _solve_direct(problem: _Problem, hard_thresholds: np.ndarray, warm=None):
     """(p, mu, nu, exact) maximising the problem with these hard thresholds, or None if infeasible.
 
     HiGHS meets its tolerances (about 1e-7) but not 1e-9 relative at lam = 1e9, and its QP solver
     is not dependable there; the optimum's active set is what matters, though: solving the KKT
     conditions on it gives the exact optimum, and :func:`_kkt_polish` accepts a candidate only if
-    every optimality condition holds on all K arms.
+    every optimality condition holds on all K arms. ``warm`` (free, soft active, hard active), the
+    active set of a nearby problem's optimum, is tried first: where it passes the same checks,
+    HiGHS is not needed.
     """
+    if warm is not None:
+        polished = _kkt_polish(problem, hard_thresholds, *warm)
+        if polished is not None:
+            return (*polished, True)
     best = None
     for candidate in _candidates(problem, hard_thresholds):
         if candidate is None:
@@ -777,7 +789,7 @@ def _vertex_fallback(problem: _Problem, hard_thresholds: np.ndarray):
     return best, mu, np.zeros(problem.D.shape[0]), False
 
 
-def _solve_scaled(problem: _Problem, hard_thresholds: np.ndarray):
+def _solve_scaled(problem: _Problem, hard_thresholds: np.ndarray, warm=None):
     """:func:`_solve_problem` on the problem scaled to unit rows; (p, mu, nu, exact) in its own units.
 
     Degenerate problems are answered without HiGHS: one arm (p = 1), or arms that are all identical
@@ -813,7 +825,11 @@ def _solve_scaled(problem: _Problem, hard_thresholds: np.ndarray):
         a, problem.B[kept] / soft_sizes[kept, None], problem.c[kept] / soft_sizes[kept], lam[kept],
         problem.D / hard_sizes[:, None], scaled_thresholds, problem.lower, total=problem.total,
     )
-    solved = _solve_problem(scaled, scaled_thresholds)
+    if warm is not None:
+        free, soft_active, hard_active = warm
+        # The warm active set's soft rows must all be in the scaled problem.
+        warm = None if np.any(soft_active & ~kept) else (free, soft_active[kept], hard_active)
+    solved = _solve_problem(scaled, scaled_thresholds, warm)
     if solved is None:
         return None
     p, scaled_mu, scaled_nu, exact = solved
@@ -850,6 +866,7 @@ def solve(
     constraint_means: np.ndarray | None = None,
     min_shares: np.ndarray | None = None,
     fixed_shares: np.ndarray | None = None,
+    warm_start: Solution | None = None,
 ) -> Solution:
     """The exact optimum max_p f(means p) over the simplex, with hard guardrails as constraints.
 
@@ -876,6 +893,11 @@ def solve(
         Shares reserved per arm (e.g. a holdout on the baseline). The mixture counts them, so for
         the optimisation both are lower bounds: p_k >= max(min_shares_k, fixed_shares_k), which must
         sum to at most 1.
+    warm_start : Solution, optional
+        The solution of a nearby problem of the same objective and arms (e.g. another posterior
+        draw of the same means): its ``active_set`` is tried first, and kept only if the KKT
+        conditions hold on it exactly, so the answer is the same optimum, found without HiGHS
+        when the active set has not changed.
 
     Returns
     -------
@@ -918,10 +940,13 @@ def solve(
             "they can reserve at most 1."
         )
     lower = lower / max(1.0, lower.sum())
-    return _solve_checked(objective, means, thresholds, constraint_means, lower)
+    warm = None if warm_start is None else warm_start.active_set
+    if warm is not None and warm[0].shape != (k,):
+        raise ValueError(f"The warm start is a solution over {warm[0].shape[0]} arms; this problem has {k}.")
+    return _solve_checked(objective, means, thresholds, constraint_means, lower, warm)
 
 
-def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Solution:
+def _solve_checked(objective, means, thresholds, constraint_means, lower, warm=None) -> Solution:
     rows = objective.guardrail_rows
     soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
     hard = objective.hard_indices
@@ -936,7 +961,7 @@ def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Sol
     )
     feasible = True
     hard_thresholds = problem.d
-    solved = _solve_scaled(problem, hard_thresholds)
+    solved = _solve_scaled(problem, hard_thresholds, warm)
     if solved is None:
         # Phase one: the smallest largest shortfall t*, then the best mixture meeting c - t*.
         best_margin = _largest_shortfall_margin_scaled(problem, hard_thresholds)
@@ -965,6 +990,9 @@ def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Sol
     else:
         shadow_prices = np.full(hard.size, np.nan)
         gap = float("nan")
+    # The active set as _kkt_polish reads it (arms above their bounds by more than its 1e-9,
+    # multipliers > 0): a warm start for a nearby problem, checked there like any other guess.
+    active_set = (p - lower > 1e-9, mu > 0, nu > 0) if exact and feasible else None
     return Solution(
         probabilities=p,
         value=value,
@@ -973,6 +1001,7 @@ def _solve_checked(objective, means, thresholds, constraint_means, lower) -> Sol
         hard_slack=slack,
         largest_shortfall=largest_shortfall,
         optimality_gap=float(gap),
+        active_set=active_set,
     )
 
 

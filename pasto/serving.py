@@ -1608,12 +1608,16 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
     served = np.zeros((means.shape[0], means.shape[-1]))
     for run in range(means.shape[0]):
         kept = soft[held[run]]
+        # A run's draws are nearby problems: each starts from the previous draw's active set (the
+        # same optimum, found without HiGHS where the active set has not changed).
+        solution = None
         for drawn_noise in noise:
             drawn = means[run] + errors[run] * drawn_noise
             thresholds = objective.thresholds(drawn)
             drawn[rows[held[run]]] = lower[run][held[run]]
             thresholds[kept] = cautious_thresholds[run, kept]
-            served[run] += solve(objective, drawn, thresholds).probabilities / noise.shape[0]
+            solution = solve(objective, drawn, thresholds, warm_start=solution)
+            served[run] += solution.probabilities / noise.shape[0]
     return served
 
 

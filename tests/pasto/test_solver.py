@@ -506,3 +506,34 @@ def test_degenerate_shapes_the_api_can_produce():
     small = solve(tiny, np.array([[2e-100, 0.0], [0.0, 1e-100]]))
     np.testing.assert_allclose(small.probabilities, [0.5, 0.5], rtol=1e-9)
     assert small.feasible and small.shadow_prices[0] == pytest.approx(2e-100 / 1e-100 * 1e-100, rel=1e-6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), spread=st.sampled_from([0.0, 0.01, 0.3, 2.0]))
+def test_a_warm_start_finds_the_optimum_solve_finds_cold(seed, spread):
+    """A nearby problem's active set is only a first guess: the answer is the cold optimum (the
+    enumeration's), to the bit when both sit on the same active set; spread 2 makes the nearby
+    problem an unrelated one, whose active set must fail its checks and leave HiGHS to solve."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(2, 7))
+    objective, means, thresholds = _random_instance(rng, k, int(rng.integers(0, 4)))
+    nearby = means + spread * rng.normal(size=means.shape)
+    start = solve(objective, nearby, objective.thresholds(nearby))
+    cold = solve(objective, means, thresholds)
+    warm = solve(objective, means, thresholds, warm_start=start)
+    assert warm.feasible == cold.feasible
+    if not cold.feasible:
+        return
+    reference, _ = _oracle(objective, means, thresholds, np.zeros(k))
+    assert _close(warm.value, reference), (warm.value, reference)
+    assert warm.optimality_gap <= 1e-9 * max(1.0, abs(reference))
+    if start.active_set is not None and cold.active_set is not None and all(
+            np.array_equal(a, b) for a, b in zip(start.active_set, cold.active_set)):
+        assert np.array_equal(warm.probabilities, cold.probabilities)
+
+
+def test_a_warm_start_over_other_arms_is_refused():
+    objective, means, thresholds = _random_instance(np.random.default_rng(0), 4, 2)
+    start = solve(objective, means[:, :3], objective.thresholds(means[:, :3]))
+    with pytest.raises(ValueError, match="warm start is a solution over 3 arms; this problem has 4"):
+        solve(objective, means, thresholds, warm_start=start)
