@@ -197,8 +197,11 @@ def test_postgresql_counts_every_unit_served(tmp_path, postgres_url, monkeypatch
 def test_spark_counts_every_unit_served(spark, tmp_path, monkeypatch):
     # Fewer, larger landings: Spark local reads each file of the glob in every query. A Spark query
     # takes seconds of its own (a close runs two: the round and the one before), so the answer is
-    # delayed less, and the traffic runs longer to span closes.
+    # delayed less. 20 s of traffic span two closes on a quiet machine (rounds 0..2); _run waits
+    # for the traffic to span one however long a close takes. Every further second of traffic is
+    # a Spark query over more files for each close (40 s spanned five closes in 61 s against 37 s,
+    # the JVM busy all along).
     landing = AtomicParquetLanding(tmp_path / "warehouse")
     _run(tmp_path, monkeypatch, landing,
          {"engine": "spark", "url": "local[1]", "files": landing.files(), "mapping": mapping()},
-         batch_interval=0.5, traffic_seconds=40.0, answer_delay=1.0, closes=1)
+         batch_interval=0.5, traffic_seconds=20.0, answer_delay=1.0, closes=1)
