@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import highspy
 import numpy as np
-from scipy import sparse
 from scipy.special import ndtr
 
 from pasto.objectives import Objective
@@ -390,14 +390,30 @@ def _kkt_polish(problem: _Problem, hard_thresholds, free, soft_active, hard_acti
     return p, np.maximum(mu, 0.0), np.maximum(nu, 0.0)
 
 
+class _Coordinates(NamedTuple):
+    """A sparse matrix of ``shape`` given by its entries (row, column, value), each (nnz,)."""
+
+    rows: np.ndarray
+    columns: np.ndarray
+    values: np.ndarray
+    shape: tuple[int, int]
+
+
 def _columns(matrix):
-    """(start, index, value) of ``matrix`` in compressed-column form, its nonzero entries only, rows in
-    increasing order within a column: what ``scipy.sparse.csc_matrix(matrix)`` stores. A dense matrix
-    is converted with numpy (scipy.sparse's constructors cost more than small solves themselves); a
-    sparse one (already summed and sorted) goes through scipy.sparse."""
-    if sparse.issparse(matrix):
-        matrix = sparse.csc_matrix(matrix)
-        return matrix.indptr, matrix.indices, matrix.data
+    """(start, index, value) of ``matrix`` in compressed-column form, rows in increasing order within
+    a column: what ``scipy.sparse.csc_matrix(matrix)`` stores, built with numpy (scipy.sparse's
+    constructors cost more than small solves themselves). A dense matrix keeps its nonzero entries;
+    :class:`_Coordinates` every entry given (explicit zeros too), repeated positions summed."""
+    if isinstance(matrix, _Coordinates):
+        order = np.lexsort((matrix.rows, matrix.columns))
+        rows, columns, values = matrix.rows[order], matrix.columns[order], matrix.values[order].astype(float)
+        repeated = (rows[1:] == rows[:-1]) & (columns[1:] == columns[:-1])
+        if repeated.any():
+            first = np.flatnonzero(np.concatenate([[True], ~repeated]))
+            rows, columns, values = rows[first], columns[first], np.add.reduceat(values, first)
+        start = np.zeros(matrix.shape[1] + 1, dtype=np.int32)
+        np.cumsum(np.bincount(columns, minlength=matrix.shape[1]), out=start[1:])
+        return start, rows.astype(np.int32), values
     columns = np.asarray(matrix).T
     stored = columns != 0
     start = np.zeros(columns.shape[0] + 1, dtype=np.int32)
@@ -1245,7 +1261,7 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
             hessian[column:column + k] = 1.0
             row, column = row + k + 1, column + k + 1
     rows_, columns_, values_ = (np.concatenate(part) for part in zip(*entries))
-    matrix = sparse.csc_matrix((values_, (rows_, columns_)), shape=(row, n))
+    matrix = _Coordinates(rows_, columns_, values_, (row, n))
     right = np.asarray(right)
     cost = np.concatenate([-gradient, np.zeros(n_extra)])
     status, solution, _ = _highs(cost, np.concatenate([lower, np.full(n_extra, -_INFINITY)]),

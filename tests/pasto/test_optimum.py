@@ -289,3 +289,30 @@ def test_smallest_is_the_set_argpartition_selects(kind):
         for count, kth in ((60, 60), (32, 31)):
             expected = np.sort(np.argpartition(values, kth)[:count])
             np.testing.assert_array_equal(np.sort(_smallest(values, count, kth)), expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(0, 40), st.integers(0, 2**32 - 1))
+def test_coordinates_compress_as_scipy_sparse_does(n_rows, n_columns, n_entries, seed):
+    """HiGHS gets the Newton model's matrix as scipy.sparse.csc_matrix would store it, to the bit
+    (explicit zeros kept, rows sorted within a column), without scipy.sparse; repeated positions
+    are summed (to rounding: scipy may add three or more in another order)."""
+    from scipy import sparse
+
+    from pasto.optimum import _columns, _Coordinates
+
+    rng = np.random.default_rng(seed)
+    rows, columns = rng.integers(0, n_rows, n_entries), rng.integers(0, n_columns, n_entries)
+    values = rng.choice([0.0, 1.0, -2.5, 0.1, 3e-9], n_entries)
+    for distinct in (False, True):
+        if distinct:
+            _, first = np.unique(rows * n_columns + columns, return_index=True)
+            rows, columns, values = rows[first], columns[first], values[first]
+        reference = sparse.csc_matrix((values, (rows, columns)), shape=(n_rows, n_columns))
+        start, index, value = _columns(_Coordinates(rows, columns, values, (n_rows, n_columns)))
+        assert start.dtype == reference.indptr.dtype and index.dtype == reference.indices.dtype
+        assert np.array_equal(start, reference.indptr) and np.array_equal(index, reference.indices)
+        if distinct:
+            assert np.array_equal(value, reference.data)
+        else:
+            np.testing.assert_allclose(value, reference.data, rtol=1e-15, atol=1e-15)
