@@ -913,7 +913,8 @@ def solve(
         The solution of a nearby problem of the same objective and arms (e.g. another posterior
         draw of the same means): its ``active_set`` is tried first, and kept only if the KKT
         conditions hold on it exactly, so the answer is the same optimum, found without HiGHS
-        when the active set has not changed.
+        when the active set has not changed (up to 400 arms; above, the working set's column
+        generation solves as without it).
 
     Returns
     -------
@@ -957,8 +958,12 @@ def solve(
         )
     lower = lower / max(1.0, lower.sum())
     warm = None if warm_start is None else warm_start.active_set
-    if warm is not None and warm[0].shape != (k,):
-        raise ValueError(f"The warm start is a solution over {warm[0].shape[0]} arms; this problem has {k}.")
+    if warm is not None:
+        if warm[0].shape != (k,):
+            raise ValueError(f"The warm start is a solution over {warm[0].shape[0]} arms; this problem has {k}.")
+        n_soft = int(np.count_nonzero(objective.penalties[objective.soft_indices] > 0))
+        if warm[1].shape != (n_soft,) or warm[2].shape != (objective.hard_indices.size,):
+            raise ValueError("The warm start is a solution of an objective with other guardrails than this one.")
     return _solve_checked(objective, means, thresholds, constraint_means, lower, warm)
 
 

@@ -537,3 +537,11 @@ def test_a_warm_start_over_other_arms_is_refused():
     start = solve(objective, means[:, :3], objective.thresholds(means[:, :3]))
     with pytest.raises(ValueError, match="warm start is a solution over 3 arms; this problem has 4"):
         solve(objective, means, thresholds, warm_start=start)
+
+
+def test_a_warm_start_of_another_objective_is_refused():
+    objective, means, thresholds = _random_instance(np.random.default_rng(1), 4, 2)
+    other = _objective(["hard", "hard", "hard"], [0.0] * 3, [0.0] * 3)
+    start = solve(other, np.random.default_rng(2).uniform(-1, 1, (4, 4)))
+    with pytest.raises(ValueError, match="objective with other guardrails"):
+        solve(objective, means, thresholds, warm_start=start)
