@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from scipy.special import logsumexp, softmax
 
 from pasto.estimators import (
     ESTIMATOR_NAMES,
@@ -43,6 +42,7 @@ from pasto.estimators import (
 from pasto.objectives import Objective
 from pasto.optimum import mirror_ascent
 from pasto.serving import ServingConfig
+from pasto.special import logsumexp, softmax
 
 __all__ = [
     "AlgorithmConfig",

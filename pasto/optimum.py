@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import highspy
 import numpy as np
-from scipy.special import ndtr
 
 from pasto.objectives import Objective
+from pasto.special import ndtr
 
 __all__ = [
     "Solution",

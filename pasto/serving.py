@@ -87,11 +87,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy.special import ndtr, ndtri
 
 from pasto.estimators import Estimate, Statistics
 from pasto.objectives import Objective
 from pasto.optimum import expected_optimum, linear_program, solve
+from pasto.special import ndtr, ndtri, stdtrit
 
 __all__ = [
     "ServingConfig",
@@ -717,12 +717,7 @@ def choose(
         # The standard errors rest on estimated noise variances: Student's t with the pooled degrees
         # of freedom (few observations per arm would otherwise look more certain than they are).
         degrees = np.maximum(statistics.counts - 1.0, 0.0).sum(axis=-1).min(axis=-1).reshape(flat)
-        # Imported here, not at the top: scipy.stats costs ~0.5 s of CPU at import, and every process
-        # that imports the service imports this module, most of them (web workers, CLI commands)
-        # never closing a round with soft guardrails (as in pasto.diagnostics).
-        from scipy import stats
-
-        z_student = stats.t.ppf(config.deploy_level, np.maximum(degrees, 1.0))
+        z_student = stdtrit(np.maximum(degrees, 1.0), config.deploy_level)
         # The deploy tests hold their level only if no arm looks more certain than it is. An arm's
         # own variance from a few hundred skewed observations is most often low (the tail not seen
         # yet), and low together with its mean (docs/benchmarks.md: a reference arm read 0.08 low

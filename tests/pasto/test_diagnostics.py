@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pasto.diagnostics import guardrail_report, sample_ratio_mismatch
+from pasto.diagnostics import Z_95, guardrail_report, sample_ratio_mismatch
 from pasto.estimators import Estimate
 from pasto.objectives import Objective
 
@@ -49,3 +49,9 @@ def test_sample_ratio_mismatch_edge_cases():
     assert outright == {"statistic": None, "p_value": 0.0, "ok": False}
     with pytest.raises(ValueError, match="same length"):
         sample_ratio_mismatch(np.array([1, 2]), np.array([1.0]))
+
+
+def test_z_95_is_the_normal_quantile_it_writes_out():
+    from scipy.special import ndtri
+
+    assert Z_95 == float(ndtri(0.975))
