@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scipy.optimize import minimize
 
 from pasto.objectives import Objective
 from pasto.optimum import (
@@ -190,6 +189,9 @@ OBJECTIVE_RELATIVE = Objective.from_spec(
 
 def _slsqp_optimum(objective, means, errors, thresholds, rng, starts=4):
     """The oracle: E f maximised from several random starts by SLSQP (scipy), a different method."""
+    # Imported here: scipy.optimize takes 0.4 s of CPU to import, in every xdist worker that collects.
+    from scipy.optimize import minimize
+
     variances = errors[objective.guardrail_rows] ** 2
     k = means.shape[1]
 

@@ -6,13 +6,16 @@ import subprocess
 import sys
 
 import numpy as np
-import scipy.special
-from scipy import stats
 
 from pasto import special
 
+# scipy is imported inside the tests: importing it here would cost every xdist worker its import at
+# collection, which is what pasto.special exists to spare.
+
 
 def test_each_function_is_scipys_to_the_bit():
+    import scipy.special
+
     rng = np.random.default_rng(3)
     x = rng.normal(scale=4.0, size=(7, 50))
     p = rng.uniform(size=(7, 50))
@@ -25,6 +28,8 @@ def test_each_function_is_scipys_to_the_bit():
 
 def test_stdtrit_is_the_student_t_quantile_stats_computes():
     # The deploy tests' Student-t quantile was stats.t.ppf(level, degrees): the same numbers.
+    from scipy import stats
+
     degrees = np.concatenate([np.arange(1.0, 3001.0), np.random.default_rng(4).uniform(1.0, 1e6, 2000)])
     for level in (0.5, 0.8, 0.9, 0.95, 0.975, 0.99, 0.999):
         assert np.array_equal(special.stdtrit(degrees, level), stats.t.ppf(level, degrees))
