@@ -33,7 +33,7 @@ from pasto.segments import (
     segmented_values,
     solve_joint,
 )
-from pasto.simulate import draw_means, sample_arms
+from pasto.simulate import controller_generator, draw_means, sample_arms, simulation_streams
 
 __all__ = ["SegmentOracles", "draw_segment_means", "segment_oracles", "SegmentedResult", "simulate_segmented"]
 
@@ -152,8 +152,7 @@ def simulate_segmented(
         oracles = segment_oracles(objective, means, shares, scopes)
     thresholds = np.stack([resolve_thresholds(objective, means[r], shares, scopes) for r in range(runs)])
 
-    _, simulation_seed = np.random.SeedSequence(scenario.seed).spawn(2)
-    rng = np.random.default_rng(simulation_seed)
+    rng, controller_seed = simulation_streams(scenario.seed)
     state = initial_segmented_state(config, n_segments, n_arms, n_metrics, (runs,))
     pooled = Statistics.zeros(n_metrics, n_arms, (runs, n_segments))
     cumulative_shares = np.cumsum(shares)
@@ -176,7 +175,8 @@ def simulate_segmented(
         values = expected + scenario.noise.sample(rng, expected.shape)
         statistics = segment_statistics(segments, arms, values, n_segments, n_arms)
         pooled = pooled + statistics
-        state = segmented_update(config, objective, state, statistics, pooled, shares, rng=rng)
+        state = segmented_update(config, objective, state, statistics, pooled, shares,
+                                 rng=controller_generator(controller_seed, round_number))
         if round_number in checkpoints:
             index = checkpoints.index(round_number)
             deployed_values[index], slack[index], primary[index] = segmented_values(

@@ -17,8 +17,11 @@ r = (f(mu p_hat_t) - f_single*) / (f_mix* - f_single*) (runs whose gap is below 
 and counted), and the mean cumulative regret sum_{s <= t} (f_mix*(s) - f(mu_s p_s)) of the mixtures
 actually served.
 
-Randomness: ``SeedSequence(seed)`` is split into one stream for the true means and one for the
-simulation, so every algorithm sees the same true means for the same seed, and the same seed gives
+Randomness: ``SeedSequence(seed)`` is split into one stream for the true means, one for the world
+(the arms the queries draw and the noise) and one seed for the controller, whose generator at round
+t is ``round_generator(that seed, t)`` as in the service. Every algorithm sees the same true means
+for the same seed; what the world draws does not depend on how many numbers the controller draws
+(two controllers that serve the same mixtures see the same observations), and the same seed gives
 identical results.
 """
 
@@ -150,6 +153,24 @@ class References:
     best_single: np.ndarray
     best_mixture: np.ndarray
     optimum_holds: np.ndarray | None = None
+
+
+def simulation_streams(seed: int) -> tuple[np.random.Generator, int]:
+    """The world's generator (arms drawn by the queries, noise) and the controller's seed.
+
+    Children 1 and 3 of ``SeedSequence(seed)`` (0 draws the true means, 2 the segments' means):
+    the controller's draws come from their own stream, so the world's draws do not depend on them.
+    """
+    children = np.random.SeedSequence(seed).spawn(4)
+    return np.random.default_rng(children[1]), int(children[3].generate_state(1, np.uint64)[0])
+
+
+def controller_generator(controller_seed: int, round_number: int) -> np.random.Generator:
+    """The controller's generator at the close of round ``round_number``: the service's derivation
+    (``pasto.algorithm.round_generator``) from the simulation's controller seed."""
+    from pasto.algorithm import round_generator
+
+    return round_generator(controller_seed, round_number)
 
 
 def draw_means(scenario: Scenario, runs: int) -> list[np.ndarray]:
@@ -385,8 +406,7 @@ def simulate(
     thresholds = [objective.thresholds(means) for means in regimes]
     drift_round = scenario.drift.at_round if scenario.drift is not None else rounds + 1
 
-    _, simulation_seed = np.random.SeedSequence(scenario.seed).spawn(2)
-    rng = np.random.default_rng(simulation_seed)
+    rng, controller_seed = simulation_streams(scenario.seed)
     state = policy.initial_state(n_arms, n_metrics, (runs,), objective)
     pooled = Statistics.zeros(n_metrics, n_arms, (runs,))
     empty = Statistics.zeros(n_metrics, n_arms, (runs,))
@@ -418,7 +438,8 @@ def simulate(
             pooled = pooled + arrived
         else:
             arrived, propensities = empty, served
-        state = policy.update(objective, state, arrived, pooled, propensities, rng)
+        state = policy.update(objective, state, arrived, pooled, propensities,
+                              controller_generator(controller_seed, round_number))
 
         served_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], served)
         regret += references.best_mixture[regime] - served_values[round_number - 1]

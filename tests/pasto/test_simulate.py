@@ -18,9 +18,11 @@ from pasto.simulate import (
     format_table,
     make_policy,
     reference_values,
+    controller_generator,
     round_statistics,
     sample_arms,
     simulate,
+    simulation_streams,
 )
 
 
@@ -167,6 +169,39 @@ def test_every_update_gets_the_round_it_closes_with_its_served_probabilities():
         assert np.all(call["round"].counts.sum(axis=-1) == scenario.queries_per_round)
         running = running + call["round"].counts
         np.testing.assert_array_equal(call["pooled"].counts, running)
+
+
+def test_what_the_world_draws_does_not_depend_on_what_the_controller_draws():
+    # Two controllers serving the same mixtures see the same observations, however many random
+    # numbers each draws: paired comparisons of variants stay paired.
+    scenario = small(rounds=25, checkpoints=[25])
+    plain, plain_calls = recording(make_policy("paper"))
+    simulate(scenario, plain)
+
+    def drawing(config, objective, state, round_stats, pooled, propensities, rng):
+        rng.random(1 + int(pooled.counts.sum()) % 7)
+        return make_policy("paper").step(config, objective, state, round_stats, pooled, propensities, rng)
+
+    drawing_policy, drawing_calls = recording(dataclasses.replace(make_policy("paper"), step=drawing))
+    simulate(scenario, drawing_policy)
+    for ours, theirs in zip(plain_calls, drawing_calls, strict=True):
+        np.testing.assert_array_equal(ours["round"].sums, theirs["round"].sums)
+        np.testing.assert_array_equal(ours["state"].probabilities, theirs["state"].probabilities)
+
+
+def test_the_controller_draws_from_the_services_round_generator():
+    scenario = small(rounds=5, checkpoints=[5])
+    firsts = []
+
+    def step(config, objective, state, round_stats, pooled, propensities, rng):
+        firsts.append(rng.random())
+        return make_policy("thompson").step(config, objective, state, round_stats, pooled, propensities, rng)
+
+    simulate(scenario, dataclasses.replace(make_policy("thompson"), step=step))
+    _, controller_seed = simulation_streams(scenario.seed)
+    assert firsts == [controller_generator(controller_seed, t).random() for t in range(1, 6)]
+    assert len(set(firsts)) == 5
+    assert controller_seed != simulation_streams(scenario.seed + 1)[1]
 
 
 def test_delayed_observations_arrive_late_with_the_propensities_they_were_sampled_with():
