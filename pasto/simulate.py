@@ -50,6 +50,8 @@ __all__ = [
     "SimulationResult",
     "make_policy",
     "draw_means",
+    "simulation_streams",
+    "controller_generator",
     "reference_values",
     "sample_arms",
     "round_statistics",
