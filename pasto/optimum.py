@@ -1065,8 +1065,9 @@ def expected_optimum(
     *,
     min_shares: np.ndarray | None = None,
     start: np.ndarray | None = None,
+    constraints: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> ExpectedSolution:
-    """max_p E f(mu p) over the simplex (p >= min_shares), mu ~ N(means, se^2) entrywise; soft guardrails only.
+    """max_p E f(mu p) over the simplex (p >= min_shares, A p >= c), mu ~ N(means, se^2) entrywise.
 
     E f (:func:`expected_objective`) is concave and smooth in p but not quadratic: each soft
     guardrail's expected squared shortfall depends on the slack's mean d (linear in p) and variance
@@ -1083,7 +1084,7 @@ def expected_optimum(
     Parameters
     ----------
     objective : Objective
-        Soft guardrails only (hard ones are constraints: :func:`solve`).
+        Its hard guardrails are not in E f: with any, ``constraints`` must hold them.
     means, standard_errors : ndarray, shape (M, K)
         Posterior means and standard deviations (>= 0; an infinite one counts as its row's largest
         finite one).
@@ -1094,6 +1095,11 @@ def expected_optimum(
     start : ndarray, shape (K,), optional
         First iterate (e.g. the previous round's optimum); the exact optimum of f(means p)
         (:func:`solve`) when omitted or spread over more than 32 arms.
+    constraints : (ndarray (H, K), ndarray (H,)), optional
+        Linear constraints A p >= c the mixture must meet (the hard guardrails on the bounds the
+        caller chooses, e.g. pessimistic ones). Every Newton model and the optimality gap are
+        solved over them; a ``start`` that misses one is replaced by the feasible mixture with
+        the best primary value (a linear program). ``ValueError`` when no mixture meets them.
     """
     means = np.asarray(means, dtype=float)
     k = means.shape[-1]
@@ -1102,17 +1108,46 @@ def expected_optimum(
     errors = np.asarray(standard_errors, dtype=float)
     if errors.shape != means.shape or np.any(errors < 0) or np.any(np.isnan(errors)):
         raise ValueError(f"The standard errors must be >= 0 with the means' shape {means.shape}.")
-    if objective.hard_indices.size:
-        raise ValueError("expected_optimum takes soft guardrails only; hard guardrails are constraints (use solve).")
+    if objective.hard_indices.size and constraints is None:
+        raise ValueError("The objective has hard guardrails: pass them to expected_optimum as constraints "
+                         "(rows A p >= c on the bounds they must hold on), or use solve.")
     thresholds = objective.thresholds(means) if thresholds is None else np.asarray(thresholds, dtype=float)
     lower = _as_shares("min_shares", min_shares, k)
     if lower.sum() > 1.0 + 1e-12:
         raise ValueError(f"The minimum shares reserve {lower.sum():.6g} of the traffic; they can reserve at most 1.")
     lower = lower / max(1.0, lower.sum())
     free = 1.0 - lower.sum()
+    rows = None
+    if constraints is not None:
+        matrix, bounds = (np.asarray(part, dtype=float) for part in constraints)
+        if matrix.ndim != 2 or matrix.shape[1] != k or bounds.shape != matrix.shape[:1]:
+            raise ValueError(f"The constraints must be an (H, {k}) matrix and (H,) bounds, got {matrix.shape} "
+                             f"and {bounds.shape}.")
+        rows = (matrix, bounds) if matrix.shape[0] else None
+
+    def best_vertex(gradient):
+        """argmax over the feasible set of gradient . q (a linear program with constraints)."""
+        if rows is None:
+            vertex = lower.copy()
+            vertex[np.argmax(gradient)] += free
+            return vertex
+        solved, x, _ = linear_program(-gradient, -rows[0], -rows[1], np.ones((1, k)), [1.0], lower=lower)
+        if not solved:
+            raise ValueError("No mixture meets the constraints given to expected_optimum.")
+        return np.maximum(x, lower)
+
     # A start spread over many arms (the uniform first round) would make the first Newton models as
     # wide as K; the exact optimum of f(means p) is sparse and near the hedged one.
-    if start is None or np.count_nonzero(start) > _WORKING_ARMS:
+    if rows is not None:
+        p = None
+        if start is not None and np.count_nonzero(start) <= _WORKING_ARMS:
+            p = lower + free * _on_simplex(np.maximum(np.asarray(start, dtype=float) - lower, 0.0))
+            slack_tolerance = 1e-9 * (np.abs(rows[1]) + np.abs(rows[0]).max(axis=1, initial=0.0))
+            if np.any(rows[0] @ p < rows[1] - slack_tolerance):
+                p = None
+        if p is None:
+            p = best_vertex(objective.primary_weights @ means)
+    elif start is None or np.count_nonzero(start) > _WORKING_ARMS:
         p = solve(objective, means, thresholds, min_shares=lower).probabilities
     else:
         p = lower + free * _on_simplex(np.maximum(np.asarray(start, dtype=float) - lower, 0.0))
@@ -1125,7 +1160,9 @@ def expected_optimum(
         return float(value), gradient
 
     def frank_wolfe_gap(q, gradient):
-        return float(free * np.max(gradient) + lower @ gradient - q @ gradient)
+        if rows is None:
+            return float(free * np.max(gradient) + lower @ gradient - q @ gradient)
+        return float(best_vertex(gradient) @ gradient - q @ gradient)
 
     working = (lower > 0) | np.any(weights != 0, axis=0)
     value, gradient = evaluate(p)
@@ -1146,16 +1183,15 @@ def expected_optimum(
         working[_smallest(-gradient, min(_WORKING_ARMS, k), min(_WORKING_ARMS, k) - 1)] = True
         arms = np.flatnonzero(working)
         step = _newton_direction(objective, means[:, arms], variances[:, arms], thresholds, weights[:, arms],
-                                 soft, p[arms], gradient[arms], lower[arms], scale)
+                                 soft, p[arms], gradient[arms], lower[arms], scale,
+                                 None if rows is None else (rows[0][:, arms], rows[1]))
         direction = None
         if step is not None:
             direction = np.zeros(k)
             direction[arms] = step
         if direction is None:
             # HiGHS could not solve the model: a Frank-Wolfe step (towards the best vertex) instead.
-            vertex = lower.copy()
-            vertex[np.argmax(gradient)] += free
-            direction = vertex - p
+            direction = best_vertex(gradient) - p
         slope = float(gradient @ direction)
         if not slope > 0:
             break
@@ -1181,8 +1217,11 @@ def _on_simplex(mass: np.ndarray) -> np.ndarray:
     return mass / total if total > 0 else np.full(mass.shape, 1.0 / mass.size)
 
 
-def _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower, scale):
+def _newton_direction(objective, means, variances, thresholds, weights, soft, p, gradient, lower, scale,
+                      constraints=None):
     """q - p for q maximising the second-order model of E f at p over the feasible set; None if HiGHS fails.
+
+    ``constraints`` (A (H, K), c (H,)): rows A q >= c of the feasible set besides the simplex.
 
     The model is g . delta - delta^T H delta / 2 (delta = q - p), H the exact Hessian of the
     penalties: for soft guardrail j with slack mean d = mu[g_j] . delta + ... and variance
@@ -1265,12 +1304,20 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
             right.append(float(pull @ p))
             hessian[column:column + k] = 1.0
             row, column = row + k + 1, column + k + 1
+    right = np.asarray(right)
+    row_upper = right
+    if constraints is not None:
+        constraint_matrix, constraint_bounds = constraints
+        for h in range(constraint_matrix.shape[0]):
+            entries.append((np.full(k, row), arms, constraint_matrix[h]))
+            row += 1
+        right = np.concatenate([right, constraint_bounds])
+        row_upper = np.concatenate([row_upper, np.full(constraint_bounds.shape, _INFINITY)])
     rows_, columns_, values_ = (np.concatenate(part) for part in zip(*entries))
     matrix = _Coordinates(rows_, columns_, values_, (row, n))
-    right = np.asarray(right)
     cost = np.concatenate([-gradient, np.zeros(n_extra)])
     status, solution, _ = _highs(cost, np.concatenate([lower, np.full(n_extra, -_INFINITY)]),
-                                 np.full(n, _INFINITY), matrix, right, right, hessian)
+                                 np.full(n, _INFINITY), matrix, right, row_upper, hessian)
     q = solution[:k]
     # HiGHS's QP solver reports a solve error when its optimum misses a row by more than its
     # tolerance (seen at 7e-5 with penalties of 1e6): the step is still a good direction, projected

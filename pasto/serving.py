@@ -102,7 +102,6 @@ __all__ = [
     "change_detected",
     "change_threshold",
     "CHANGE_WINDOWS",
-    "check_objective",
     "choose",
     "hard_constraints",
     "served_lp",
@@ -213,21 +212,6 @@ class HardConstraints:
     @property
     def count(self) -> int:
         return int(self.matrix.shape[-2])
-
-
-def check_objective(objective: Objective) -> None:
-    """Raise ValueError for an objective safe serving cannot serve yet: hard and soft guardrails mixed.
-
-    The exact optimum of such an objective is solved (:func:`pasto.optimum.solve`); serving it
-    safely is not, so a controller is refused it before its first round rather than at a round close.
-    """
-    kinds = {_is_hard(g) for g in objective.guardrails}
-    if kinds == {True, False}:
-        raise ValueError(
-            "Safe serving supports hard guardrails, or soft guardrails, but not both in one "
-            "objective yet; make every guardrail hard or every guardrail soft (or give the "
-            "algorithm serving 'exploration')."
-        )
 
 
 def has_hard_guardrails(objective: Objective) -> bool:
@@ -665,8 +649,11 @@ def choose(
     # in 37% of runs, against 1%).
     deploy_rows = _unbatched(hard_constraints(objective, means - z_safe * errors, means + z_safe * errors), flat)
     test_errors = flat_errors
-    if constraints.count:
-        check_objective(objective)
+    # Hard guardrails alone take the linear path; with soft ones too, the soft path holds the hard
+    # ones as constraints on the same bounds (the plug-in and the deployed mixture on the deploy
+    # bounds, the served traffic padded onto the simultaneous ones).
+    hard_only = bool(constraints.count) and not _has_soft_guardrails(objective)
+    if hard_only:
         plain = plain_gains.reshape((flat, n_arms))
         # The reference arms of relative hard guardrails, and the rows with them known exactly
         # (their error 0): what the deployed mixture could do if their uncertainty were gone.
@@ -706,12 +693,22 @@ def choose(
         references = _references(objective, hard=False)
         known_errors = _known_references(flat_errors, references) if references else None
         known = np.empty((flat, n_arms))
+        plain = plain_gains.reshape((flat, n_arms))
         for run in range(flat):
+            held = None
+            if constraints.count:
+                # No mixture meets the hard guardrails on their deploy bounds: the one with the
+                # largest worst slack, as the linear path deploys then.
+                vertex, feasible = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
+                if not feasible:
+                    plug_in[run] = known[run] = vertex
+                    continue
+                held = (deploy_rows[run].matrix, deploy_rows[run].bounds)
             plug_in[run] = expected_optimum(objective, flat_means[run], flat_errors[run], flat_thresholds[run],
-                                            start=previous[run]).probabilities
+                                            start=previous[run], constraints=held).probabilities
             if references:
                 known[run] = expected_optimum(objective, flat_means[run], known_errors[run], flat_thresholds[run],
-                                              start=plug_in[run]).probabilities
+                                              start=plug_in[run], constraints=held).probabilities
         plug_in = _support(plug_in)
         log_weights = np.log(np.maximum(plug_in, 1e-300))
         # The standard errors rest on estimated noise variances: Student's t with the pooled degrees
@@ -732,7 +729,7 @@ def choose(
     best_arm_rng, posterior_rng, test_rng = rng.spawn(3)
     test_draws = None
     if _has_soft_guardrails(objective):
-        test_draws = _deploy_test_draws(test_rng, objective, n_arms, None if constraints.count else np.maximum(degrees, 1.0))
+        test_draws = _deploy_test_draws(test_rng, objective, n_arms, None if hard_only else np.maximum(degrees, 1.0))
     # With soft guardrails what is served reads the delta method's test (which runs are undecided,
     # how far the start and a reference are observed) and the deployed mixture the posterior
     # probability (below). Serving on the probability's answers changed what setup B observed and
@@ -743,9 +740,9 @@ def choose(
         objective, flat_means, test_errors, flat_thresholds, plug_in, deploy_rows, config.deploy_level, test_draws
     )
     deploy_defended = by_delta if by_probability is None else by_probability
-    defended = deploy_defended if constraints.count else by_delta
+    defended = deploy_defended if hard_only else by_delta
     chosen = np.where(defended[:, None], plug_in, single)
-    if not constraints.count:
+    if not hard_only:
         # What runs before pasto has learnt anything: the production setting when the objective
         # names one, else the uniform mixture (Algorithm 1's start). The deployed mixture leaves it
         # only as far as the evidence defends.
@@ -809,8 +806,22 @@ def choose(
         # mixture only as far as the evidence defends it. Without it a run whose arms all look alike
         # (an arm never observed gets the pooled mean) deployed whichever arm came first, one that
         # breaks a guardrail too.
-        chosen = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
-                               config.deploy_level, test_draws, student=True)
+        if constraints.count:
+            # A start that misses a hard guardrail's deploy bound is no status quo to defend
+            # against (the linear path has none either): only the others are tested.
+            start_holds = np.array([_meets(start[run], deploy_rows[run]) for run in range(flat)])
+            conservative = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student,
+                                         start, config.deploy_level, test_draws, student=True, runs=start_holds)
+            chosen = np.where(start_holds[:, None], conservative, chosen)
+            # Served traffic keeps every hard guardrail on its simultaneous lower bounds, as on the
+            # linear path: what the soft path moved (the best-arm half, the start and the references
+            # observed) is padded with the largest-slack mixture just enough.
+            for run in range(flat):
+                if not _meets(served[run], rows[run]):
+                    served[run] = _pad(served[run], largest_slack(rows[run], fixed), rows[run])
+        else:
+            chosen = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
+                                   config.deploy_level, test_draws, student=True)
     served = np.maximum(served, 0.0)
     served /= served.sum(axis=-1, keepdims=True)
     shape = batch + (n_arms,)

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from pasto.algorithm import OPTIONS, AlgorithmConfig, initial_state
-from pasto.serving import check_objective
 from pasto.objectives import Objective
 from pasto.segments import SegmentedConfig, SegmentedState, aggregate_state, check_scopes, initial_segmented_state
 
@@ -191,11 +190,6 @@ def create(uow: UnitOfWork, body: ExperimentCreate) -> Snapshot:
         config["source"] = check_source(body.source, body.metrics)
     segment_state = segment_probabilities = None
     if segments is None:
-        if algorithm.safe:
-            try:
-                check_objective(objective)
-            except ValueError as error:
-                raise invalid("objective.guardrails", str(error)) from None
         try:  # the objective names the holdout's baseline arm; the fixed shares must leave traffic to learn with
             state = initial_state(algorithm, len(arm_names), len(body.metrics), objective=objective)
         except ValueError as error:

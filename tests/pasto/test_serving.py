@@ -228,6 +228,30 @@ def test_served_mixture_keeps_the_lower_confidence_bound_of_every_hard_guardrail
 
 
 @needs_hard
+def test_hard_and_soft_guardrails_together_keep_the_hard_bounds_served_and_deployed():
+    # Arm 0 is best but breaks the hard y >= 0.5; arm 1 keeps it; the optimum mixes them half and
+    # half (x 1, y 0.5, z 0.25). Arm 2 keeps y but breaks the soft z >= 0 (penalty 5).
+    objective = Objective.from_spec(["x", "y", "z"], {"primary": "x", "guardrails": [
+        {"metric": "y", "threshold": 0.5, "hard": True}, {"metric": "z", "threshold": 0.0, "penalty": 5.0}]},
+        ["0", "1", "2"])
+    means = np.array([[2.0, 0.0, 0.2], [0.0, 1.0, 0.6], [0.2, 0.3, -1.0]])
+    states = run(objective, means, std=0.3, rounds=60, queries=20)
+    config = serving.ServingConfig()
+    z_guard, z_deploy = float(serving.ndtri(1.0 - (1.0 - config.level) / 3)), float(serving.ndtri(config.level))
+    for state in states[5:]:
+        estimate = serving.arm_posterior(state.evidence)
+        for z, mixture in ((z_guard, state.probabilities), (z_deploy, state.deployed)):
+            rows = serving.hard_constraints(objective, estimate.means - z * estimate.standard_errors,
+                                            estimate.means + z * estimate.standard_errors)
+            assert np.all(np.einsum("rhk,rk->rh", rows.matrix, mixture) - rows.bounds >= -1e-7)
+    assert np.all(states[-1].probabilities @ means[1] >= 0.5 * (1 - 1e-3))
+    assert np.all(states[-1].deployed @ means[1] >= 0.5 * (1 - 1e-3))
+    # Near the optimum's x = 1: served on average over the last 10 rounds, and deployed.
+    assert np.all(np.mean([state.probabilities @ means[0] for state in states[-10:]], axis=0) > 0.8)
+    assert np.all(states[-1].deployed @ means[0] > 0.8)
+
+
+@needs_hard
 def test_infeasible_hard_guardrail_falls_back_to_the_baseline():
     objective = hard_objective(baseline="2")
     # No arm but the baseline reaches y >= 0.5, and the baseline only just (it is trusted to):
