@@ -51,6 +51,7 @@ ROWS = {
     "online-soft": ("online-soft", None, 1000),
     "online-hard-wide": ("online-hard-wide", None, 1000),
     "online-soft-wide": ("online-soft-wide", None, 1000),
+    "online-mixed": ("online-mixed", None, 1000),
     "demo-soft": ("demo-soft", None, 300),
     "demo": ("demo", None, 300),
     "setup-a": ("setup-a", None, 2000),

@@ -119,7 +119,7 @@ def test_invalid_json_file(tmp_path):
 
 
 def test_unknown_scenario_name_lists_the_packaged_ones():
-    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: demo, demo-soft, online-hard, online-hard-wide, online-soft, online-soft-wide, segments-global-guardrail, segments-zipf, setup-a, setup-a-drift, setup-b, setup-b-hard"):
+    with pytest.raises(ValueError, match="no packaged scenario of that name; packaged scenarios: demo, demo-soft, online-hard, online-hard-wide, online-mixed, online-soft, online-soft-wide, segments-global-guardrail, segments-zipf, setup-a, setup-a-drift, setup-b, setup-b-hard"):
         load_scenario("setup-z")
 
 
