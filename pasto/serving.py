@@ -674,10 +674,7 @@ def choose(
                                for draw, draw_rows in zip(drawn, drawn_rows)], axis=0)
             # ... mixed with the mixture with the most pessimistic slack just enough that every
             # hard guardrail's lower bound holds (stochastic bandits with linear constraints).
-            if _meets(sampled, rows[run]):
-                served[run] = sampled
-            else:
-                served[run] = _pad(sampled, largest_slack(rows[run], fixed), rows[run])
+            served[run] = _pad(sampled, rows[run], fixed)
             plug_in[run], _ = served_lp(plain[run], deploy_rows[run], np.zeros(n_arms))
             if references:
                 known[run], _ = served_lp(plain[run], known_rows[run], np.zeros(n_arms))
@@ -817,8 +814,7 @@ def choose(
             # linear path: what the soft path moved (the best-arm half, the start and the references
             # observed) is padded with the largest-slack mixture just enough.
             for run in range(flat):
-                if not _meets(served[run], rows[run]):
-                    served[run] = _pad(served[run], largest_slack(rows[run], fixed), rows[run])
+                served[run] = _pad(served[run], rows[run], fixed)
         else:
             chosen = _conservative(objective, flat_means, test_errors, flat_thresholds, chosen, z_student, start,
                                    config.deploy_level, test_draws, student=True)
@@ -1241,16 +1237,18 @@ def _meets(mixture: np.ndarray, constraints: HardConstraints) -> bool:
     return bool(np.all(constraints.matrix @ mixture - constraints.bounds >= 0))
 
 
-def _pad(mixture: np.ndarray, safe: np.ndarray, constraints: HardConstraints) -> np.ndarray:
+def _pad(mixture: np.ndarray, constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray:
     """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,).
 
-    When even ``safe`` misses a row (nothing is known to be feasible), ``mixture`` is returned:
+    ``safe`` is the largest-slack mixture (:func:`largest_slack` with the shares ``fixed``),
+    solved only when ``mixture`` misses a row. When even ``safe`` misses a row (nothing is known to be feasible), ``mixture`` is returned:
     there is nothing safer to pad with, and exploring is the way to find out. (Serving ``safe``
     instead kept setup-b-hard's runs on a largest-slack mixture that broke a guardrail, never
     learning the other arms: served hold 0.65 instead of 0.99 after round 20.)
     """
     if _meets(mixture, constraints):
         return mixture
+    safe = largest_slack(constraints, fixed)
     have = constraints.matrix @ mixture - constraints.bounds
     margin = constraints.matrix @ safe - constraints.bounds
     if np.any(margin < 0):

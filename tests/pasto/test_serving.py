@@ -1259,7 +1259,7 @@ def test_hard_guardrails_are_served_by_thompson_sampling_padded_to_their_lower_b
     lone, _ = serving.served_lp(objective.primary_weights @ posterior.means, estimated, np.zeros(3))
     quiet, _, _ = serving.choose(serving.ServingConfig(posterior_draws=0), objective, evidence, 200, np.zeros(3),
                                  20.0, start, round_generator(0, 200))
-    expected = serving._pad(lone, serving.largest_slack(rows, np.zeros(3)), rows)
+    expected = serving._pad(lone, rows, np.zeros(3))
     np.testing.assert_allclose(quiet, expected, atol=1e-9)
     shares = []
     for round_number in range(200, 210):
