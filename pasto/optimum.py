@@ -1123,7 +1123,7 @@ def expected_optimum(
         if matrix.ndim != 2 or matrix.shape[1] != k or bounds.shape != matrix.shape[:1]:
             raise ValueError(f"The constraints must be an (H, {k}) matrix and (H,) bounds, got {matrix.shape} "
                              f"and {bounds.shape}.")
-        rows = (matrix, bounds) if matrix.shape[0] else None
+        rows = _unit_rows(matrix, bounds) if matrix.shape[0] else None
 
     def best_vertex(gradient):
         """argmax over the feasible set of gradient . q (a linear program with constraints)."""
@@ -1131,7 +1131,10 @@ def expected_optimum(
             vertex = lower.copy()
             vertex[np.argmax(gradient)] += free
             return vertex
-        solved, x, _ = linear_program(-gradient, -rows[0], -rows[1], np.ones((1, k)), [1.0], lower=lower)
+        # In units of the gradient's largest entry (HiGHS's tolerances are absolute).
+        size = float(np.abs(gradient).max())
+        solved, x, _ = linear_program(-gradient / (size if size > 0 else 1.0), -rows[0], -rows[1], np.ones((1, k)),
+                                      [1.0], lower=lower)
         if not solved:
             raise ValueError("No mixture meets the constraints given to expected_optimum.")
         return np.maximum(x, lower)
@@ -1211,6 +1214,13 @@ def expected_optimum(
                             iterations=steps)
 
 
+def _unit_rows(matrix: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows A p >= c, (H, K) and (H,), each divided by its largest coefficient or bound in absolute value."""
+    size = np.maximum(np.abs(matrix).max(axis=1, initial=0.0), np.abs(bounds))
+    size = np.where(size > 0, size, 1.0)
+    return matrix / size[:, None], bounds / size
+
+
 def _on_simplex(mass: np.ndarray) -> np.ndarray:
     """Non-negative ``mass`` (K,) scaled to sum 1 (uniform when it is all 0)."""
     total = mass.sum()
@@ -1282,17 +1292,20 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
     arms = np.arange(k)
     # Every extra column is scaled to curvature 1 (its row multiplied by the root of its curvature):
     # a penalty of 1000 on a metric known to 1e-3 puts curvatures from 1e-3 to 1e10 in one model,
-    # which HiGHS's QP solver does not survive.
+    # which HiGHS's QP solver does not survive. The model is divided by the primary values' spread
+    # too: HiGHS's tolerances are absolute, and with metrics around 1e-3 a model in their units was
+    # solved so loosely that a Newton step pointed downhill (the optimiser stopped far from the optimum).
+    unit = scale if scale > 0 else 1.0
     for terms, residual in blocks:
         for coefficients, value in terms:
-            root = math.sqrt(value)
+            root = math.sqrt(value / unit)
             entries.append((np.full(k + 1, row), np.append(arms, column), np.append(root * coefficients, -1.0)))
             right.append(float(root * coefficients @ p))
             hessian[column] = 1.0
             row, column = row + 1, column + 1
         if residual is not None:
             weight, c = residual
-            root = np.sqrt(weight)
+            root = np.sqrt(weight / unit)
             lines = row + arms
             entries += [(lines, arms, root), (lines, column + arms, -np.ones(k)),
                         (lines, np.full(k, column + k), -root * c)]
@@ -1307,7 +1320,8 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
     right = np.asarray(right)
     row_upper = right
     if constraints is not None:
-        constraint_matrix, constraint_bounds = constraints
+        # Each row in its own units divided out, for the same reason.
+        constraint_matrix, constraint_bounds = _unit_rows(*constraints)
         for h in range(constraint_matrix.shape[0]):
             entries.append((np.full(k, row), arms, constraint_matrix[h]))
             row += 1
@@ -1315,7 +1329,7 @@ def _newton_direction(objective, means, variances, thresholds, weights, soft, p,
         row_upper = np.concatenate([row_upper, np.full(constraint_bounds.shape, _INFINITY)])
     rows_, columns_, values_ = (np.concatenate(part) for part in zip(*entries))
     matrix = _Coordinates(rows_, columns_, values_, (row, n))
-    cost = np.concatenate([-gradient, np.zeros(n_extra)])
+    cost = np.concatenate([-gradient / unit, np.zeros(n_extra)])
     status, solution, _ = _highs(cost, np.concatenate([lower, np.full(n_extra, -_INFINITY)]),
                                  np.full(n, _INFINITY), matrix, right, row_upper, hessian)
     q = solution[:k]

@@ -318,6 +318,35 @@ def test_expected_optimum_with_constraints_matches_an_independent_optimiser(seed
     assert solution.value + solution.optimality_gap >= oracle - 1e-9 * (1 + abs(oracle))
 
 
+@pytest.mark.parametrize("constrained", [False, True])
+def test_expected_optimum_does_not_depend_on_the_metrics_scale(constrained):
+    # The same problem in units 1, 1e-3 and 1e-6 (penalties rescaled to match): the same mixture.
+    # In the metrics' own units HiGHS's absolute tolerances made a Newton step point downhill at
+    # 1e-3 (value 0.895 instead of 0.936, gap 8e-2).
+    rng = np.random.default_rng(0)
+    k = 60
+    means = rng.uniform(-1.0, 1.0, size=(3, k))
+    errors = rng.uniform(0.05, 0.4, size=means.shape)
+    matrix = (means[1] - errors[1])[None, :]
+    solutions = []
+    for scale in (1.0, 1e-3, 1e-6):
+        objective = Objective.from_spec(["x", "y", "z"], {"primary": "x", "guardrails": [
+            {"metric": "y", "threshold": 0.0, "hard": True},
+            {"metric": "z", "threshold": -0.05, "relative_to": "0", "penalty": 30.0 / scale}]},
+            [str(i) for i in range(k)])
+        if not constrained:
+            objective = Objective.from_spec(["x", "y", "z"], {"primary": "x", "guardrails": [
+                {"metric": "z", "threshold": -0.05, "relative_to": "0", "penalty": 30.0 / scale}]},
+                [str(i) for i in range(k)])
+        solution = expected_optimum(objective, means * scale, errors * scale,
+                                    constraints=(matrix * scale, np.zeros(1)) if constrained else None)
+        assert solution.optimality_gap <= 1e-6 * scale * np.ptp(means[0])
+        solutions.append((solution.value / scale, solution.probabilities))
+    for value, probabilities in solutions[1:]:
+        assert value == pytest.approx(solutions[0][0], abs=1e-8)
+        np.testing.assert_allclose(probabilities, solutions[0][1], atol=1e-5)
+
+
 def test_expected_optimum_with_constraints_judges_the_start_as_a_mixture():
     # Arm 0 has the best x, arm 1 the y the row needs: the optimum is on y = 0.5. The start
     # (1, 0.9, 0) meets the row unnormalised (0.9) but not as a mixture (0.47): it is replaced.
