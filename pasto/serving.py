@@ -1241,8 +1241,9 @@ def _pad(mixture: np.ndarray, constraints: HardConstraints, fixed: np.ndarray) -
     """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,).
 
     ``safe`` is the largest-slack mixture (:func:`largest_slack` with the shares ``fixed``),
-    solved only when ``mixture`` misses a row. When even ``safe`` misses a row (nothing is known to be feasible), ``mixture`` is returned:
-    there is nothing safer to pad with, and exploring is the way to find out. (Serving ``safe``
+    solved only when ``mixture`` misses a row. When even ``safe`` misses a row (nothing is known
+    to be feasible), ``mixture`` is returned: there is nothing safer to pad with, and exploring is
+    the way to find out. (Serving ``safe``
     instead kept setup-b-hard's runs on a largest-slack mixture that broke a guardrail, never
     learning the other arms: served hold 0.65 instead of 0.99 after round 20.)
     """
