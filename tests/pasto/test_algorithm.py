@@ -236,13 +236,17 @@ def test_the_pooled_estimator_takes_observations_of_an_unserved_arm():
 
 
 def test_default_preset_learns_setup_a_mixture():
-    """A short noiseless-ish run: the deployed mixture approaches p* = [0.5125, 0.4875]."""
+    """A short low-noise run: the deployed mixture leaves the uniform start for p* = [0.5125, 0.4875].
+
+    The start already has f = 1.0 (the best single arm 0, the optimum 1.0125), so the claim is on
+    the gain of mixing: at round 100 the runs keep half of it on average (seeds 0-3: 0.63-0.97 of it)
+    and none is below the start."""
     config = AlgorithmConfig.from_preset("default")
     rng = np.random.default_rng(0)
-    runs = 20
+    runs = 8
     state = initial_state(config, 2, 2, (runs,), objective=OBJECTIVE_A)
     pooled = Statistics.zeros(2, 2, (runs,))
-    for _ in range(200):
+    for _ in range(100):
         u = rng.random((runs, 10))
         arms = (u >= state.probabilities[:, :1]).astype(int)
         values = MU_A.T[arms] + 0.5 * rng.normal(size=(runs, 10, 2))
@@ -250,7 +254,10 @@ def test_default_preset_learns_setup_a_mixture():
         pooled = pooled + round_stats
         state = update(config, OBJECTIVE_A, state, round_stats, pooled, rng=round_generator(0, 0))
     f = OBJECTIVE_A.mixture_value(MU_A, state.deployed)
-    assert f.mean() > 0.98
+    start = OBJECTIVE_A.mixture_value(MU_A, np.full(2, 0.5))
+    best = OBJECTIVE_A.mixture_value(MU_A, np.array([0.5125, 0.4875]))
+    assert np.all(f >= start - 1e-9)
+    assert (f.mean() - start) / (best - start) > 0.5
 
 
 def test_dual_ascent_raises_weight_of_violated_guardrail_without_objective_at_start():

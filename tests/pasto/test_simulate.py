@@ -206,7 +206,7 @@ def test_the_controller_draws_from_the_services_round_generator():
 
 def test_delayed_observations_arrive_late_with_the_propensities_they_were_sampled_with():
     delay = 3
-    scenario = small(rounds=40, checkpoints=[40], delay_rounds=delay)
+    scenario = small(runs=4, rounds=40, checkpoints=[40], delay_rounds=delay)
     policy, calls = recording(make_policy("default"))
     simulate(scenario, policy)
     for index, call in enumerate(calls):
@@ -216,7 +216,7 @@ def test_delayed_observations_arrive_late_with_the_propensities_they_were_sample
         else:
             assert np.all(counts.sum(axis=-1) == scenario.queries_per_round)
             np.testing.assert_array_equal(call["propensities"], calls[index - delay]["served"])
-    assert calls[-1]["pooled"].counts.sum() == (40 - delay) * scenario.queries_per_round * 20 * 2
+    assert calls[-1]["pooled"].counts.sum() == (40 - delay) * scenario.queries_per_round * 4 * 2
 
 
 def test_delay_still_converges_on_a_quiet_setup_a():
@@ -282,8 +282,9 @@ def test_drawn_means_report_relative_gain_and_no_fixed_optimum():
 
 @pytest.mark.parametrize("noise", [{"kind": "student_t", "std": 1.0, "df": 3}, {"kind": "lognormal", "std": 1.0}])
 def test_heavy_tailed_noise_runs(noise):
-    # As many noise draws as 120 rounds of 4 queries (the update's work is per round): 30 rounds of 16.
-    result = simulate(small(noise=noise, rounds=30, queries_per_round=16, checkpoints=[10, 30]),
+    # As many noise draws as 20 runs of 120 rounds of 4 queries (the update's work is per run and
+    # round, the draws' per query): 4 runs of 30 rounds of 80.
+    result = simulate(small(noise=noise, runs=4, rounds=30, queries_per_round=80, checkpoints=[10, 30]),
                       make_policy("default"))
     assert np.isfinite(result.deployed_values).all()
 
