@@ -81,7 +81,6 @@ LONG_FIRST = (
     "tests/service/test_demo.py::test_demo_runs_resumes_and_learns_a_winning_mixture",
     "tests/pasto/test_serving.py::test_served_regret_on_a_soft_guardrail_grows_sublinearly",
     "tests/pasto/test_simulate.py::test_drawn_means_report_relative_gain_and_no_fixed_optimum",
-    "tests/pasto/test_algorithm.py::test_default_preset_learns_setup_a_mixture",
     "tests/service/test_assignment_vectors.py::test_the_server_reproduces_every_case",
     "tests/sources/test_attribution.py::",
     "tests/reliability/test_concurrency.py::test_gunicorn_four_workers_and_pasto_worker_count_concurrent_writers_once",
