@@ -261,10 +261,11 @@ def test_drawn_means_report_relative_gain_and_no_fixed_optimum():
             "arms": {"count": 8, "means": {"uniform": [-1.0, 1.0]}},
             "noise": {"kind": "gaussian", "std": 0.1},
             "queries_per_round": 10,
-            "rounds": 120,
+            # Median relative gain 0.9996-0.9998 at round 60 on seeds 0-2 (0.9996-0.9999 at 120).
+            "rounds": 60,
             "runs": 20,
             "seed": 0,
-            "checkpoints": [120],
+            "checkpoints": [60],
         }
     )
     objective = scenario.objective()
