@@ -256,6 +256,7 @@ def test_default_preset_learns_setup_a_mixture():
     f = OBJECTIVE_A.mixture_value(MU_A, state.deployed)
     start = OBJECTIVE_A.mixture_value(MU_A, np.full(2, 0.5))
     best = OBJECTIVE_A.mixture_value(MU_A, np.array([0.5125, 0.4875]))
+    assert f.mean() > 0.98
     assert np.all(f >= start - 1e-9)
     assert (f.mean() - start) / (best - start) > 0.5
 
