@@ -19,7 +19,8 @@ def test_a_tiny_pass_writes_its_rows_and_claims_and_leaves_the_other_sections(tm
             assert f"\n| {row} | " in section, row
         for claim in ("default: mean f >= 0.9", "default: mean f above paper's",
                       "default: mean cumulative regret below paper's",
-                      "default, observations 2 rounds late: mean f >= 0.9"):
+                      "default, observations 2 rounds late: mean f >= 0.9",
+                      "default: second half's regret < 0.6 x the first half's"):
             assert f"\n| {claim} | " in section, claim
         assert "2 runs, deployed mixture at round 6" in section
         # A second run replaces the section instead of adding one.

@@ -149,13 +149,16 @@ def test_no_exploration_floor_arms_that_cannot_help_get_no_traffic():
 
 
 def test_served_regret_on_a_soft_guardrail_grows_sublinearly():
-    scenario = load_scenario("setup-a").with_overrides(runs=8, rounds=400, seed=5)
-    scenario = scenario_from_dict({**scenario.to_dict(), "checkpoints": [200, 400]})
+    """The mechanism at low noise (setup A with sigma 0.5 instead of sqrt(5)): the served mixture settles,
+    so the second half of the rounds adds well under the first half's regret. At the paper's noise the
+    claim needs hundreds of runs of 300 rounds: bench/setup_a_claims.py measures it (docs/benchmarks.md)."""
+    scenario = load_scenario("setup-a").with_overrides(runs=4, rounds=60, seed=5, noise_std=0.5)
+    scenario = scenario_from_dict({**scenario.to_dict(), "checkpoints": [30, 60]})
     result = simulate(scenario, make_policy("default"))
     regret = {c["round"]: c["cumulative_regret"]["mean"] for c in result.summary["checkpoints"]}
-    # Linear regret would double from 200 to 400; here the second half adds well under the first
-    # (seeds 5-10 add 7-30% of the first half's regret, and 10-28% from 400 to 800).
-    assert regret[400] - regret[200] < 0.6 * regret[200]
+    # Linear regret would double from 30 to 60; seeds 0-15 add 9-31% of the first half's regret.
+    assert regret[30] > 0
+    assert regret[60] - regret[30] < 0.6 * regret[30]
     assert result.summary["checkpoints"][-1]["objective"]["mean"] > 0.9
 
 
