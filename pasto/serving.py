@@ -1471,8 +1471,9 @@ def _probability_better(objective, means, errors, first, second, draws, student=
     deviation = draws.normal @ np.swapaxes(factor, -1, -2)  # (R, D, 2M + J)
     if student:
         deviation *= draws.scales[:, :, None]
-    drawn = centre[:, None, :] + deviation
-    thresholds = draws.base + drawn[..., 2 * n_metrics:] @ link.T  # (R, D, G)
+    drawn = np.add(deviation, centre[:, None, :], out=deviation)  # in place: the draws are D x larger than V
+    # Without relative thresholds (J = 0) every draw's thresholds are the constant ones.
+    thresholds = draws.base + drawn[..., 2 * n_metrics:] @ link.T if len(rows) else draws.base  # (R, D, G) or (G,)
     better = (objective.value(drawn[..., :n_metrics], thresholds)
               > objective.value(drawn[..., n_metrics:2 * n_metrics], thresholds))
     return better.mean(axis=-1)
