@@ -23,11 +23,49 @@ service's dependencies (README, "Install"). pyarrow, for Parquet, is imported on
 :class:`ParquetSink` is made.
 """
 
-from pasto_client.assigner import LocalAssigner
-from pasto_client.buffer import ObservationBuffer
-from pasto_client.client import Assignment, Client
-from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
-from pasto_client.exposure import CallbackSink, ExposureBatch, ExposureLog, JsonLinesSink, ParquetSink
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pasto_client.assigner import LocalAssigner
+    from pasto_client.buffer import ObservationBuffer
+    from pasto_client.client import Assignment, Client
+    from pasto_client.errors import BufferOverflowError, PastoAPIError, PastoConnectionError, PastoError
+    from pasto_client.exposure import CallbackSink, ExposureBatch, ExposureLog, JsonLinesSink, ParquetSink
+
+#: The module of each name exported here. Loaded on first use (PEP 562), not with the package: the
+#: service imports ``pasto_client.exposure`` alone, which then costs neither requests nor urllib3.
+_MODULES = {
+    "LocalAssigner": "assigner",
+    "ObservationBuffer": "buffer",
+    "Assignment": "client",
+    "Client": "client",
+    "BufferOverflowError": "errors",
+    "PastoAPIError": "errors",
+    "PastoConnectionError": "errors",
+    "PastoError": "errors",
+    "CallbackSink": "exposure",
+    "ExposureBatch": "exposure",
+    "ExposureLog": "exposure",
+    "JsonLinesSink": "exposure",
+    "ParquetSink": "exposure",
+}
+
+
+def __getattr__(name: str):
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup is an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULES})
+
 
 __all__ = [
     "Assignment",
