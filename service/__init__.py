@@ -104,19 +104,23 @@ def one_blas_thread() -> None:
     threadpool_limits(limits=1, user_api="blas")
 
 
-def create_command_app(config: Mapping[str, Any] | None = None) -> Flask:
+def create_command_app(config: Mapping[str, Any] | None = None, *, unit_of_work: bool = True) -> Flask:
     """An application with the configuration and the database only (checked as :func:`create_app`
-    checks it), for commands that use the database and serve nothing (``pasto tokens``): it starts in a
-    fraction of the time, without the routes, the exporter and the numerical core."""
+    checks it), for commands that use the database and serve nothing (``pasto tokens``, ``pasto db``):
+    it starts in a fraction of the time, without the routes, the exporter and the numerical core.
+
+    ``unit_of_work=False`` also leaves out the unit of work (and the token store and response models
+    behind it), for ``pasto db``, which only hands the database's URL and engine to Alembic."""
     app = Flask(__name__, instance_relative_config=True)
     app.config.update(load_config(app.instance_path, config))
     database = db.init_app(app)
     if app.config["PASTO_CHECK_SCHEMA"]:
         db.check_connection(database.engine)
         check_schema(database.engine)
-    from . import bootstrap
+    if unit_of_work:
+        from . import bootstrap
 
-    bootstrap.init_app(app)
+        bootstrap.init_app(app)
     return app
 
 

@@ -39,6 +39,7 @@ from flask import Flask, current_app, g, request
 
 from . import store
 from .bootstrap import get_uow
+from .config import STRONG_TOKEN_BITS, admin_token_weakness, warn_if_weak_admin_token  # noqa: F401
 from .errors import ApiError
 from .models import ROLES, utcnow
 # The token rows are the store's; these names stay importable from here, where they always were.
@@ -51,24 +52,7 @@ ROLE_RANK = {role: rank for rank, role in enumerate(ROLES)}
 TOKEN_CACHE_SECONDS = 1.0
 #: Invalid tokens are counted per client address over windows of this many seconds.
 AUTH_FAILURE_WINDOW_SECONDS = 60.0
-#: An admin token with fewer bits (estimated from its length and character classes) is weak.
-STRONG_TOKEN_BITS = 128
 _EXTENSION = "pasto.auth"
-
-
-def admin_token_weakness(token: str) -> str | None:
-    """Why ``token`` is too weak for ``PASTO_ADMIN_TOKEN`` (None when it is strong): its estimated
-    strength, length times log2 of the size of the character classes it uses, is under
-    :data:`STRONG_TOKEN_BITS`, or one character makes up half of it."""
-    classes = [(str.islower, 26), (str.isupper, 26), (str.isdigit, 10)]
-    alphabet = sum(size for test, size in classes if any(test(c) for c in token if c.isascii()))
-    if any(not (c.isascii() and c.isalnum()) for c in token):
-        alphabet += 33
-    bits = len(token) * math.log2(max(alphabet, 2))
-    most_common = max(token.count(c) for c in set(token)) if token else 0
-    if bits < STRONG_TOKEN_BITS or most_common * 2 >= len(token):
-        return f"{len(token)} characters, about {min(bits, 2 * len(token)):.0f} bits"
-    return None
 
 
 class _Authenticator:
@@ -144,13 +128,7 @@ class _Authenticator:
 
 def init_app(app: Flask) -> None:
     admin_token = app.config.get("PASTO_ADMIN_TOKEN")
-    if admin_token:
-        weakness = admin_token_weakness(admin_token)
-        if weakness is not None:
-            log.warning("PASTO_ADMIN_TOKEN is weak (%s): anyone who guesses it administers every experiment. "
-                        "Use at least 32 random characters, e.g. the output of `python3 -c \"import secrets; "
-                        "print(secrets.token_urlsafe(32))\"`, or none and `pasto tokens create --role admin`.",
-                        weakness)
+    warn_if_weak_admin_token(admin_token, log)
     app.extensions[_EXTENSION] = _Authenticator(admin_token)
 
 

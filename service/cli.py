@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     # stderr; anything else raised here is a bug and keeps its traceback.
     try:
         if args.command == "db":
-            return _db(args, create_app)
+            return _db(args, create_command_app)
         app = create_command_app() if args.command == "tokens" else create_app()
     except (ConfigurationError, DatabaseUnreachable, SchemaOutOfDate) as error:
         print(f"pasto: error: {error}", file=sys.stderr)
@@ -156,15 +156,24 @@ def main(argv: list[str] | None = None) -> int:
                   stop_on_stdin_eof=args.stop_on_stdin_eof)
 
 
-def _db(args: argparse.Namespace, create_app) -> int:
+def _db(args: argparse.Namespace, create_command_app) -> int:
     from alembic.util import CommandError
 
     from . import migrations_package
+    from .config import warn_if_weak_admin_token
     from .db import check_connection, get_db
 
     migrations = migrations_package()
 
-    app = create_app({"PASTO_CHECK_SCHEMA": False})
+    # The database alone, not the whole service: Alembic needs the URL and the engine. The two settings
+    # create_app checks beyond the configuration's own are checked as it checks them, so that `pasto db`
+    # refuses and warns exactly as before.
+    app = create_command_app({"PASTO_CHECK_SCHEMA": False}, unit_of_work=False)
+    warn_if_weak_admin_token(app.config.get("PASTO_ADMIN_TOKEN"), logging.getLogger(f"{__package__}.auth"))
+    if app.config.get("PASTO_EXPOSURE_LOG"):
+        from .exposures import check_setting
+
+        check_setting(app.config["PASTO_EXPOSURE_LOG"])
     engine = get_db(app).engine
     url = engine.url.render_as_string(hide_password=False)
     shown = engine.url.render_as_string(hide_password=True)

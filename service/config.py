@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -212,3 +213,34 @@ def _flag(key: str, text: str) -> bool:
     if value in {"0", "false", "no", "off"}:
         return False
     raise ConfigurationError(f"{key} must be 1/true/yes/on or 0/false/no/off, got {text!r}.")
+
+
+#: An admin token with fewer bits (estimated from its length and character classes) is weak.
+STRONG_TOKEN_BITS = 128
+
+
+def admin_token_weakness(token: str) -> str | None:
+    """Why ``token`` is too weak for ``PASTO_ADMIN_TOKEN`` (None when it is strong): its estimated
+    strength, length times log2 of the size of the character classes it uses, is under
+    :data:`STRONG_TOKEN_BITS`, or one character makes up half of it."""
+    classes = [(str.islower, 26), (str.isupper, 26), (str.isdigit, 10)]
+    alphabet = sum(size for test, size in classes if any(test(c) for c in token if c.isascii()))
+    if any(not (c.isascii() and c.isalnum()) for c in token):
+        alphabet += 33
+    bits = len(token) * math.log2(max(alphabet, 2))
+    most_common = max(token.count(c) for c in set(token)) if token else 0
+    if bits < STRONG_TOKEN_BITS or most_common * 2 >= len(token):
+        return f"{len(token)} characters, about {min(bits, 2 * len(token)):.0f} bits"
+    return None
+
+
+def warn_if_weak_admin_token(admin_token: str | None, log: logging.Logger) -> None:
+    """Log on ``log`` that ``PASTO_ADMIN_TOKEN`` is weak, if it is set and weak (``service.auth``'s
+    start-up check; here, without the token store, so that ``pasto db`` makes it too and stays light)."""
+    if admin_token:
+        weakness = admin_token_weakness(admin_token)
+        if weakness is not None:
+            log.warning("PASTO_ADMIN_TOKEN is weak (%s): anyone who guesses it administers every experiment. "
+                        "Use at least 32 random characters, e.g. the output of `python3 -c \"import secrets; "
+                        "print(secrets.token_urlsafe(32))\"`, or none and `pasto tokens create --role admin`.",
+                        weakness)
