@@ -696,13 +696,15 @@ def schema_strategies_built_once(monkeypatch):
     from hypothesis_jsonschema._encode import encode_canonical_json
 
     build = getattr(_from_schema, "__from_schema")
-    built: dict[tuple[str, int, int], tuple[Any, Any, Any]] = {}
+    built: dict[tuple[str, bool, str | None, int], tuple[Any, Any]] = {}
 
     def build_once(schema, *, alphabet, custom_formats):
-        key = (encode_canonical_json(schema), id(alphabet), id(custom_formats))
+        # hypothesis-jsonschema's public ``from_schema`` (which schemathesis calls at every negative draw)
+        # makes a new alphabet each time, always from the same two arguments: those are the key, not its id.
+        key = (encode_canonical_json(schema), alphabet.allow_x00, alphabet.codec, id(custom_formats))
         if key not in built:
-            # The alphabet and formats are kept with the strategy: their ids stay theirs.
-            built[key] = (build(schema, alphabet=alphabet, custom_formats=custom_formats), alphabet, custom_formats)
+            # The formats are kept with the strategy: their id stays theirs.
+            built[key] = (build(schema, alphabet=alphabet, custom_formats=custom_formats), custom_formats)
         return built[key][0]
 
     monkeypatch.setattr(_from_schema, "__from_schema", build_once)
