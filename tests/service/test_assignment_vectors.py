@@ -35,7 +35,11 @@ def put_state(app, name: str, round_index: int, probabilities: list[float],
         current.segment_probabilities = segment_probabilities
         experiment.round_index = round_index
         experiment.version = experiment.version + 1
-    get_uow(app).cache.forget(name)  # the next request loads the new version now, not after the check interval
+    # The next request serves the new version now, not after the check interval: checked here, as a
+    # request would, the new version is loaded with the arms of the cached one (they never change;
+    # parsing K = 10,000 arms' params again at each state was most of this test's CPU).
+    snapshot = get_uow(app).cache.get(name, fresh=True)
+    assert (snapshot.version, snapshot.round_index) == (experiment.version, round_index)
 
 
 def _state(mixture_name: str | None, segment_set: str | None):
