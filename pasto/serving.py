@@ -754,8 +754,8 @@ def choose(
         # belonging to the optimal mixture times its share there, so the exploration is what the
         # posterior still allows and vanishes as it concentrates; every guardrail the plug-in
         # optimum keeps is kept on its pessimistic bounds in every draw.
-        served = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in, posterior_rng,
-                                         config.posterior_draws)
+        served, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in,
+                                                    posterior_rng, config.posterior_draws)
         if undecided.any():
             # No mixture is confidently better than the best single arm yet, so the deploy test
             # chooses between the two: half of the traffic goes where a best-arm bandit would send
@@ -775,10 +775,14 @@ def choose(
             # The served draws hold a kept guardrail against the reference's upper bound, so its
             # uncertainty costs the served traffic what the best known safe mixture loses to the
             # one it would serve with the reference known (no draws: the estimates alone).
-            safe = tuple(_safe_posterior_mixture(objective, flat_means, spread, z_safe, plug_in, posterior_rng, 0)
-                         for spread in (flat_errors, known_errors))
+            # Each run's problems are the posterior draws' neighbours: their last active sets are tried first.
+            best_known, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in,
+                                                            posterior_rng, 0, solutions)
+            with_references_known, _ = _safe_posterior_mixture(objective, flat_means, known_errors, z_safe, plug_in,
+                                                               posterior_rng, 0, solutions)
+            safe = (best_known, with_references_known)
             information = _reference_information(objective, flat_means, test_errors, flat_thresholds, plug_in,
-                                                 references)
+                                                 references, solutions)
             served = _observe_references(objective, flat_means, flat_thresholds, flat_counts, served, plug_in,
                                          known, references, observations_per_round, t, to_defend=to_defend,
                                          safe=safe, information=information)
@@ -1136,8 +1140,10 @@ def _reference_counts_to_defend(objective, means, errors, thresholds, mixture, s
     return wanted, advantage
 
 
-def _reference_information(objective, means, errors, thresholds, plug_in, references):
+def _reference_information(objective, means, errors, thresholds, plug_in, references, warm_starts=None):
     """Expected loss per observation of ``plug_in`` (R, K) from each reference arm's estimation error; (R, J).
+
+    ``warm_starts`` (R,): a solution of a nearby problem per run, whose active set the first solve tries.
 
     A relative threshold moves with its reference arm's estimate, and so does the mixture that is
     best for it: acting on an estimate off by d loses L(d) = f_d(p_d) - f_d(p) per observation,
@@ -1151,19 +1157,20 @@ def _reference_information(objective, means, errors, thresholds, plug_in, refere
     """
     information = np.zeros((means.shape[0], len(references)))
     for run in range(means.shape[0]):
-        def loss(shifted):
+        def loss(shifted, warm_start=None):
             shifted_thresholds = objective.thresholds(shifted)
-            best = solve(objective, shifted, shifted_thresholds).probabilities
-            return (objective.value(shifted @ best, shifted_thresholds)
-                    - objective.value(shifted @ plug_in[run], shifted_thresholds))
+            solution = solve(objective, shifted, shifted_thresholds, warm_start=warm_start)
+            return (objective.value(shifted @ solution.probabilities, shifted_thresholds)
+                    - objective.value(shifted @ plug_in[run], shifted_thresholds)), solution
 
-        centre = loss(means[run])
+        centre, solution = loss(means[run], None if warm_starts is None else warm_starts[run])
         for j, (row, reference) in enumerate(references):
             sides = []
             for sign in (1.0, -1.0):
                 shifted = means[run].copy()
                 shifted[row, reference] += sign * errors[run, row, reference]
-                sides.append(loss(shifted))
+                # A side is the centre's problem with one threshold moved: its active set is tried first.
+                sides.append(loss(shifted, solution)[0])
             information[run, j] = max(0.5 * (sides[0] + sides[1]) - centre, 0.0)
     return information
 
@@ -1583,8 +1590,12 @@ def _posterior_noise(rng: np.random.Generator, draws: int, shape: tuple[int, ...
     return rng.standard_normal((draws,) + tuple(shape)) if draws else np.zeros((1,) + tuple(shape))
 
 
-def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
-    """Thompson sampling over safe mixtures: the average of the exact optima of posterior draws; (R, K).
+def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws, warm_starts=None):
+    """Thompson sampling over safe mixtures: the average of the exact optima of posterior draws.
+
+    Returns the mixtures (R, K) and each run's last solution (R,), a warm start for a nearby problem
+    (``warm_starts``: each run's first solve tries that active set first, as every later draw of the
+    run tries the one before it).
 
     means, errors (R, M, K) are the posterior; ``target`` (R, K) is the plug-in optimum. Each of
     ``draws`` draws of the means is solved exactly
@@ -1612,11 +1623,12 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
     # best_arm_probabilities does), so the simulator's batches serve what the service serves.
     noise = _posterior_noise(rng, draws, means.shape[-2:])
     served = np.zeros((means.shape[0], means.shape[-1]))
+    solutions = []
     for run in range(means.shape[0]):
         kept = soft[held[run]]
         # A run's draws are nearby problems: each starts from the previous draw's active set (the
         # same optimum, found without HiGHS where the active set has not changed).
-        solution = None
+        solution = None if warm_starts is None else warm_starts[run]
         for drawn_noise in noise:
             drawn = means[run] + errors[run] * drawn_noise
             thresholds = objective.thresholds(drawn)
@@ -1624,7 +1636,8 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws):
             thresholds[kept] = cautious_thresholds[run, kept]
             solution = solve(objective, drawn, thresholds, warm_start=solution)
             served[run] += solution.probabilities / noise.shape[0]
-    return served
+        solutions.append(solution)
+    return served, solutions
 
 
 def _observe_start(objective, means, errors, thresholds, counts, served, target, start, z,

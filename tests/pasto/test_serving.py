@@ -663,7 +663,7 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     best_arm = serving.best_arm_probabilities(
         objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
     assert best_arm[0, 2] > 0.6, best_arm
-    safe = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, 1.6448536269514722,
+    safe, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, 1.6448536269514722,
                                            plug_in, posterior_rng, config.posterior_draws)
     np.testing.assert_allclose(served, 0.5 * best_arm + 0.5 * safe, rtol=0, atol=1e-12)
 
@@ -839,7 +839,7 @@ def test_thompson_over_safe_mixtures_serves_a_mixture_on_the_simplex(n_arms, run
     means = rng.normal(0.5, scale, (runs, 3, n_arms))
     errors = rng.uniform(0.0, scale, (runs, 3, n_arms)) * rng.choice([0.0, 1.0], (runs, 3, n_arms))
     target = rng.dirichlet(np.ones(n_arms), runs)
-    mixture = serving._safe_posterior_mixture(objective, means, errors, 1.645, target, np.random.default_rng(seed), draws)
+    mixture, _ = serving._safe_posterior_mixture(objective, means, errors, 1.645, target, np.random.default_rng(seed), draws)
     assert mixture.shape == (runs, n_arms)
     assert np.all(np.isfinite(mixture)) and np.all(mixture >= 0.0)
     assert np.allclose(mixture.sum(axis=-1), 1.0, atol=1e-12)
@@ -882,24 +882,29 @@ def test_each_safe_draw_is_the_exact_optimum_of_its_draw_with_the_kept_guardrail
     errors = 0.2 * source.uniform(size=(3, 3, 12))
     target = source.dirichlet(np.ones(12), 3)
     z = 1.6448536269514722
-    served = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 2)
+    served, solutions = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 2)
     noise = np.random.default_rng(9).standard_normal((2, 3, 12))
     for run in range(3):
         expected = np.mean([_oracle_safe_draw(objective, means[run], errors[run], z, target[run], n) for n in noise],
                            axis=0)
         np.testing.assert_allclose(served[run], expected, rtol=0, atol=1e-12)
     for run in range(3):
-        alone = serving._safe_posterior_mixture(objective, means[run:run + 1], errors[run:run + 1], z,
+        alone, _ = serving._safe_posterior_mixture(objective, means[run:run + 1], errors[run:run + 1], z,
                                                 target[run:run + 1], np.random.default_rng(9), 2)
         np.testing.assert_array_equal(alone[0], served[run])
-    other = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(10), 2)
+    other, _ = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(10), 2)
     assert not np.allclose(other, served)
     # Without draws: the estimated means solved the same way, the best known safe mixture.
-    known = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 0)
+    known, _ = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(9), 0)
     for run in range(3):
         np.testing.assert_allclose(
             known[run], _oracle_safe_draw(objective, means[run], errors[run], z, target[run], np.zeros((3, 12))),
             rtol=0, atol=1e-12)
+    # Started from the draws' last active sets (the service's order), the same mixtures to the bit.
+    warm, warm_solutions = serving._safe_posterior_mixture(objective, means, errors, z, target,
+                                                           np.random.default_rng(9), 0, solutions)
+    np.testing.assert_array_equal(warm, known)
+    assert len(warm_solutions) == 3
 
 
 def test_a_steep_soft_guardrail_the_optimum_keeps_is_kept_by_every_draw_on_its_lower_bounds():
@@ -913,7 +918,7 @@ def test_a_steep_soft_guardrail_the_optimum_keeps_is_kept_by_every_draw_on_its_l
     target = np.array([[0.5, 0.5, 0.0]])
     z = 1.6448536269514722
     for seed in range(20):
-        served = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(seed), 4)
+        served, _ = serving._safe_posterior_mixture(objective, means, errors, z, target, np.random.default_rng(seed), 4)
         lower = (means[0, 1] - z * errors[0, 1]) @ served[0]
         assert lower >= -1e-6, (seed, served)
 
