@@ -1143,8 +1143,6 @@ def _reference_counts_to_defend(objective, means, errors, thresholds, mixture, s
 def _reference_information(objective, means, errors, thresholds, plug_in, references, warm_starts=None):
     """Expected loss per observation of ``plug_in`` (R, K) from each reference arm's estimation error; (R, J).
 
-    ``warm_starts`` (R,): a solution of a nearby problem per run, whose active set the first solve tries.
-
     A relative threshold moves with its reference arm's estimate, and so does the mixture that is
     best for it: acting on an estimate off by d loses L(d) = f_d(p_d) - f_d(p) per observation,
     with f_d the objective with the reference's mean moved by d and p_d its exact optimum
@@ -1153,7 +1151,8 @@ def _reference_information(objective, means, errors, thresholds, plug_in, refere
     knowing the reference, its posterior expectation less L(0) (the plug-in's own hedge, which the
     reference's error does not cause), is (L(se) + L(-se)) / 2 - L(0) (the sigma points of
     d ~ N(0, se^2), exact for a quadratic). It shrinks like 1 / n in the reference's n
-    observations.
+    observations. ``warm_starts`` (R,), optional: a solution of a nearby problem per run, whose
+    active set the first solve tries (the same optimum, found without HiGHS where it holds).
     """
     information = np.zeros((means.shape[0], len(references)))
     for run in range(means.shape[0]):
@@ -1169,7 +1168,7 @@ def _reference_information(objective, means, errors, thresholds, plug_in, refere
             for sign in (1.0, -1.0):
                 shifted = means[run].copy()
                 shifted[row, reference] += sign * errors[run, row, reference]
-                # A side is the centre's problem with one threshold moved: its active set is tried first.
+                # A side is the centre's problem with one reference mean moved: its active set is tried first.
                 sides.append(loss(shifted, solution)[0])
             information[run, j] = max(0.5 * (sides[0] + sides[1]) - centre, 0.0)
     return information
