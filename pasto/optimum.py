@@ -1188,24 +1188,29 @@ def expected_optimum(
         step = _newton_direction(objective, means[:, arms], variances[:, arms], thresholds, weights[:, arms],
                                  soft, p[arms], gradient[arms], lower[arms], scale,
                                  None if rows is None else (rows[0][:, arms], rows[1]))
-        direction = None
+        directions = [best_vertex(gradient) - p]
         if step is not None:
-            direction = np.zeros(k)
-            direction[arms] = step
-        if direction is None:
-            # HiGHS could not solve the model: a Frank-Wolfe step (towards the best vertex) instead.
-            direction = best_vertex(gradient) - p
-        slope = float(gradient @ direction)
-        if not slope > 0:
-            break
-        size, moved = 1.0, False
-        for _ in range(40):
-            candidate = p + size * direction
-            candidate_value, candidate_gradient = evaluate(candidate)
-            if candidate_value >= value + 1e-4 * size * slope:
-                p, value, gradient, moved = candidate, candidate_value, candidate_gradient, True
+            newton = np.zeros(k)
+            newton[arms] = step
+            directions.insert(0, newton)
+        # HiGHS could not solve the model, or its step is lost in its tolerances (a steep penalty
+        # leaves a gap that a step of 1e-8 closes; HiGHS returns 0): a Frank-Wolfe step (towards
+        # the best vertex) instead.
+        moved = False
+        for direction in directions:
+            slope = float(gradient @ direction)
+            if not slope > 0:
+                continue
+            size = 1.0
+            for _ in range(60):
+                candidate = p + size * direction
+                candidate_value, candidate_gradient = evaluate(candidate)
+                if candidate_value >= value + 1e-4 * size * slope:
+                    p, value, gradient, moved = candidate, candidate_value, candidate_gradient, True
+                    break
+                size *= 0.5
+            if moved:
                 break
-            size *= 0.5
         if not moved:
             break
     p = lower + free * _on_simplex(np.maximum(p - lower, 0.0))
