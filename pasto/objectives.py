@@ -40,6 +40,11 @@ _GUARDRAIL_KEYS = {"metric", "threshold", "penalty", "relative_to", "hard"}
 _GUARDRAIL_REQUIRED = ("metric", "threshold")
 
 
+#: A guardrail holds when its value y >= c - HOLD_TOLERANCE * |c| (0.1% of its threshold c): what
+#: the simulator judges and what safe serving takes for a guardrail the optimum keeps.
+HOLD_TOLERANCE = 1e-3
+
+
 @dataclass(frozen=True)
 class Guardrail:
     """A lower bound on one metric: soft (the penalty ``penalty * min(0, y - c)^2``) or hard.

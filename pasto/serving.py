@@ -31,9 +31,11 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    Without hard guardrails (soft penalties only, or none): Thompson sampling over safe mixtures.
    The hedged plug-in optimum of E f(mu p) (solved to a certified gap by
    :func:`pasto.optimum.expected_optimum`, Newton steps that are each an exact QP; a relative
-   threshold's reference arm is uncertain too) says which soft guardrails the optimum keeps rather
-   than trades. Each of ``posterior_draws`` posterior draws of the means is solved exactly
-   (:func:`pasto.optimum.solve`) with those guardrails on their pessimistic bounds, and the
+   threshold's reference arm is uncertain too) says how far each soft guardrail is hedged. Each of
+   ``posterior_draws`` posterior draws of the means is solved exactly (:func:`pasto.optimum.solve`)
+   with a guardrail the optimum keeps (a steep penalty) on its pessimistic bounds and one it
+   trades against the primary metric (a mild penalty) moved only by the rest of the plug-in's
+   hedge (:func:`_kept_margins`), and the
    average of the draws' optima is served (:func:`_safe_posterior_mixture`): an arm gets its
    posterior chance of belonging to the optimal mixture times its share there, exploration that
    vanishes as the posterior concentrates, and a guardrail the optimum keeps is kept by what is
@@ -89,7 +91,7 @@ from typing import Any
 import numpy as np
 
 from pasto.estimators import Estimate, Statistics
-from pasto.objectives import Objective
+from pasto.objectives import HOLD_TOLERANCE, Objective
 from pasto.optimum import expected_optimum, linear_program, solve
 from pasto.special import ndtr, ndtri, stdtrit
 
@@ -753,8 +755,10 @@ def choose(
         # Thompson sampling over safe mixtures: each arm is served with its posterior chance of
         # belonging to the optimal mixture times its share there, so the exploration is what the
         # posterior still allows and vanishes as it concentrates; every guardrail the plug-in
-        # optimum keeps is kept on its pessimistic bounds in every draw.
-        served, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in,
+        # optimum keeps is kept in every draw, on its pessimistic bounds where the optimum keeps it
+        # whatever the noise (a steep penalty) and with the plug-in's own hedge where it trades it.
+        z_kept = _kept_margins(objective, flat_means, flat_errors, plug_in, z_safe)
+        served, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_kept, plug_in,
                                                     posterior_rng, config.posterior_draws)
         if undecided.any():
             # No mixture is confidently better than the best single arm yet, so the deploy test
@@ -776,9 +780,9 @@ def choose(
             # uncertainty costs the served traffic what the best known safe mixture loses to the
             # one it would serve with the reference known (no draws: the estimates alone).
             # Each run's problems are the posterior draws' neighbours: their last active sets are tried first.
-            best_known, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_safe, plug_in,
+            best_known, solutions = _safe_posterior_mixture(objective, flat_means, flat_errors, z_kept, plug_in,
                                                             posterior_rng, 0, solutions)
-            with_references_known, _ = _safe_posterior_mixture(objective, flat_means, known_errors, z_safe, plug_in,
+            with_references_known, _ = _safe_posterior_mixture(objective, flat_means, known_errors, z_kept, plug_in,
                                                                posterior_rng, 0, solutions)
             safe = (best_known, with_references_known)
             information = _reference_information(objective, flat_means, test_errors, flat_thresholds, plug_in,
@@ -1589,6 +1593,42 @@ def _posterior_noise(rng: np.random.Generator, draws: int, shape: tuple[int, ...
     return rng.standard_normal((draws,) + tuple(shape)) if draws else np.zeros((1,) + tuple(shape))
 
 
+def _kept_margins(objective, means, errors, target, most):
+    """How many standard errors of margin the posterior draws keep on each soft guardrail; (R, J).
+
+    ``target`` (R, K) is the expected optimum (:func:`pasto.optimum.expected_optimum`), which
+    hedges each soft guardrail as far as its penalty makes a shortfall cost: its multiplier, the
+    primary value of relaxing the guardrail, is 2 lambda_j E max(0, -S_j), S_j the slack. So the
+    expected shortfall it accepts is the one the optimum of the means accepts, multiplier / 2
+    lambda_j. A guardrail whose expected shortfall there is within ``HOLD_TOLERANCE`` of its
+    threshold is one the optimum keeps (a steep penalty, or slack): the draws hold it on its
+    pessimistic bound, ``most`` standard errors. One the optimum trades against the primary
+    metric (a mild penalty) is held only at the margin the expected optimum keeps (0 where it
+    misses it): holding it on its pessimistic bound paid for its uncertainty twice (setup A's
+    served mixture sat z se / 4 below the optimum's share of the first arm, a regret of z se / 2
+    in every round).
+    """
+    soft = objective.soft_indices[objective.penalties[objective.soft_indices] > 0]
+    rows = objective.guardrail_rows[soft]
+    thresholds = objective.thresholds(means)[:, soft]  # (R, J)
+    slack = np.einsum("rjk,rk->rj", means[:, rows, :], target) - thresholds
+    sd = np.sqrt(_guardrail_variance(objective, errors, target)[:, soft])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(sd > 0, slack / sd, np.copysign(np.inf, slack))
+        expected_shortfall = np.where(sd > 0, sd * np.exp(-0.5 * ratio**2) / math.sqrt(2.0 * math.pi)
+                                      - slack * ndtr(-ratio), np.maximum(-slack, 0.0))
+        traded = expected_shortfall > HOLD_TOLERANCE * np.abs(thresholds)
+        # The bound's spread per standard error, as _safe_posterior_mixture moves it: the arms'
+        # lower bounds against the reference's upper one.
+        spread = (np.einsum("rjk,rk->rj", errors[:, rows, :], target)
+                  + (objective.thresholds(means + errors) - objective.thresholds(means))[:, soft])
+        # The draws' penalty trades the guardrail again from wherever its bound sits (by the
+        # expected shortfall, the one the optimum of the means accepts): the bound moves by the
+        # rest of the expected optimum's hedge.
+        hedge = np.where(spread > 0, (slack + expected_shortfall) / spread, most)
+    return np.where(traded, np.clip(hedge, 0.0, most), float(most))
+
+
 def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws, warm_starts=None):
     """Thompson sampling over safe mixtures: the average of the exact optima of posterior draws.
 
@@ -1599,8 +1639,8 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws, war
     means, errors (R, M, K) are the posterior; ``target`` (R, K) is the plug-in optimum. Each of
     ``draws`` draws of the means is solved exactly
     (:func:`pasto.optimum.solve`), with every soft guardrail that the target keeps on the estimated
-    means (one the optimum holds rather than trades against the primary metric) held on its
-    pessimistic bounds: each arm's lower bound (``z`` standard errors) against a threshold resolved
+    means held on its pessimistic bounds: each arm's lower bound (``z`` standard errors, a scalar
+    or one per run and soft guardrail (R, J): :func:`_kept_margins`) against a threshold resolved
     on the upper bounds (a relative threshold's reference arm). So the served traffic explores the
     primary metrics as Thompson sampling does, over mixtures instead of single arms, and keeps the
     guardrails the optimum keeps whatever the draw. An arm is served with its posterior chance of
@@ -1616,8 +1656,11 @@ def _safe_posterior_mixture(objective, means, errors, z, target, rng, draws, war
     # guardrail the optimum keeps binds at its threshold, so rounding must not decide it).
     tolerance = 1e-9 * np.abs(means[:, rows, :]).max(axis=-1, initial=0.0)
     held = np.einsum("rjk,rk->rj", means[:, rows, :], target) >= plain_thresholds[:, soft] - tolerance  # (R, J)
-    lower = means[:, rows, :] - z * errors[:, rows, :]  # (R, J, K)
-    cautious_thresholds = objective.thresholds(means + z * errors)  # (R, G)
+    z = np.broadcast_to(np.asarray(z, dtype=float), held.shape)  # (R, J)
+    lower = means[:, rows, :] - z[..., None] * errors[:, rows, :]  # (R, J, K)
+    # The thresholds are linear in the means (a relative one in its reference's).
+    cautious_thresholds = plain_thresholds.copy()
+    cautious_thresholds[:, soft] += z * (objective.thresholds(means + errors) - plain_thresholds)[:, soft]
     # Every run of a batch draws what it would draw alone (the same standard normal draws, as
     # best_arm_probabilities does), so the simulator's batches serve what the service serves.
     noise = _posterior_noise(rng, draws, means.shape[-2:])

@@ -39,7 +39,7 @@ import numpy as np
 
 from pasto import baselines
 from pasto.estimators import Statistics
-from pasto.objectives import Objective
+from pasto.objectives import HOLD_TOLERANCE, Objective
 from pasto.scenario import Scenario
 
 __all__ = [
@@ -62,8 +62,7 @@ __all__ = [
 
 ALGORITHMS = ("paper", "default", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
-# A guardrail holds when y >= c - GUARDRAIL_TOLERANCE * |c| (0.1% of the threshold).
-GUARDRAIL_TOLERANCE = 1e-3
+GUARDRAIL_TOLERANCE = HOLD_TOLERANCE
 # Served hard guardrails are judged over the (run, round) pairs after this round.
 HOLD_AFTER_ROUND = 20
 

@@ -923,6 +923,44 @@ def test_a_steep_soft_guardrail_the_optimum_keeps_is_kept_by_every_draw_on_its_l
         assert lower >= -1e-6, (seed, served)
 
 
+def test_a_traded_soft_guardrail_is_held_at_the_expected_optimums_margin_and_a_kept_one_on_its_bound():
+    """Setup A's mild penalty (5) trades its guardrail (the optimum of the means misses y >= 0):
+    the draws move its bound only by the rest of the expected optimum's hedge, so the best known
+    safe mixture is the expected optimum itself (K = 2), not z standard errors further away. With
+    a penalty of 1e6 the optimum keeps the guardrail: its pessimistic bound, z."""
+    from pasto.optimum import expected_optimum
+
+    z = 1.6448536269514722
+    means = np.array([[2.1, 0.1], [-1.9, 2.05]])
+    errors = np.full((2, 2), 0.3)
+    for penalty, traded in ((5.0, True), (1e6, False)):
+        objective = Objective.from_spec(["x", "y"], {"primary": "x", "guardrails": [
+            {"metric": "y", "threshold": 0.0, "penalty": penalty}]}, ["0", "1"])
+        target = expected_optimum(objective, means, errors).probabilities
+        slack = means[1] @ target
+        spread = errors[1] @ target
+        assert slack > 0  # the expected optimum hedges either way
+        margins = serving._kept_margins(objective, means[None], errors[None], target[None], z)
+        # The expected shortfall that decides it, against a Monte-Carlo estimate.
+        drawn = slack + np.sqrt(np.sum(target**2 * errors[1] ** 2)) * np.random.default_rng(0).standard_normal(400_000)
+        expected_shortfall = np.maximum(-drawn, 0.0).mean()
+        if traded:
+            assert expected_shortfall > 1e-3
+            np.testing.assert_allclose(margins, [[(slack + expected_shortfall) / spread]], rtol=1e-2)
+            assert margins[0, 0] < z
+            best_known, _ = serving._safe_posterior_mixture(objective, means[None], errors[None], margins,
+                                                            target[None], np.random.default_rng(0), 0)
+            # Up to what the slack's variance adds to the expected optimum's multiplier (5e-6 here;
+            # the pessimistic bound, z, put it 0.06 away).
+            np.testing.assert_allclose(best_known[0], target, atol=1e-4)
+            far, _ = serving._safe_posterior_mixture(objective, means[None], errors[None], z, target[None],
+                                                     np.random.default_rng(0), 0)
+            assert np.abs(far[0] - target).max() > 0.05
+        else:
+            assert expected_shortfall < 1e-6
+            np.testing.assert_array_equal(margins, [[z]])
+
+
 def _baseline_statistics(baseline_count):
     """Four arms far apart (so the arms' spread is wide and an arm seen a few times stays uncertain):
     arm 2 is the production setting (the objective's baseline, x 1.2, y 0.5), arms 0 (x 2, y -1)
