@@ -1615,6 +1615,7 @@ def _kept_margins(objective, means, errors, target, most):
     sd = np.sqrt(_guardrail_variance(objective, errors, target)[:, soft])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(sd > 0, slack / sd, np.copysign(np.inf, slack))
+        # E max(0, -S) for S ~ N(slack, sd^2): -1/2 of optimum.expected_objective's d-derivative.
         expected_shortfall = np.where(sd > 0, sd * np.exp(-0.5 * ratio**2) / math.sqrt(2.0 * math.pi)
                                       - slack * ndtr(-ratio), np.maximum(-slack, 0.0))
         traded = expected_shortfall > HOLD_TOLERANCE * np.abs(thresholds)
