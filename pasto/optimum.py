@@ -1188,35 +1188,36 @@ def expected_optimum(
         step = _newton_direction(objective, means[:, arms], variances[:, arms], thresholds, weights[:, arms],
                                  soft, p[arms], gradient[arms], lower[arms], scale,
                                  None if rows is None else (rows[0][:, arms], rows[1]))
-        directions = [best_vertex(gradient) - p]
+        # HiGHS could not solve the model, or its step is lost in its tolerances (a steep penalty
+        # leaves a gap that a step of 1e-8 closes; HiGHS returns 0): a Frank-Wolfe step (towards
+        # the best vertex) instead. The vertex is found only then (with constraints, an LP).
+        moved = False
         if step is not None:
             newton = np.zeros(k)
             newton[arms] = step
-            directions.insert(0, newton)
-        # HiGHS could not solve the model, or its step is lost in its tolerances (a steep penalty
-        # leaves a gap that a step of 1e-8 closes; HiGHS returns 0): a Frank-Wolfe step (towards
-        # the best vertex) instead.
-        moved = False
-        for direction in directions:
-            slope = float(gradient @ direction)
-            if not slope > 0:
-                continue
-            size = 1.0
-            for _ in range(60):
-                candidate = p + size * direction
-                candidate_value, candidate_gradient = evaluate(candidate)
-                if candidate_value >= value + 1e-4 * size * slope:
-                    p, value, gradient, moved = candidate, candidate_value, candidate_gradient, True
-                    break
-                size *= 0.5
-            if moved:
-                break
+            moved, p, value, gradient = _backtrack(evaluate, p, value, gradient, newton)
+        if not moved:
+            moved, p, value, gradient = _backtrack(evaluate, p, value, gradient, best_vertex(gradient) - p)
         if not moved:
             break
     p = lower + free * _on_simplex(np.maximum(p - lower, 0.0))
     value, gradient = evaluate(p)
     return ExpectedSolution(probabilities=p, value=value, optimality_gap=max(0.0, frank_wolfe_gap(p, gradient)),
                             iterations=steps)
+
+
+def _backtrack(evaluate, p, value, gradient, direction):
+    """Backtracking (Armijo) line search from ``p`` along ``direction``: (moved, p, value, gradient)."""
+    slope = float(gradient @ direction)
+    if slope > 0:
+        size = 1.0
+        for _ in range(60):
+            candidate = p + size * direction
+            candidate_value, candidate_gradient = evaluate(candidate)
+            if candidate_value >= value + 1e-4 * size * slope:
+                return True, candidate, candidate_value, candidate_gradient
+            size *= 0.5
+    return False, p, value, gradient
 
 
 def _unit_rows(matrix: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1622,7 +1622,7 @@ def _kept_margins(objective, means, errors, target, most):
         # The bound's spread per standard error, as _safe_posterior_mixture moves it: the arms'
         # lower bounds against the reference's upper one.
         spread = (np.einsum("rjk,rk->rj", errors[:, rows, :], target)
-                  + (objective.thresholds(means + errors) - objective.thresholds(means))[:, soft])
+                  + objective.thresholds(means + errors)[:, soft] - thresholds)
         # The draws' penalty trades the guardrail again from wherever its bound sits (by the
         # expected shortfall, the one the optimum of the means accepts): the bound moves by the
         # rest of the expected optimum's hedge.

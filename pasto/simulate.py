@@ -62,7 +62,6 @@ __all__ = [
 
 ALGORITHMS = ("paper", "default", "scgd", "thompson")
 GAP_TOLERANCE = 1e-9
-GUARDRAIL_TOLERANCE = HOLD_TOLERANCE
 # Served hard guardrails are judged over the (run, round) pairs after this round.
 HOLD_AFTER_ROUND = 20
 
@@ -148,7 +147,7 @@ class References:
     best_mixture : ndarray, shape (regimes, R)
         f_mix*: f of the best mixture (never below ``best_single``).
     optimum_holds : ndarray of bool, shape (regimes, R, G), or None
-        Which guardrails (soft ones too) the best mixture holds, to ``GUARDRAIL_TOLERANCE``.
+        Which guardrails (soft ones too) the best mixture holds, to ``HOLD_TOLERANCE``.
     """
 
     best_single: np.ndarray
@@ -218,7 +217,7 @@ def reference_values(
             solution = solve(objective, run_means, thresholds[run])
             mixture[run] = solution.value if solution.feasible else np.nan
             values = _guardrail_values(objective, run_means, solution.probabilities)
-            held[run] = values >= thresholds[run] - GUARDRAIL_TOLERANCE * np.abs(thresholds[run])
+            held[run] = values >= thresholds[run] - HOLD_TOLERANCE * np.abs(thresholds[run])
             if progress is not None and means.ndim == 3:
                 progress("optimum", run + 1, runs)
         # A single arm is a mixture: the solver's optimum is never below it (up to its tolerance).
@@ -289,10 +288,10 @@ def _guardrail_values(objective: Objective, means: np.ndarray, probabilities: np
 
 
 def _guardrails_hold(objective, means, thresholds, probabilities, mask) -> np.ndarray:
-    """Per run: every guardrail in ``mask`` holds to ``GUARDRAIL_TOLERANCE`` of its threshold; (R,)."""
+    """Per run: every guardrail in ``mask`` holds to ``HOLD_TOLERANCE`` of its threshold; (R,)."""
     values = _guardrail_values(objective, means, probabilities)
     thresholds = np.broadcast_to(thresholds, values.shape)
-    held = values >= thresholds - GUARDRAIL_TOLERANCE * np.abs(thresholds)
+    held = values >= thresholds - HOLD_TOLERANCE * np.abs(thresholds)
     return np.all(held[:, mask], axis=-1)
 
 
@@ -414,7 +413,7 @@ def simulate(
     in_flight: deque[tuple[Statistics, np.ndarray]] = deque()
 
     # Hard guardrails are judged on what is served and deployed, under the true means in force:
-    # held when y >= c - GUARDRAIL_TOLERANCE |c| (every hard guardrail at once).
+    # held when y >= c - HOLD_TOLERANCE |c| (every hard guardrail at once).
     hard = np.array([bool(getattr(g, "hard", False)) for g in objective.guardrails], dtype=bool)
     served_holds = np.ones((rounds, runs), dtype=bool)
     deployed_holds = np.ones((rounds, runs), dtype=bool)
@@ -446,7 +445,7 @@ def simulate(
         regret += references.best_mixture[regime] - served_values[round_number - 1]
         if references.optimum_holds is not None and every_guardrail.any():
             held = _guardrail_values(objective, means, served) >= (
-                thresholds[regime] - GUARDRAIL_TOLERANCE * np.abs(thresholds[regime]))
+                thresholds[regime] - HOLD_TOLERANCE * np.abs(thresholds[regime]))
             served_keeps_optimum[round_number - 1] = np.all(held | ~references.optimum_holds[regime], axis=-1)
         deployed_values[round_number - 1] = _mixture_values(objective, means, thresholds[regime], state.deployed)
         if hard.any():
@@ -505,7 +504,7 @@ def simulate(
     if hard.any():
         after = slice(min(HOLD_AFTER_ROUND, rounds - 1), rounds)
         summary["hard_guardrails"] = {
-            "tolerance": GUARDRAIL_TOLERANCE,
+            "tolerance": HOLD_TOLERANCE,
             "after_round": HOLD_AFTER_ROUND,
             "served_hold_share": float(served_holds[after].mean()),
             "deployed_hold_share": float(deployed_holds[after].mean()),
