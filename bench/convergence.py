@@ -388,7 +388,7 @@ def render_serving(results: dict, command: str, runs: int, elapsed: float, commi
         "traffic: Thompson sampling over safe mixtures (`serving_posterior_draws` draws, each solved "
         "exactly with the guardrails the optimum keeps on their pessimistic bounds) and, while no "
         "mixture is defended, half of the traffic after each arm's posterior probability of being the "
-        "best single arm; deploy-what-you-can-defend, moved from the starting mixture only as far as the "
+        "best single arm until one is at the deploy level, then after the best known safe mixture; deploy-what-you-can-defend, moved from the starting mixture only as far as the "
         "evidence defends; change detection); `thompson` the Thompson "
         "best-arm bandit, on the same runs (same seed, same true means). Served regret = mean over runs "
         "of sum_t (f_mix* - f(mu p_t)) for the mixtures actually served (hard guardrails: f is the primary "

@@ -41,7 +41,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    vanishes as the posterior concentrates, and a guardrail the optimum keeps is kept by what is
    served. While no mixture is defended against the best single arm (step 5), the deploy test
    chooses between the two, so half of the traffic follows each arm's posterior probability of
-   being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split). The
+   being the best single arm (:func:`best_arm_probabilities`; the top-two Thompson split) until
+   that probability names one arm at ``deploy_level``: then that half goes to the best known safe
+   mixture (the estimated means solved as the draws are). The
    starting mixture (the production setting, else uniform), from which the deployed mixture leaves
    only as far as the evidence defends, is observed as much as that test needs
    (:func:`_observe_start`).
@@ -130,8 +132,10 @@ class ServingConfig:
     holdout : float
         Fixed share of the baseline arm, in [0, 1) (0: none; needs a baseline arm).
     deploy_level : float
-        One-sided confidence with which the deployed mixture must beat the best single arm, and
-        (soft guardrails) with which it must beat the starting mixture before it leaves it.
+        One-sided confidence with which the deployed mixture must beat the best single arm,
+        (soft guardrails) with which it must beat the starting mixture before it leaves it, and with
+        which an undecided run's best single arm counts as found (its best-arm half then goes to
+        the best known safe mixture).
     change_level : float
         Probability that the change detector ever raises a false alarm over a whole run whose means
         never change, in [0, 1) (0 disables detection; :func:`change_detected`).
@@ -770,7 +774,17 @@ def choose(
             best_arm = best_arm_probabilities(
                 objective, flat_means, flat_errors, flat_thresholds, best_arm_rng, allowed=np.isfinite(arm_values),
             )
-            served = np.where(undecided[:, None], 0.5 * best_arm + 0.5 * served, served)
+            # Once the posterior names the best single arm at the deploy level, the best-arm half
+            # has nothing left to find, and it goes to the best known safe mixture (no draws) instead
+            # of that arm: the draws' exploration stays diluted as before, by the mixture the
+            # estimates favour rather than by an arm the plug-in already beats in expectation.
+            identified = best_arm.max(axis=-1) >= config.deploy_level
+            anchor = best_arm
+            if (identified & undecided).any():
+                best_known, _ = _safe_posterior_mixture(objective, flat_means, flat_errors, z_kept, plug_in,
+                                                        posterior_rng, 0, solutions)
+                anchor = np.where(identified[:, None], best_known, best_arm)
+            served = np.where(undecided[:, None], 0.5 * anchor + 0.5 * served, served)
         served = _observe_start(objective, flat_means, test_errors, flat_thresholds, flat_counts, served,
                                 chosen, start, z_student, observations_per_round, t)
         if references:

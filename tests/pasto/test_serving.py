@@ -676,6 +676,41 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     assert served[0, 0] + served[0, 1] > 0.85
 
 
+def test_an_undecided_run_whose_best_single_arm_is_known_sends_that_half_to_the_best_known_safe_mixture():
+    """The runs of the test above, with arm 3 far below the others (x -0.5): arm 2 is then the best
+    single arm with posterior probability above the deploy level, so the best-arm half has nothing
+    left to find, and it goes to the best known safe mixture (the draws' problem on the estimated
+    means), which the plug-in favours over arm 2."""
+    n = 1500
+    objective, statistics = _complementary_arms_statistics(n)
+    statistics = Statistics(statistics.counts, statistics.sums.copy(), statistics.sums_of_squares.copy())
+    statistics.sums[0, 0, 3] = n * -0.5
+    statistics.sums_of_squares[0, 0, 3] = n * (0.25 + 9.0)
+    t = 40
+    config = serving.ServingConfig()
+    served, _, log_weights = serving.choose(
+        config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), np.random.default_rng([t, 14]))
+    posterior = serving.arm_posterior(statistics)
+    thresholds = objective.thresholds(posterior.means)
+    plug_in = np.exp(log_weights - log_weights.max())
+    plug_in /= plug_in.sum()
+    _, values, defended, _ = serving._defensible(
+        objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
+        [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.95)
+    assert not defended[0] and plug_in[0, 0] + plug_in[0, 1] > 0.9, plug_in
+    best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
+    best_arm = serving.best_arm_probabilities(
+        objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
+    assert best_arm[0, 2] >= config.deploy_level, best_arm
+    z = 1.6448536269514722
+    safe, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
+                                           plug_in, posterior_rng, config.posterior_draws)
+    best_known, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
+                                                 plug_in, posterior_rng, 0)
+    assert best_known[0, 2] < 0.1, best_known
+    np.testing.assert_allclose(served, 0.5 * best_known + 0.5 * safe, rtol=0, atol=1e-12)
+
+
 def test_an_undefended_mixture_is_deployed_as_far_as_the_deploy_test_defends_the_step():
     """Arm 1 (x 0.6, y 0.5) keeps the guardrail y >= 0.5 (penalty 5) exactly; a share a moved to
     arm 0 (x 1, y 0) gains 0.4 a - 1.25 a^2, most at a = 0.16 (f 0.632 against 0.6). The gain is
