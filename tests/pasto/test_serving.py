@@ -633,6 +633,30 @@ def _complementary_arms_statistics(n):
     return objective, statistics
 
 
+def _undecided_round(objective, statistics, log_weights, t):
+    """What :func:`serving.choose` computed for a soft-guardrail run in round ``t`` (its generator
+    ``default_rng([t, 14])``): (plug-in (1, K), delta-method defended (1,), best-arm probabilities
+    (1, K), the safe posterior mixtures' average (1, K), the best known safe mixture (1, K))."""
+    posterior = serving.arm_posterior(statistics)
+    thresholds = objective.thresholds(posterior.means)
+    plug_in = np.exp(log_weights - log_weights.max())
+    plug_in /= plug_in.sum()
+    n_arms = plug_in.shape[-1]
+    # Serving reads the delta method's test (the deployed mixture the posterior probability).
+    _, values, defended, _ = serving._defensible(
+        objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
+        [serving.HardConstraints(np.zeros((0, n_arms)), np.zeros(0), np.zeros(0))], 0.95)
+    best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
+    best_arm = serving.best_arm_probabilities(
+        objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
+    z = 1.6448536269514722
+    safe, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
+                                           plug_in, posterior_rng, serving.ServingConfig().posterior_draws)
+    best_known, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
+                                                 plug_in, posterior_rng, 0)
+    return plug_in, defended, best_arm, safe, best_known
+
+
 def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would():
     """With 500 observations per arm the mixture of arms 0 and 1 cannot be defended against the
     best single arm (a gain of 0.1 against a standard error near 0.2), while arm 2 is likely the
@@ -650,21 +674,9 @@ def test_an_undecided_run_sends_half_its_traffic_the_way_a_best_arm_bandit_would
     others = deployed[0, [0, 1, 3]]
     np.testing.assert_allclose(others, others[0])
     assert 0.25 <= deployed[0, 2] < 1.0, deployed
-    posterior = serving.arm_posterior(statistics)
-    thresholds = objective.thresholds(posterior.means)
-    plug_in = np.exp(log_weights - log_weights.max())
-    plug_in /= plug_in.sum()
-    # Serving reads the delta method's test (the deployed mixture the posterior probability).
-    _, values, defended, _ = serving._defensible(
-        objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
-        [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.95)
+    _, defended, best_arm, safe, _ = _undecided_round(objective, statistics, log_weights, t)
     assert not defended[0]
-    best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
-    best_arm = serving.best_arm_probabilities(
-        objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
-    assert best_arm[0, 2] > 0.6, best_arm
-    safe, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, 1.6448536269514722,
-                                           plug_in, posterior_rng, config.posterior_draws)
+    assert 0.6 < best_arm[0, 2] < config.deploy_level, best_arm
     np.testing.assert_allclose(served, 0.5 * best_arm + 0.5 * safe, rtol=0, atol=1e-12)
 
     objective, statistics = _complementary_arms_statistics(5000)
@@ -690,23 +702,9 @@ def test_an_undecided_run_whose_best_single_arm_is_known_sends_that_half_to_the_
     config = serving.ServingConfig()
     served, _, log_weights = serving.choose(
         config, objective, statistics, t, np.zeros((1, 4)), 10.0, np.full((1, 4), 0.25), np.random.default_rng([t, 14]))
-    posterior = serving.arm_posterior(statistics)
-    thresholds = objective.thresholds(posterior.means)
-    plug_in = np.exp(log_weights - log_weights.max())
-    plug_in /= plug_in.sum()
-    _, values, defended, _ = serving._defensible(
-        objective, posterior.means, posterior.standard_errors, thresholds, plug_in,
-        [serving.HardConstraints(np.zeros((0, 4)), np.zeros(0), np.zeros(0))], 0.95)
+    plug_in, defended, best_arm, safe, best_known = _undecided_round(objective, statistics, log_weights, t)
     assert not defended[0] and plug_in[0, 0] + plug_in[0, 1] > 0.9, plug_in
-    best_arm_rng, posterior_rng = np.random.default_rng([t, 14]).spawn(2)
-    best_arm = serving.best_arm_probabilities(
-        objective, posterior.means, posterior.standard_errors, thresholds, best_arm_rng, allowed=np.isfinite(values))
     assert best_arm[0, 2] >= config.deploy_level, best_arm
-    z = 1.6448536269514722
-    safe, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
-                                           plug_in, posterior_rng, config.posterior_draws)
-    best_known, _ = serving._safe_posterior_mixture(objective, posterior.means, posterior.standard_errors, z,
-                                                 plug_in, posterior_rng, 0)
     assert best_known[0, 2] < 0.1, best_known
     np.testing.assert_allclose(served, 0.5 * best_known + 0.5 * safe, rtol=0, atol=1e-12)
 
