@@ -69,12 +69,12 @@ AFTER_ROUND = 20
 RESOLVABLE_Z = float(ndtri(ServingConfig().deploy_level))
 
 
-def resolvable_z(objective, means, noise_std, observations):
+def resolvable_z(objective, means, noise, observations):
     """Per run: gap / (standard error of the estimated gap with the run's observations split best).
 
     The gap is f(mu p*) - f(mu e_b), p* the optimum and b the best single arm under the true means;
     its estimate from arm means seen n_k times has variance sum_k a_k^2 / n_k with a_k^2 = sum_m
-    c_mk^2 sigma_m^2 (c the gap's gradient in arm k's mean of metric m, thresholds of relative
+    c_mk^2 sigma_mk^2 (c the gap's gradient in arm k's mean of metric m, thresholds of relative
     guardrails included), least, (sum_k a_k)^2 / N, when n_k is proportional to a_k (Neyman). An
     oracle that knew which arms matter could defend the mixture at the deploy level only where
     this is at least RESOLVABLE_Z. NaN for objectives with hard guardrails (their gap needs
@@ -82,9 +82,9 @@ def resolvable_z(objective, means, noise_std, observations):
     """
     if any(guardrail.hard for guardrail in objective.guardrails):
         return np.full(means.shape[0], np.nan)
-    sigma = np.broadcast_to(np.asarray(noise_std, dtype=float), (means.shape[1],))
     z = np.full(means.shape[0], np.nan)
     for run, mu in enumerate(means):
+        sigma = noise.standard_deviations(mu)  # (M, K): a conversion's spread follows its mean
         optimum = solve(objective, mu).probabilities
         single = np.zeros_like(optimum)
         single[int(best_single(objective, mu)[0])] = 1.0
@@ -102,7 +102,7 @@ def resolvable_z(objective, means, noise_std, observations):
             for arm in range(mu.shape[1]):
                 moved = mu.copy()
                 moved[metric, arm] += step
-                squares[arm] += ((gap(moved) - base) / step * sigma[metric]) ** 2
+                squares[arm] += ((gap(moved) - base) / step * sigma[metric, arm]) ** 2
         z[run] = base / (np.sqrt(squares).sum() / np.sqrt(observations))
     return z
 
@@ -118,7 +118,7 @@ def _run(job):
     best = references.best_mixture[-1]
     # Drift rows have two optima (their r is against the second, on stale and fresh data): left out.
     z = (resolvable_z(scenario.objective(), np.broadcast_to(means[0], (runs,) + means[0].shape[-2:]),
-                      scenario.noise.std, scenario.queries_per_round * rounds)
+                      scenario.noise, scenario.queries_per_round * rounds)
          if algorithm == "default" and len(means) == 1 else np.full(runs, np.nan))
     return label, algorithm, seed, {
         "resolvable_z": z,

@@ -41,8 +41,9 @@ Keys and their meaning:
     relative guardrail ``relative_to`` arm k is set against a middling production setting.
     Arm k is grid point k in row-major order of the levels.
 ``noise``
-    Additive noise on every observed metric value. ``std`` is a number, or a list with one std per
-    metric. ``kind`` is one of
+    How every observed metric value departs from its arm's mean. ``std`` is a number, or a list
+    with one std per metric. ``kind`` is one kind for every metric, or a list with one kind per
+    metric (revenue log-normal beside a conversion, say), each one of
 
     - ``gaussian``: N(0, std^2).
     - ``student_t``: Student t with ``df`` > 2 degrees of freedom, rescaled so that its standard
@@ -50,6 +51,9 @@ Keys and their meaning:
     - ``lognormal``: a centred log-normal, ``std * (exp(Z) - e^(1/2)) / sqrt(e (e - 1))`` with Z
       standard normal: additive (not multiplicative) noise with mean 0 and standard deviation
       ``std``, right-skewed like dwell times and revenue (skewness about 6.2).
+    - ``bernoulli``: the value itself is 1 with the arm's mean as probability, else 0: a conversion
+      or a click (rare events when the means are small). Its spread follows from the mean, so its
+      ``std`` entry must be 0, and its means must lie in [0, 1] (checked as observations are drawn).
 ``queries_per_round``
     Q: how many user groups are assigned an arm (drawn from p_t) in each round; each group yields
     one observation of every metric.
@@ -87,7 +91,7 @@ __all__ = [
     "scenario_from_dict",
 ]
 
-NOISE_KINDS = ("gaussian", "student_t", "lognormal")
+NOISE_KINDS = ("gaussian", "student_t", "lognormal", "bernoulli")
 
 _TOP_LEVEL_REQUIRED = ("name", "metrics", "objective", "arms", "noise", "rounds")
 _TOP_LEVEL_OPTIONAL = (
@@ -190,33 +194,80 @@ class MeansSpec:
 
 @dataclass(frozen=True)
 class Noise:
-    """Additive observation noise.
+    """How observations depart from their arm's mean.
 
     Attributes
     ----------
-    kind : str
-        One of ``NOISE_KINDS``.
+    kind : str or tuple of str
+        One of ``NOISE_KINDS`` for every metric, or one per metric (length M; a tuple whose entries
+        are all the same is stored as that one kind).
     std : tuple of float
-        Standard deviation per metric (length M).
+        Standard deviation per metric (length M; 0 for a ``bernoulli`` metric).
     df : float or None
         Degrees of freedom (``student_t`` only).
     """
 
-    kind: str
+    kind: str | tuple[str, ...]
     std: tuple[float, ...]
     df: float | None = None
 
+    def json_kind(self) -> str | list[str]:
+        """``kind`` as the scenario file writes it."""
+        return self.kind if isinstance(self.kind, str) else list(self.kind)
+
+    def kinds(self, n_metrics: int) -> tuple[str, ...]:
+        """The kind of each of the ``n_metrics`` metrics."""
+        return (self.kind,) * n_metrics if isinstance(self.kind, str) else self.kind
+
+    def standard_deviations(self, means: np.ndarray) -> np.ndarray:
+        """Each observation's standard deviation under ``means`` (..., M, K): ``std`` for an additive
+        metric, sqrt(mean (1 - mean)) for a ``bernoulli`` one; same shape."""
+        means = np.asarray(means, dtype=float)
+        spread = np.broadcast_to(np.asarray(self.std, dtype=float)[:, None], means.shape).copy()
+        for metric, kind in enumerate(self.kinds(means.shape[-2])):
+            if kind == "bernoulli":
+                rate = np.clip(means[..., metric, :], 0.0, 1.0)
+                spread[..., metric, :] = np.sqrt(rate * (1.0 - rate))
+        return spread
+
+    def observe(self, rng: np.random.Generator, expected: np.ndarray) -> np.ndarray:
+        """Observed values around ``expected``, whose last axis is the metric axis (length M).
+
+        One kind for every additive metric draws exactly what :meth:`sample` adds; with a list of
+        kinds each metric draws its own in metric order.
+        """
+        if isinstance(self.kind, str) and self.kind != "bernoulli":
+            return expected + self.sample(rng, expected.shape)
+        values = np.empty_like(expected, dtype=float)
+        for metric, kind in enumerate(self.kinds(expected.shape[-1])):
+            mean = expected[..., metric]
+            if kind == "bernoulli":
+                if mean.size and (np.min(mean) < 0.0 or np.max(mean) > 1.0):
+                    raise ValueError(
+                        f"Metric {metric} has noise.kind bernoulli, so its means are probabilities, but one "
+                        f"is {float(np.min(mean) if np.min(mean) < 0.0 else np.max(mean)):.6g}: they must lie in [0, 1].")
+                values[..., metric] = rng.random(mean.shape) < mean
+            else:
+                values[..., metric] = mean + _standard(rng, kind, self.df, mean.shape) * self.std[metric]
+        return values
+
     def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-        """Draw zero-mean noise of ``shape`` whose last axis is the metric axis (length M)."""
-        if self.kind == "gaussian":
-            standard = rng.standard_normal(shape)
-        elif self.kind == "student_t":
-            standard = rng.standard_t(self.df, shape) * math.sqrt((self.df - 2.0) / self.df)
-        else:
-            standard = (np.exp(rng.standard_normal(shape)) - math.exp(0.5)) / math.sqrt(
-                math.e * (math.e - 1.0)
-            )
-        return standard * np.asarray(self.std)
+        """Draw zero-mean additive noise of ``shape`` whose last axis is the metric axis (length M).
+
+        Raises ValueError for a ``bernoulli`` metric, whose values are not its mean plus noise
+        (:meth:`observe` draws those)."""
+        if not isinstance(self.kind, str) or self.kind == "bernoulli":
+            raise ValueError("Bernoulli metrics and per-metric kinds are drawn by Noise.observe, not as additive noise.")
+        return _standard(rng, self.kind, self.df, shape) * np.asarray(self.std)
+
+
+def _standard(rng: np.random.Generator, kind: str, df: float | None, shape: tuple[int, ...]) -> np.ndarray:
+    """Zero-mean, unit-variance draws of an additive noise ``kind``."""
+    if kind == "gaussian":
+        return rng.standard_normal(shape)
+    if kind == "student_t":
+        return rng.standard_t(df, shape) * math.sqrt((df - 2.0) / df)
+    return (np.exp(rng.standard_normal(shape)) - math.exp(0.5)) / math.sqrt(math.e * (math.e - 1.0))
 
 
 @dataclass(frozen=True)
@@ -304,7 +355,7 @@ class Scenario:
             arms = {"count": self.n_arms, "means": self.means.to_json()}
         std = self.noise.std
         noise: dict[str, Any] = {
-            "kind": self.noise.kind,
+            "kind": self.noise.json_kind(),
             "std": std[0] if len(set(std)) == 1 else list(std),
         }
         if self.noise.df is not None:
@@ -569,8 +620,18 @@ def _noise(value: Any, n_metrics: int) -> Noise:
         raise ValueError(f"noise must be an object, not {_describe(value)}.")
     _check_keys(value, "noise", ("kind", "std"), ("df",))
     kind = value["kind"]
-    if kind not in NOISE_KINDS:
-        raise ValueError(f"noise.kind must be one of {', '.join(NOISE_KINDS)}, not {_describe(kind)}.")
+    if isinstance(kind, list):
+        if len(kind) != n_metrics:
+            raise ValueError(f"noise.kind has {len(kind)} entries but metrics names {n_metrics} metrics.")
+        for i, entry in enumerate(kind):
+            if not isinstance(entry, str) or entry not in NOISE_KINDS:
+                raise ValueError(f"noise.kind[{i}] must be one of {', '.join(NOISE_KINDS)}, not {_describe(entry)}.")
+        kinds = tuple(kind)
+        kind = kinds[0] if len(set(kinds)) == 1 else kinds
+    elif not isinstance(kind, str) or kind not in NOISE_KINDS:
+        raise ValueError(f"noise.kind must be one of {', '.join(NOISE_KINDS)}, or a list of them, one per "
+                         f"metric, not {_describe(kind)}.")
+    kinds = (kind,) * n_metrics if isinstance(kind, str) else kind
     std_value = value["std"]
     if isinstance(std_value, list):
         if len(std_value) != n_metrics:
@@ -582,8 +643,13 @@ def _noise(value: Any, n_metrics: int) -> Noise:
         std = (_number(std_value, "noise.std"),) * n_metrics
     if min(std) < 0:
         raise ValueError(f"noise.std must be non-negative, not {std_value}.")
+    for i, (entry, spread) in enumerate(zip(kinds, std)):
+        if entry == "bernoulli" and spread != 0:
+            where = "noise.std" if not isinstance(std_value, list) else f"noise.std[{i}]"
+            raise ValueError(f"{where} must be 0 for a bernoulli metric (its spread follows from its mean), "
+                             f"not {spread:g}.")
     df = None
-    if kind == "student_t":
+    if "student_t" in kinds:
         if "df" not in value:
             raise ValueError("noise.df is required when noise.kind is student_t.")
         df = _number(value["df"], "noise.df")
@@ -592,7 +658,7 @@ def _noise(value: Any, n_metrics: int) -> Noise:
                 f"noise.df must be greater than 2 (finite variance), not {value['df']}."
             )
     elif "df" in value:
-        raise ValueError(f"noise.df only applies to noise.kind student_t, not {kind}.")
+        raise ValueError(f"noise.df only applies to noise.kind student_t, not {_describe(value['kind'])}.")
     return Noise(kind=kind, std=std, df=df)
 
 

@@ -172,7 +172,7 @@ def simulate_segmented(
             per_query = served[run_index, segments].reshape(runs * queries, n_arms)
             arms = sample_arms(rng, per_query, 1).reshape(runs, queries)
         expected = means[run_index, segments, :, arms]  # (R, Q, M)
-        values = expected + scenario.noise.sample(rng, expected.shape)
+        values = scenario.noise.observe(rng, expected)
         statistics = segment_statistics(segments, arms, values, n_segments, n_arms)
         pooled = pooled + statistics
         state = segmented_update(config, objective, state, statistics, pooled, shares,

@@ -267,7 +267,7 @@ def _observe(rng, scenario: Scenario, means: np.ndarray, arms: np.ndarray) -> np
         expected = np.moveaxis(means[:, arms], 0, -1)
     else:
         expected = np.swapaxes(np.take_along_axis(means, arms[:, None, :], axis=2), 1, 2)
-    return expected + scenario.noise.sample(rng, expected.shape)
+    return scenario.noise.observe(rng, expected)
 
 
 def _mixture_values(objective: Objective, means: np.ndarray, thresholds, probabilities) -> np.ndarray:
@@ -498,7 +498,7 @@ def simulate(
         "runs": runs,
         "rounds": rounds,
         "seed": scenario.seed,
-        "noise": {"kind": scenario.noise.kind, "std": list(scenario.noise.std)},
+        "noise": {"kind": scenario.noise.json_kind(), "std": list(scenario.noise.std)},
         "checkpoints": rows,
     }
     if hard.any():

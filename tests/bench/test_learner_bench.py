@@ -26,16 +26,16 @@ def test_resolvable_z_matches_setup_a_in_closed_form(bench):
     c = np.array([[p[0], p[1] - 1.0], 0.5 * p])
     sigma = scenario.noise.std[0]
     expected = 1.0125 / (sigma * np.sqrt((c**2).sum(axis=0)).sum() / np.sqrt(2000.0))
-    z = bench.resolvable_z(scenario.objective(), means, scenario.noise.std, 2000)
+    z = bench.resolvable_z(scenario.objective(), means, scenario.noise, 2000)
     assert z[0] == pytest.approx(expected, rel=1e-4)
     # A quarter of the observations resolve half as many standard errors.
-    assert bench.resolvable_z(scenario.objective(), means, scenario.noise.std, 500)[0] == pytest.approx(expected / 2, rel=1e-4)
+    assert bench.resolvable_z(scenario.objective(), means, scenario.noise, 500)[0] == pytest.approx(expected / 2, rel=1e-4)
 
 
 def test_resolvable_z_is_undefined_without_a_gap_or_with_hard_guardrails(bench):
     hard = load_scenario("setup-b-hard")
     means = np.random.default_rng(0).uniform(-1.0, 1.0, (2,) + (len(hard.metrics), 10))
-    assert np.isnan(bench.resolvable_z(hard.objective(), means, hard.noise.std, 1000)).all()
+    assert np.isnan(bench.resolvable_z(hard.objective(), means, hard.noise, 1000)).all()
     # Setup A with arm 0 holding the guardrail: it is best alone, so there is no gap.
     soft = load_scenario("setup-a")
-    assert np.isnan(bench.resolvable_z(soft.objective(), np.array([[[2.0, 0.0], [2.0, 2.0]]]), soft.noise.std, 2000)).all()
+    assert np.isnan(bench.resolvable_z(soft.objective(), np.array([[[2.0, 0.0], [2.0, 2.0]]]), soft.noise, 2000)).all()

@@ -99,6 +99,60 @@ def test_lognormal_noise_is_right_skewed():
     assert skewness > 3.0
 
 
+def test_one_additive_kind_observes_its_mean_plus_the_same_draws_as_its_noise():
+    # Every scenario written before per-metric kinds keeps its random stream, hence its figures.
+    noise = scenario_from_dict(minimal(noise={"kind": "lognormal", "std": [1.0, 0.5]})).noise
+    expected = np.random.default_rng(0).uniform(-2.0, 2.0, (50, 3, 2))
+    observed = noise.observe(np.random.default_rng(4), expected)
+    assert np.array_equal(observed, expected + noise.sample(np.random.default_rng(4), expected.shape))
+
+
+def test_a_list_of_one_kind_is_that_kind():
+    noise = scenario_from_dict(minimal(noise={"kind": ["student_t", "student_t"], "std": 1.0, "df": 4})).noise
+    assert noise.kind == "student_t"
+    assert scenario_from_dict(minimal(noise={"kind": ["gaussian", "gaussian"], "std": 1.0})).to_dict()["noise"] == \
+        {"kind": "gaussian", "std": 1.0}
+
+
+def test_a_bernoulli_metric_is_a_conversion_of_its_mean_beside_an_additive_one():
+    scenario = scenario_from_dict(minimal(
+        arms={"means": [[0.02, 0.5], [1.0, 3.0]]},
+        noise={"kind": ["bernoulli", "lognormal"], "std": [0.0, 2.0]},
+    ))
+    assert scenario.to_dict()["noise"] == {"kind": ["bernoulli", "lognormal"], "std": [0.0, 2.0]}
+    assert scenario_from_dict(scenario.to_dict()) == scenario
+    expected = np.broadcast_to(np.array([[0.02, 1.0], [0.5, 3.0]]), (200_000, 2, 2))
+    observed = scenario.noise.observe(np.random.default_rng(3), expected)
+    conversions = observed[..., 0]
+    assert set(np.unique(conversions)) == {0.0, 1.0}
+    for arm, rate in enumerate((0.02, 0.5)):
+        # Within 4 standard errors of a Bernoulli(rate) mean over 200,000 draws.
+        assert abs(conversions[:, arm].mean() - rate) < 4 * math.sqrt(rate * (1 - rate) / 200_000)
+    revenue = observed[..., 1] - expected[..., 1]
+    assert revenue.std() == pytest.approx(2.0, rel=0.05) and np.mean(revenue**3) > 0
+
+
+def test_bernoulli_means_outside_zero_one_are_refused_as_they_are_drawn():
+    noise = scenario_from_dict(minimal(noise={"kind": ["bernoulli", "gaussian"], "std": [0.0, 1.0]})).noise
+    with pytest.raises(ValueError, match="Metric 0 has noise.kind bernoulli.*one is 2: they must lie in \\[0, 1\\]"):
+        noise.observe(np.random.default_rng(0), np.array([[2.0, 0.0]]))
+    with pytest.raises(ValueError, match="drawn by Noise.observe"):
+        noise.sample(np.random.default_rng(0), (3, 2))
+
+
+def test_a_conversion_scenario_simulates_with_the_default():
+    from pasto.simulate import make_policy, simulate
+
+    scenario = scenario_from_dict(minimal(
+        arms={"means": [[0.03, 0.02, 0.025], [0.6, 0.9, 0.8]]},
+        objective={"primary": "x", "guardrails": [{"metric": "y", "threshold": -0.05, "relative_to": "1",
+                                                    "penalty": 5.0}]},
+        noise={"kind": ["bernoulli", "bernoulli"], "std": 0.0}, queries_per_round=200, rounds=20, runs=3,
+    ))
+    result = simulate(scenario, make_policy("default"))
+    assert np.isfinite(result.deployed_values).all() and np.isfinite(result.served_values).all()
+
+
 def test_uniform_means_are_drawn_per_run():
     scenario = load_scenario("setup-b")
     means = scenario.means.draw(np.random.default_rng(0), scenario.n_metrics, 4)
