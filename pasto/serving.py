@@ -26,7 +26,9 @@ p_t. This controller chooses each round's p_t from per-arm confidence bounds:
    says it could, and that traffic shrinks as the posterior concentrates. No fixed exploration
    floor. The draws' average is padded, just enough that every lower bound holds, with the
    mixture of largest worst relative slack on the lower bounds (the
-   baseline whenever it is trusted). While no mixture keeps the lower bounds (the first rounds; a
+   baseline whenever it is trusted); a bound that mixture holds with less slack than
+   ``HOLD_TOLERANCE`` of its scale (a baseline on its threshold) is relaxed by the difference, so
+   the other arms keep that much room to be learnt in. While no mixture keeps the lower bounds (the first rounds; a
    baseline its own data refute, or none), it is served as it is: exploring is the way to find out.
    Without hard guardrails (soft penalties only, or none): Thompson sampling over safe mixtures.
    The hedged plug-in optimum of E f(mu p) (solved to a certified gap by
@@ -1262,7 +1264,8 @@ def _meets(mixture: np.ndarray, constraints: HardConstraints) -> bool:
 
 
 def _pad(mixture: np.ndarray, constraints: HardConstraints, fixed: np.ndarray) -> np.ndarray:
-    """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,).
+    """(1 - a) mixture + a safe with the smallest a in [0, 1] meeting ``A p >= c``, (K,), a row the
+    safe mixture holds with less than ``HOLD_TOLERANCE`` of its scale relaxed by the difference.
 
     ``safe`` is the largest-slack mixture (:func:`largest_slack` with the shares ``fixed``),
     solved only when ``mixture`` misses a row. When even ``safe`` misses a row (nothing is known
@@ -1274,10 +1277,19 @@ def _pad(mixture: np.ndarray, constraints: HardConstraints, fixed: np.ndarray) -
     if _meets(mixture, constraints):
         return mixture
     safe = largest_slack(constraints, fixed)
-    have = constraints.matrix @ mixture - constraints.bounds
     margin = constraints.matrix @ safe - constraints.bounds
     if np.any(margin < 0):
         return mixture
+    # Room to learn in: a row the safest mixture holds with less slack than HOLD_TOLERANCE of its
+    # scale (a guardrail is judged held to that) is relaxed by the difference. Padded onto the bare
+    # bound, a baseline with no slack (its own relative guardrail's reference at threshold 0, or on
+    # an absolute threshold) took the whole round, no other arm was observed again, and their
+    # bounds never rose: the run served the baseline for ever. Rows with that much slack are as before.
+    room = np.maximum(HOLD_TOLERANCE * constraints.scale - margin, 0.0)
+    have = constraints.matrix @ mixture - constraints.bounds + room
+    if np.all(have >= 0):
+        return mixture
+    margin = margin + room
     short = have < 0
     share = np.max(-have[short] / (margin[short] - have[short]))
     share = min(1.0, share * (1.0 + 1e-9) + 1e-12)
