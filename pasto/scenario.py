@@ -53,7 +53,7 @@ Keys and their meaning:
       ``std``, right-skewed like dwell times and revenue (skewness about 6.2).
     - ``bernoulli``: the value itself is 1 with the arm's mean as probability, else 0: a conversion
       or a click (rare events when the means are small). Its spread follows from the mean, so its
-      ``std`` entry must be 0, and its means must lie in [0, 1] (checked as observations are drawn).
+      ``std`` entry must be 0, and its means must lie in [0, 1] (checked when the file is read).
 ``queries_per_round``
     Q: how many user groups are assigned an arm (drawn from p_t) in each round; each group yields
     one observation of every metric.
@@ -413,6 +413,9 @@ def scenario_from_dict(data: Any) -> Scenario:
     drift = None
     if "drift" in data:
         drift = _drift(data["drift"], len(metrics), means.n_arms)
+    _check_probabilities(means, "arms.means", noise, metrics)
+    if drift is not None:
+        _check_probabilities(drift.means, "drift.means", noise, metrics)
     delay = _integer(data.get("delay_rounds", 0), "delay_rounds", minimum=0)
     if delay >= rounds:
         raise ValueError(
@@ -613,6 +616,23 @@ def _knob_grid(value: Any, key: str, n_metrics: int) -> KnobGrid:
                              f"{math.prod(levels) - 1}), not {reference}.")
     return KnobGrid(levels=levels, base=lists["base"], effect=lists["effect"], tradeoff=tradeoff,
                     roughness=roughness, reference=reference)
+
+
+def _check_probabilities(means: MeansSpec, key: str, noise: Noise, metrics: tuple[str, ...]) -> None:
+    """A ``bernoulli`` metric's means are probabilities: every value ``means`` can take lies in [0, 1]."""
+    for metric, kind in enumerate(noise.kinds(len(metrics))):
+        if kind != "bernoulli":
+            continue
+        if means.fixed is not None:
+            low, high = min(means.fixed[metric]), max(means.fixed[metric])
+        elif means.grid is not None:  # base (1 + effect h) with |h| <= 1
+            base, effect = means.grid.base[metric], abs(means.grid.effect[metric])
+            low, high = min(base * (1 - effect), base * (1 + effect)), max(base * (1 - effect), base * (1 + effect))
+        else:
+            low, high = means.uniform
+        if low < 0.0 or high > 1.0:
+            raise ValueError(f"{key} of metric {metrics[metric]!r} can be {low if low < 0.0 else high:g}, but its "
+                             "noise.kind is bernoulli: its means are probabilities and must lie in [0, 1].")
 
 
 def _noise(value: Any, n_metrics: int) -> Noise:

@@ -62,6 +62,8 @@ CASES = [
     (document(noise={"kind": ["bernoulli", "gaussian"], "std": 1.0}), "noise.std must be 0 for a bernoulli metric"),
     (document(noise={"kind": ["gaussian", "bernoulli"], "std": [1.0, 0.2]}), "noise.std\\[1\\] must be 0 for a bernoulli"),
     (document(noise={"kind": ["bernoulli", "student_t"], "std": [0.0, 1.0]}), "noise.df is required"),
+    (document(noise={"kind": ["gaussian", "bernoulli"], "std": [1.0, 0.0]}),
+     "arms.means of metric 'y' can be -2, but its noise.kind is bernoulli"),
     (document(noise={"kind": "gaussian"}), "Missing required key noise.std"),
     (document(noise={"kind": "gaussian", "std": -1.0}), "noise.std must be non-negative"),
     (document(noise={"kind": "gaussian", "std": [1.0, 1.0, 1.0]}), "noise.std has 3 entries but metrics names 2"),

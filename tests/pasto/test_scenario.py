@@ -132,8 +132,21 @@ def test_a_bernoulli_metric_is_a_conversion_of_its_mean_beside_an_additive_one()
     assert revenue.std() == pytest.approx(2.0, rel=0.05) and np.mean(revenue**3) > 0
 
 
+def test_bernoulli_means_outside_zero_one_are_refused_where_the_file_gives_them():
+    bernoulli = {"kind": ["bernoulli", "gaussian"], "std": [0.0, 1.0]}
+    with pytest.raises(ValueError, match="arms.means of metric 'x' can be 2, but its noise.kind is bernoulli"):
+        scenario_from_dict(minimal(noise=bernoulli))
+    grid = {"count": 4, "means": {"knob_grid": {"levels": [2, 2], "base": [0.6, 1.0], "effect": [0.8, 0.1],
+                                                "tradeoff": 0.5}}}
+    with pytest.raises(ValueError, match="arms.means of metric 'x' can be 1.08"):
+        scenario_from_dict(minimal(arms=grid, noise=bernoulli))
+    with pytest.raises(ValueError, match="drift.means of metric 'x' can be -0.5"):
+        scenario_from_dict(minimal(arms={"means": [[0.1, 0.2], [0.0, 1.0]]}, noise=bernoulli,
+                                   drift={"at_round": 10, "means": {"uniform": [-0.5, 0.5]}}))
+
+
 def test_bernoulli_means_outside_zero_one_are_refused_as_they_are_drawn():
-    noise = scenario_from_dict(minimal(noise={"kind": ["bernoulli", "gaussian"], "std": [0.0, 1.0]})).noise
+    noise = Noise(("bernoulli", "gaussian"), (0.0, 1.0))
     with pytest.raises(ValueError, match="Metric 0 has noise.kind bernoulli.*one is 2: they must lie in \\[0, 1\\]"):
         noise.observe(np.random.default_rng(0), np.array([[2.0, 0.0]]))
     with pytest.raises(ValueError, match="drawn by Noise.observe"):
