@@ -626,8 +626,8 @@ def _check_probabilities(means: MeansSpec, key: str, noise: Noise, metrics: tupl
         if means.fixed is not None:
             low, high = min(means.fixed[metric]), max(means.fixed[metric])
         elif means.grid is not None:  # base (1 + effect h) with |h| <= 1
-            base, effect = means.grid.base[metric], abs(means.grid.effect[metric])
-            low, high = min(base * (1 - effect), base * (1 + effect)), max(base * (1 - effect), base * (1 + effect))
+            base, effect = means.grid.base[metric], means.grid.effect[metric]
+            low, high = sorted((base * (1 - effect), base * (1 + effect)))
         else:
             low, high = means.uniform
         if low < 0.0 or high > 1.0:
@@ -646,8 +646,7 @@ def _noise(value: Any, n_metrics: int) -> Noise:
         for i, entry in enumerate(kind):
             if not isinstance(entry, str) or entry not in NOISE_KINDS:
                 raise ValueError(f"noise.kind[{i}] must be one of {', '.join(NOISE_KINDS)}, not {_describe(entry)}.")
-        kinds = tuple(kind)
-        kind = kinds[0] if len(set(kinds)) == 1 else kinds
+        kind = kind[0] if len(set(kind)) == 1 else tuple(kind)
     elif not isinstance(kind, str) or kind not in NOISE_KINDS:
         raise ValueError(f"noise.kind must be one of {', '.join(NOISE_KINDS)}, or a list of them, one per "
                          f"metric, not {_describe(kind)}.")
